@@ -1,0 +1,96 @@
+"""The ``true_on_policy:`` config section: its schema, validation and transport to Ray workers.
+
+verl's own config dataclasses (``AlgoConfig``, ``PolicyLossConfig``) reject unknown keys, so the
+recipe's knobs live in one top-level section of the Hydra config. The launch hook validates it in
+the driver before Ray starts and exports it as one JSON environment variable through Ray's
+``runtime_env``; every worker process reads it back with :func:`current`. No verl import here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+ENV_VAR = "TRUE_ON_POLICY_SETTINGS"
+
+PLATFORMS = ("cpu", "ascend", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Every key of the ``true_on_policy:`` section, with its default."""
+
+    # One switch for the consistent (batch-invariant, order-fixed) kernels on both engines.
+    deterministic: bool = True
+    # Where the job runs; selects the determinism environment and, for "cpu", the CPU backend.
+    platform: str = "cpu"
+    # Sequence Trust Region: a trajectory is admitted iff its mean Bernoulli KL is <= delta.
+    delta: float = 3e-3
+    # Entropy filter on failed trajectories: keep this fraction of their policy tokens (1.0 = off).
+    negative_token_fraction: float = 1.0
+    # A trajectory counts as failed for the entropy filter iff its sequence reward is <= this.
+    failure_reward_threshold: float = 0.0
+    # FlashREINFORCE invariants (see verl_adapter.launch_checks) relaxed on purpose, by name.
+    relax_invariants: tuple[str, ...] = ()
+    # Launch even when the training and rollout sides are not pinned identically (contract check).
+    allow_contract_mismatch: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"true_on_policy.deterministic must be a bool, got {self.deterministic!r}")
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"true_on_policy.platform must be one of {PLATFORMS}, got {self.platform!r}")
+        if not isinstance(self.delta, (int, float)) or math.isnan(self.delta) or self.delta < 0:
+            raise ValueError(f"true_on_policy.delta must be a number >= 0 (inf disables the gate), got {self.delta!r}")
+        q = self.negative_token_fraction
+        if not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
+            raise ValueError(f"true_on_policy.negative_token_fraction must be in [0, 1], got {q!r}")
+        if not isinstance(self.failure_reward_threshold, (int, float)) or not math.isfinite(
+            self.failure_reward_threshold
+        ):
+            raise ValueError(
+                f"true_on_policy.failure_reward_threshold must be a finite number, got {self.failure_reward_threshold!r}"
+            )
+        if not isinstance(self.allow_contract_mismatch, bool):
+            raise ValueError(
+                f"true_on_policy.allow_contract_mismatch must be a bool, got {self.allow_contract_mismatch!r}"
+            )
+
+    @classmethod
+    def from_mapping(cls, section: Mapping[str, Any] | None) -> Settings:
+        """Build from the config section; an unknown key is an error that names it."""
+        section = dict(section or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) in true_on_policy section: {unknown}; known keys: {sorted(known)}")
+        if "relax_invariants" in section:
+            relax = section["relax_invariants"]
+            if isinstance(relax, str) or not all(isinstance(name, str) for name in (relax or ())):
+                raise ValueError(f"true_on_policy.relax_invariants must be a list of names, got {relax!r}")
+            section["relax_invariants"] = tuple(relax or ())
+        return cls(**section)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Settings:
+        return cls.from_mapping(json.loads(text))
+
+
+def current() -> Settings | None:
+    """The settings exported to this process, or None when no launch configured the recipe."""
+    text = os.environ.get(ENV_VAR)
+    return Settings.from_json(text) if text else None
+
+
+def export(settings: Settings, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Write the settings into ``env`` (default: this process's environment) and return it."""
+    env = os.environ if env is None else env
+    env[ENV_VAR] = settings.to_json()
+    return env
