@@ -1,0 +1,40 @@
+# Two newcomer commands: `make demo` (the main job on the embedded CPU default) and `make test`.
+# Both install what they need into .venv first (idempotent: a stamp file skips a finished install).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STEPS ?= 10
+CONFIG ?= cpu_tiny
+
+.PHONY: install demo test logdiff bench check clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned: a CPU wheel of exactly this version is on the machine.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m true_on_policy build-assets
+	$(PY) -m verl.trainer.main_ppo --config-path=$(CURDIR)/configs --config-name=$(CONFIG) \
+		trainer.total_training_steps=$(STEPS)
+
+test: install
+	$(PY) -m true_on_policy build-assets
+	$(PY) -m pytest -q tests
+
+logdiff: install
+	$(PY) -m true_on_policy logdiff --json
+
+bench: install
+	$(PY) benchmarks/bench_consistent_kernels.py
+
+check: install
+	$(PY) -m true_on_policy check --config-path configs --config-name qwen3_30b_a3b_ascend
+
+clean:
+	rm -rf $(VENV) outputs

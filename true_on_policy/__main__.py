@@ -1,0 +1,60 @@
+"""``python -m true_on_policy <command>``: the project's command line.
+
+  build-assets   build the tiny offline models, tokenizer and task data (idempotent)
+  check          the training/rollout consistency contract of a Hydra config (exit 0 / 2)
+  logdiff        measure training-vs-rollout log-prob differences (dense/MoE x fp32/bf16 x flag)
+  diagnose       find the first op where training and rollout diverge
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _build_assets(argv: list[str]) -> int:
+    import argparse
+
+    from true_on_policy import tiny_assets
+
+    parser = argparse.ArgumentParser(prog="python -m true_on_policy build-assets")
+    parser.add_argument("--root", default=None, help=f"default: ${tiny_assets.ASSETS_ENV} or ~/.cache/true_on_policy")
+    args = parser.parse_args(argv)
+    root = tiny_assets.ensure_assets(args.root)
+    print(f"assets ready under {root}")
+    return 0
+
+
+def _check(argv: list[str]) -> int:
+    from true_on_policy import check_cli
+
+    return check_cli.main(argv)
+
+
+def _logdiff(argv: list[str]) -> int:
+    from true_on_policy import logdiff
+
+    return logdiff.main(argv)
+
+
+def _diagnose(argv: list[str]) -> int:
+    from true_on_policy import diagnose_cli
+
+    return diagnose_cli.main(argv)
+
+
+COMMANDS = {"build-assets": _build_assets, "check": _check, "logdiff": _logdiff, "diagnose": _diagnose}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nunknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0 if argv else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The consistent kernels on verl's training side.
+
+The model half is :func:`true_on_policy.consistent_model.patch_transformers` (the same module code
+the CPU rollout engine runs). The other half is the log-prob itself: verl's FSDP engine turns
+logits into token log-probs with ``verl.utils.torch_functional.logprobs_from_logits``, bound by
+name in ``verl.workers.engine.fsdp.transformer_impl``; with the flag on it becomes the project's
+fp32 full-vocabulary log-softmax, the one the rollout engine samples from.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+def consistent_logprobs_from_logits(logits, labels, inplace_backward=True):
+    """verl's ``logprobs_from_logits`` signature on the consistent log-softmax."""
+    from true_on_policy import consistent_ops
+
+    return consistent_ops.token_log_probs(logits, labels)
+
+
+@functools.cache
+def activate() -> None:
+    from verl.workers.engine.fsdp import transformer_impl
+
+    from true_on_policy import consistent_model, consistent_ops
+
+    consistent_ops.enable()
+    consistent_model.patch_transformers()
+    transformer_impl.logprobs_from_logits = consistent_logprobs_from_logits

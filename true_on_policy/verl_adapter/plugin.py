@@ -1,0 +1,30 @@
+"""Entry point of group ``verl.plugins``: verl imports this module in every process that imports verl.
+
+Importing it registers (FlashREINFORCE's loss and advantage estimator, the ``cpu`` platform, the
+``cpu`` rollout backend) and wraps verl's launch hook, which is inert for configs without a
+``true_on_policy:`` section. Only settings exported by such a launch switch behaviour on in this
+process (:func:`true_on_policy.verl_adapter.launch.activate_from_environment`).
+
+verl swallows plugin import errors at debug level, so a failure here is reported loudly on stderr
+before it is re-raised.
+"""
+
+import logging
+import sys
+import traceback
+
+logger = logging.getLogger("true_on_policy")
+
+try:
+    from true_on_policy.verl_adapter import cpu_platform, cpu_rollout, flashreinforce_registration, launch
+
+    cpu_rollout.register()
+    launch.install_driver_hooks()
+    launch.activate_from_environment()
+except Exception:  # pragma: no cover - the message is the point
+    message = "true_on_policy: the verl plugin failed to load; FlashREINFORCE and the CPU backend are NOT registered.\n"
+    sys.stderr.write(message + traceback.format_exc())
+    logger.error(message)
+    raise
+
+__all__ = ["cpu_platform", "cpu_rollout", "flashreinforce_registration", "launch"]
