@@ -34,7 +34,7 @@ class Settings:
     negative_token_fraction: float = 1.0
     # A trajectory counts as failed for the entropy filter iff its sequence reward is <= this.
     failure_reward_threshold: float = 0.0
-    # FlashREINFORCE invariants (see verl_adapter.launch_checks) relaxed on purpose, by name.
+    # FlashREINFORCE invariants (true_on_policy.invariants) relaxed on purpose, by name.
     relax_invariants: tuple[str, ...] = ()
     # Launch even when the training and rollout sides are not pinned identically (contract check).
     allow_contract_mismatch: bool = False

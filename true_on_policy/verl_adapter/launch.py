@@ -7,7 +7,8 @@ The wrapper does nothing unless the config has a ``true_on_policy:`` section; th
 Ray process exists, it
 
 1. validates the section (:class:`true_on_policy.settings.Settings`),
-2. enforces the FlashREINFORCE invariants (:mod:`true_on_policy.invariants`),
+2. enforces the FlashREINFORCE invariants (:mod:`true_on_policy.invariants`) and the settings
+   the verl loss can honour,
 3. refuses a launch whose training and rollout sides are not pinned identically
    (:mod:`true_on_policy.contract`), unless ``true_on_policy.allow_contract_mismatch=true``,
 4. exports the settings and the platform's determinism environment into the driver's environment
@@ -49,11 +50,13 @@ def launch_environment(config) -> dict[str, str]:
     from omegaconf import OmegaConf
 
     from true_on_policy import contract, determinism_env, invariants
+    from true_on_policy.verl_adapter import flashreinforce_registration
 
     section = recipe_section(config)
     resolved = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
     recipe = Settings.from_mapping(resolved)
     invariants.enforce_invariants(config, relax=recipe.relax_invariants)
+    flashreinforce_registration.require_supported_settings(recipe)
     mismatches = contract.compare(contract.build_contract(config))
     if mismatches and not recipe.allow_contract_mismatch:
         lines = "\n".join(f"  - {mismatch}" for mismatch in mismatches)

@@ -1,0 +1,423 @@
+"""FlashREINFORCE inside verl 0.9.1: the entry point, the advantage estimator, and the policy loss as
+verl calls it (``verl.workers.utils.losses.ppo_loss``), split into micro-batches and data-parallel
+ranks, against one call of the pure reference loss on the whole batch.
+
+verl imports stay inside the tests: the data-parallel workers are spawned processes that import this
+module, and they should not pay for (or depend on) more of verl than they use.
+"""
+
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from true_on_policy import settings as settings_module
+from true_on_policy.flashreinforce import flashreinforce_loss
+
+F64 = torch.float64
+ROWS, PROMPT_LENGTH, RESPONSE_LENGTH, HIDDEN, VOCAB = 6, 2, 5, 4, 7
+RESPONSE_LENGTHS = torch.tensor([5, 3, 4, 1, 5, 2])
+DELTA = 0.01
+METRIC_NAMES = (
+    "actor/flashreinforce/acceptance_rate",
+    "actor/flashreinforce/sequence_kl_mean",
+    "actor/flashreinforce/retained_token_fraction",
+    "actor/flashreinforce/ratio_deviation_mean",
+)
+
+
+# --- a small real policy and one batch it sampled -----------------------------------------------------
+
+
+def make_batch():
+    """A linear softmax policy over VOCAB tokens, a batch of responses of varied length, behaviour
+    log-probs that drift from the current policy by a per-row amount (so the gate admits some rows
+    and rejects others), and one outcome reward per row placed on its last response token."""
+    generator = torch.Generator().manual_seed(1234)
+    features = torch.randn(ROWS, RESPONSE_LENGTH, HIDDEN, generator=generator, dtype=F64)
+    weight = torch.randn(HIDDEN, VOCAB, generator=generator, dtype=F64)
+    tokens = torch.randint(VOCAB, (ROWS, RESPONSE_LENGTH), generator=generator)
+    mask = torch.arange(RESPONSE_LENGTH) < RESPONSE_LENGTHS.unsqueeze(-1)
+    drift = torch.tensor([0.0, 0.02, 0.5, 0.05, 0.8, 0.01], dtype=F64).unsqueeze(-1)
+    with torch.no_grad():
+        current = current_log_probs(features, weight, tokens)
+        noise = drift * torch.randn(ROWS, RESPONSE_LENGTH, generator=generator, dtype=F64)
+        behaviour = torch.where(mask, (current + noise).clamp(max=-1e-6), torch.zeros((), dtype=F64))
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.25], dtype=F64)
+    token_level_rewards = torch.zeros(ROWS, RESPONSE_LENGTH, dtype=F64)
+    token_level_rewards[torch.arange(ROWS), RESPONSE_LENGTHS - 1] = rewards
+    return dict(
+        features=features,
+        weight=weight,
+        tokens=tokens,
+        mask=mask,
+        behaviour=behaviour,
+        rewards=rewards,
+        token_level_rewards=token_level_rewards,
+    )
+
+
+def current_log_probs(features, weight, tokens):
+    return torch.log_softmax(features @ weight, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def reference_gradient(batch):
+    """One call of the pure loss on the whole batch: the gradient every split must reproduce."""
+    weight = batch["weight"].clone().requires_grad_(True)
+    current = current_log_probs(batch["features"], weight, batch["tokens"])
+    loss, stats = flashreinforce_loss(current, batch["behaviour"], batch["rewards"], batch["mask"], delta=DELTA)
+    loss.backward()
+    return loss.detach(), weight.grad, stats
+
+
+def verl_advantages(batch):
+    from true_on_policy.verl_adapter import flashreinforce_registration  # noqa: F401  (registers)
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    advantages, _ = get_adv_estimator_fn("flashreinforce")(
+        token_level_rewards=batch["token_level_rewards"], response_mask=batch["mask"].long(), config=None
+    )
+    return advantages
+
+
+def actor_config():
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+
+    return FSDPActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_mini_batch_size=ROWS,
+        ppo_micro_batch_size_per_gpu=2,
+        loss_agg_mode="seq-mean-token-mean",
+        policy_loss=PolicyLossConfig(loss_mode="flashreinforce"),
+    )
+
+
+def relative_error(actual, expected):
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+@pytest.fixture
+def flashreinforce_settings(monkeypatch):
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(delta=DELTA).to_json())
+
+
+# --- (a) the entry point: started first, checked last ---------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def entry_point_probe(tmp_path_factory):
+    """A fresh interpreter with a clean environment that only imports verl and asks its registries.
+
+    It is started before this module's first test and checked by its last one, so its cold import of
+    verl (and of every verl plugin) overlaps the other tests instead of adding to them.
+    """
+    clean_env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("TRUE_ON_POLICY_", "VERL_USE_EXTERNAL_"))
+    }
+    code = (
+        "import verl\n"
+        "from verl.trainer.ppo.core_algos import get_policy_loss_fn, get_adv_estimator_fn\n"
+        "print(get_policy_loss_fn('flashreinforce').__module__)\n"
+        "print(get_adv_estimator_fn('flashreinforce').__module__)\n"
+    )
+    folder = tmp_path_factory.mktemp("entry_point")
+    with open(folder / "stdout", "w") as stdout, open(folder / "stderr", "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-c", code], env=clean_env, stdout=stdout, stderr=stderr, cwd="/")
+    yield process, folder
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+# --- (b) the advantage estimator -----------------------------------------------------------------------
+
+
+def test_advantage_estimator_is_reward_minus_batch_mean_times_mask():
+    batch = make_batch()
+    advantages = verl_advantages(batch)
+    mean = batch["rewards"].mean()
+    expected = (batch["rewards"] - mean).unsqueeze(-1) * batch["mask"].to(F64)
+    torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-15)
+
+
+def test_advantage_estimator_through_verls_compute_advantage():
+    import numpy as np
+    from verl import DataProto
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    from true_on_policy.verl_adapter import flashreinforce_registration  # noqa: F401
+
+    batch = make_batch()
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": batch["token_level_rewards"], "response_mask": batch["mask"].long()},
+        non_tensors={"uid": np.array([str(i) for i in range(ROWS)], dtype=object)},
+    )
+    data = compute_advantage(data, adv_estimator="flashreinforce", config=AlgoConfig(adv_estimator="flashreinforce"))
+    expected = (batch["rewards"] - batch["rewards"].mean()).unsqueeze(-1) * batch["mask"].to(F64)
+    torch.testing.assert_close(data.batch["advantages"], expected, rtol=0, atol=1e-15)
+    torch.testing.assert_close(data.batch["returns"], expected, rtol=0, atol=1e-15)
+
+
+def test_advantage_estimator_leaves_verls_padding_rows_out_of_the_mean():
+    batch = make_batch()
+    rewards = torch.cat([batch["token_level_rewards"], torch.zeros(2, RESPONSE_LENGTH, dtype=F64)])
+    mask = torch.cat([batch["mask"], torch.zeros(2, RESPONSE_LENGTH, dtype=torch.bool)])
+    advantages = verl_advantages(dict(batch, token_level_rewards=rewards, mask=mask))
+    expected = (batch["rewards"] - batch["rewards"].mean()).unsqueeze(-1) * batch["mask"].to(F64)
+    torch.testing.assert_close(advantages[:ROWS], expected, rtol=0, atol=1e-15)
+    assert advantages[ROWS:].eq(0).all()
+
+
+# --- (c) micro-batches and data-parallel ranks sum to the whole-batch loss ------------------------------
+
+
+def ppo_loss_inputs(batch, weight, advantages, rows, *, dp_size, global_batch_size):
+    """The model output and TensorDict verl's ``ppo_loss`` receives for the micro-batch ``rows``.
+
+    log-probs come in verl's no-padding layout: one flat tensor over prompt+response tokens of all
+    sequences, the log-prob of a token stored one position before it (the model's next-token output).
+    """
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    rows = torch.tensor(rows)
+    current = current_log_probs(batch["features"][rows], weight, batch["tokens"][rows])
+    lengths = RESPONSE_LENGTHS[rows].tolist()
+    pieces = []
+    for row, length in enumerate(lengths):
+        pieces += [torch.zeros(PROMPT_LENGTH - 1, dtype=F64), current[row, :length], torch.zeros(1, dtype=F64)]
+    mask = batch["mask"][rows]
+    data = TensorDict(
+        {
+            "prompts": torch.ones(len(rows), PROMPT_LENGTH, dtype=torch.long),
+            "responses": batch["tokens"][rows],
+            "attention_mask": torch.cat([torch.ones(len(rows), PROMPT_LENGTH, dtype=torch.long), mask.long()], dim=1),
+            "response_mask": mask.long(),
+            "old_log_probs": batch["behaviour"][rows],
+            "advantages": advantages[rows],
+        },
+        batch_size=[len(rows)],
+    )
+    tu.assign_non_tensor(
+        data, dp_size=dp_size, batch_num_tokens=int(batch["mask"].sum()), global_batch_size=global_batch_size
+    )
+    return {"log_probs": torch.cat(pieces)}, data
+
+
+def gradient_through_ppo_loss(batch, micro_batches):
+    from verl.workers.utils.losses import ppo_loss
+
+    config = actor_config()
+    advantages = verl_advantages(batch)
+    weight = batch["weight"].clone().requires_grad_(True)
+    metrics = []
+    for rows in micro_batches:
+        model_output, data = ppo_loss_inputs(batch, weight, advantages, rows, dp_size=1, global_batch_size=ROWS)
+        loss, micro_metrics = ppo_loss(config, model_output, data)
+        loss.backward()  # verl's engine: one backward per micro-batch, gradients accumulate
+        metrics.append(micro_metrics)
+    return weight.grad, metrics
+
+
+@pytest.mark.parametrize("micro_batches", [[[0, 1, 2, 3, 4, 5]], [[0, 1], [2, 3, 4], [5]], [[3], [0, 5], [1], [2, 4]]])
+def test_micro_batches_through_verls_ppo_loss_match_the_whole_batch(flashreinforce_settings, micro_batches):
+    batch = make_batch()
+    _, expected, stats = reference_gradient(batch)
+    assert 0 < int(stats["admitted"].sum()) < ROWS  # the gate decides something in this batch
+
+    actual, _ = gradient_through_ppo_loss(batch, micro_batches)
+    assert relative_error(actual, expected) <= 1e-6
+
+
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _data_parallel_worker(rank, world_size, port, settings_json, micro_batches_per_rank, result_path):
+    """One FSDP-like data-parallel rank: its own rows, verl's global_batch_info, gradient averaging."""
+    os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"  # load only what this worker needs
+    os.environ[settings_module.ENV_VAR] = settings_json
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from true_on_policy.verl_adapter import flashreinforce_registration  # noqa: F401
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        batch = make_batch()
+        advantages = verl_advantages(batch)
+        config = actor_config()
+        policy_loss = get_policy_loss_fn("flashreinforce")
+        weight = batch["weight"].clone().requires_grad_(True)
+        for rows in micro_batches_per_rank[rank]:
+            rows = torch.tensor(rows)
+            # exactly what verl's ppo_loss writes before calling the policy loss
+            config.global_batch_info["dp_size"] = world_size
+            config.global_batch_info["batch_num_tokens"] = int(batch["mask"].sum())
+            config.global_batch_info["global_batch_size"] = ROWS
+            config.global_batch_info["loss_scale_factor"] = config.loss_scale_factor
+            loss, _ = policy_loss(
+                old_log_prob=batch["behaviour"][rows],
+                log_prob=current_log_probs(batch["features"][rows], weight, batch["tokens"][rows]),
+                advantages=advantages[rows],
+                response_mask=batch["mask"][rows],
+                loss_agg_mode=config.loss_agg_mode,
+                config=config,
+                rollout_is_weights=None,
+            )
+            loss.backward()
+        # FSDP/DDP reduce: the mean of the ranks' gradients
+        dist.all_reduce(weight.grad, op=dist.ReduceOp.SUM)
+        weight.grad /= world_size
+        if rank == 0:
+            torch.save(weight.grad, result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_data_parallel_ranks_match_the_whole_batch(flashreinforce_settings, tmp_path):
+    import torch.multiprocessing as mp
+
+    batch = make_batch()
+    _, expected, _ = reference_gradient(batch)
+    micro_batches_per_rank = [[[0, 1], [2]], [[3], [4, 5]]]  # rank 0: rows 0-2, rank 1: rows 3-5
+    result_path = tmp_path / "gradient.pt"
+    mp.spawn(
+        _data_parallel_worker,
+        args=(2, _free_port(), os.environ[settings_module.ENV_VAR], micro_batches_per_rank, str(result_path)),
+        nprocs=2,
+        join=True,
+    )
+    actual = torch.load(result_path)
+    assert relative_error(actual, expected) <= 1e-6
+
+
+# --- (d) metrics, and what the verl loss refuses ----------------------------------------------------------
+
+
+def test_metrics_are_named_for_flashreinforce_and_match_the_reference(flashreinforce_settings):
+    from verl.utils.metric import Metric
+
+    batch = make_batch()
+    _, _, stats = reference_gradient(batch)
+    _, metrics = gradient_through_ppo_loss(batch, [list(range(ROWS))])
+    (micro_metrics,) = metrics
+    for name in METRIC_NAMES:
+        assert "flashreinforce" in name
+        assert isinstance(micro_metrics[name], Metric)
+    values = {name: micro_metrics[name].aggregate() for name in METRIC_NAMES}
+    assert values["actor/flashreinforce/acceptance_rate"] == pytest.approx(stats["acceptance_rate"].item())
+    assert values["actor/flashreinforce/sequence_kl_mean"] == pytest.approx(stats["sequence_kl"].mean().item())
+    retained = stats["retained_tokens"].sum() / stats["policy_tokens"].sum()
+    assert values["actor/flashreinforce/retained_token_fraction"] == pytest.approx(retained.item())
+    assert values["actor/flashreinforce/ratio_deviation_mean"] == pytest.approx(stats["ratio_deviation"].item())
+
+
+def call_policy_loss(batch, *, rows=None, global_batch_size=ROWS, **overrides):
+    """The registered loss called the way ppo_loss calls it, on ``rows`` of the batch."""
+    from true_on_policy.verl_adapter import flashreinforce_registration  # noqa: F401
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    rows = torch.arange(ROWS) if rows is None else torch.tensor(rows)
+    config = actor_config()
+    config.global_batch_info.update(
+        dp_size=1, batch_num_tokens=None, global_batch_size=global_batch_size, loss_scale_factor=None
+    )
+    arguments = dict(
+        old_log_prob=batch["behaviour"][rows],
+        log_prob=current_log_probs(batch["features"][rows], batch["weight"], batch["tokens"][rows]),
+        advantages=verl_advantages(batch)[rows],
+        response_mask=batch["mask"][rows],
+        loss_agg_mode="seq-mean-token-mean",
+        config=config,
+        rollout_is_weights=None,
+    )
+    arguments.update(overrides)
+    return get_policy_loss_fn("flashreinforce")(**arguments)
+
+
+def test_without_exported_settings_the_defaults_apply(monkeypatch):
+    monkeypatch.delenv(settings_module.ENV_VAR, raising=False)
+    batch = make_batch()
+    _, metrics = call_policy_loss(batch)
+    advantages = batch["rewards"] - batch["rewards"].mean()
+    current = current_log_probs(batch["features"], batch["weight"], batch["tokens"])
+    _, stats = flashreinforce_loss(current, batch["behaviour"], batch["rewards"], batch["mask"])  # delta 3e-3
+    assert stats["advantages"].tolist() == pytest.approx(advantages.tolist())
+    assert metrics["actor/flashreinforce/acceptance_rate"] == pytest.approx(stats["acceptance_rate"].item())
+
+
+def test_verls_padding_rows_contribute_nothing(flashreinforce_settings):
+    batch = make_batch()
+    padded = {key: value for key, value in batch.items()}
+    for key in ("features", "tokens", "behaviour", "token_level_rewards"):
+        padded[key] = torch.cat([batch[key], batch[key][:1]])
+    padded["mask"] = torch.cat([batch["mask"], torch.zeros(1, RESPONSE_LENGTH, dtype=torch.bool)])
+    padded["rewards"] = torch.cat([batch["rewards"], torch.zeros(1, dtype=F64)])
+
+    loss_without, _ = call_policy_loss(batch)
+    loss_with, _ = call_policy_loss(padded, rows=list(range(ROWS + 1)))
+    assert loss_with.item() == pytest.approx(loss_without.item(), rel=1e-12)
+
+    # a micro-batch of padding rows only: zero loss that still backpropagates
+    weight = batch["weight"].clone().requires_grad_(True)
+    only_padding, metrics = call_policy_loss(
+        padded,
+        rows=[ROWS],
+        log_prob=current_log_probs(padded["features"][ROWS:], weight, padded["tokens"][ROWS:]),
+    )
+    only_padding.backward()
+    assert only_padding.item() == 0.0 and weight.grad.eq(0).all()
+    assert set(metrics) == set(METRIC_NAMES)
+
+
+def test_entropy_filter_settings_are_refused_by_name(monkeypatch):
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(negative_token_fraction=0.5).to_json())
+    refusal = r"true_on_policy\.negative_token_fraction=0\.5.*neither token entropies nor rewards"
+    with pytest.raises(ValueError, match=refusal):
+        call_policy_loss(make_batch())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(loss_agg_mode="token-mean"), "loss_agg_mode='seq-mean-token-mean'"),
+        (dict(rollout_is_weights=torch.ones(ROWS, RESPONSE_LENGTH, dtype=F64)), "rollout_is=null"),
+        (dict(advantages=torch.rand(ROWS, RESPONSE_LENGTH, dtype=F64)), "varies within rows"),
+        (dict(config=None), "needs verl's actor config"),
+        (dict(global_batch_size=None), "global_batch_size"),
+    ],
+)
+def test_policy_loss_refuses_what_flashreinforce_cannot_honour(flashreinforce_settings, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        call_policy_loss(make_batch(), **overrides)
+
+
+def test_the_gate_uses_the_exported_delta(monkeypatch):
+    batch = make_batch()
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(delta=math.inf).to_json())
+    _, open_gate = call_policy_loss(batch)
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(delta=0.0).to_json())
+    _, closed_gate = call_policy_loss(batch)
+    assert open_gate["actor/flashreinforce/acceptance_rate"] == 1.0
+    # only row 0 has behaviour == current exactly (no drift), so only it passes delta = 0
+    assert closed_gate["actor/flashreinforce/acceptance_rate"] == pytest.approx(1 / ROWS)
+
+
+def test_plain_import_of_verl_registers_flashreinforce_through_the_entry_point(entry_point_probe):
+    process, folder = entry_point_probe
+    returncode = process.wait(timeout=180)
+    stdout, stderr = (folder / "stdout").read_text(), (folder / "stderr").read_text()
+    assert returncode == 0, stderr[-3000:]
+    assert stdout.split() == ["true_on_policy.verl_adapter.flashreinforce_registration"] * 2
