@@ -38,6 +38,14 @@ class Settings:
     relax_invariants: tuple[str, ...] = ()
     # Launch even when the training and rollout sides are not pinned identically (contract check).
     allow_contract_mismatch: bool = False
+    # Pins for what verl's config has no key for; both sides must resolve to them (true_on_policy.contract).
+    attention_backend: str | None = None  # attention family both sides run, e.g. "flash_attn"
+    row_parallel_reduction: str | None = None  # "none" | "all_reduce" | "reduce_scatter+all_gather"
+    moe_dispatcher: str | None = None  # "local" | "alltoall" | "allgather"
+    moe_combine: str | None = None  # MoE combine order, e.g. "expert_major"
+    moe_router_dtype: str | None = None  # e.g. "fp32"
+    # The stack the config is written for (package -> version); an installed package's version wins.
+    stack_versions: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.deterministic, bool):
@@ -55,6 +63,14 @@ class Settings:
             raise ValueError(
                 f"true_on_policy.failure_reward_threshold must be a finite number, got {self.failure_reward_threshold!r}"
             )
+        for name in ("attention_backend", "row_parallel_reduction", "moe_dispatcher", "moe_combine", "moe_router_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"true_on_policy.{name} must be a string or null, got {value!r}")
+        if not isinstance(self.stack_versions, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.stack_versions.items()
+        ):
+            raise ValueError(f"true_on_policy.stack_versions must map package names to version strings, got {self.stack_versions!r}")
         if not isinstance(self.allow_contract_mismatch, bool):
             raise ValueError(
                 f"true_on_policy.allow_contract_mismatch must be a bool, got {self.allow_contract_mismatch!r}"
@@ -73,10 +89,14 @@ class Settings:
             if isinstance(relax, str) or not all(isinstance(name, str) for name in (relax or ())):
                 raise ValueError(f"true_on_policy.relax_invariants must be a list of names, got {relax!r}")
             section["relax_invariants"] = tuple(relax or ())
+        if section.get("stack_versions") is not None:
+            section["stack_versions"] = {str(k): str(v) for k, v in dict(section["stack_versions"]).items()}
         return cls(**section)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        fields = dataclasses.asdict(self)
+        fields["stack_versions"] = dict(self.stack_versions)
+        return json.dumps(fields, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Settings:

@@ -1,36 +1,42 @@
-"""The launch hook: what runs in verl's driver before Ray starts, and in each worker at import.
+"""The launch hook: what runs in verl's driver before Ray starts, and in each process at import.
 
 ``python -m verl.trainer.main_ppo`` imports verl (which loads this plugin), then calls
 ``auto_set_device(config)`` first thing in ``main``, before ``ray.init``. ``main_ppo`` binds that
 name when it is imported, after the plugin loaded, so wrapping it here reaches the real launch.
 The wrapper does nothing unless the config has a ``true_on_policy:`` section; then, before any
-Ray process exists, it
+Ray process exists, :func:`prepare_launch`
 
 1. validates the section (:class:`true_on_policy.settings.Settings`),
 2. enforces the FlashREINFORCE invariants (:mod:`true_on_policy.invariants`) and the settings
    the verl loss can honour,
-3. refuses a launch whose training and rollout sides are not pinned identically
+3. pins the platform's determinism plan into the config (:mod:`true_on_policy.determinism_env`),
+4. refuses a launch whose training and rollout sides are not pinned identically
    (:mod:`true_on_policy.contract`), unless ``true_on_policy.allow_contract_mismatch=true``,
-4. exports the settings and the platform's determinism environment into the driver's environment
-   and into ``ray_kwargs.ray_init.runtime_env`` (which main_ppo merges into ``ray.init``), so every
-   worker sees them before it builds a model.
+5. exports the settings and the plan's worker environment into the driver's environment and into
+   ``ray_kwargs.ray_init.runtime_env.env_vars`` (which main_ppo merges into ``ray.init``), so
+   every Ray worker sees them before it builds a model.
 
-In a worker, :func:`activate_from_environment` (called by the plugin at import) switches on what
-the exported settings ask for: the CPU backend and the consistent kernels.
+In every process, :func:`activate_from_environment` (called by the plugin at import) switches on
+what the exported settings ask for: the plan's in-process calls, the behaviour-log-prob carrier,
+the CPU backend and the consistent kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 
 from true_on_policy import settings as settings_module
 from true_on_policy.settings import Settings
 
 logger = logging.getLogger("true_on_policy")
 
-# Environment exported to every Ray worker, beyond the settings themselves.
+# Environment exported to every Ray worker, beyond the settings and the determinism plan.
 CPU_PLATFORM_ENV = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cpu"}
+# The plan's in-process calls (e.g. torch.use_deterministic_algorithms on torch_npu), as JSON.
+IN_PROCESS_ENV = "TRUE_ON_POLICY_IN_PROCESS"
 
 
 def recipe_section(config):
@@ -41,13 +47,14 @@ def recipe_section(config):
         return None
 
 
-def launch_environment(config) -> dict[str, str]:
-    """Check a config that uses the recipe and return the environment its workers need.
+def prepare_launch(config) -> dict[str, str]:
+    """Check a config that uses the recipe, pin its determinism plan, export its environment.
 
-    Raises ValueError naming every problem found. Pure with respect to the process: nothing is
-    exported here (see :func:`prepare_launch`).
+    Raises ValueError naming every problem found. On success ``config`` carries the plan's values
+    (worker environment, rollout and training engine settings) and the returned environment is in
+    this process's ``os.environ`` too.
     """
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     from true_on_policy import contract, determinism_env, invariants
     from true_on_policy.verl_adapter import flashreinforce_registration
@@ -57,7 +64,21 @@ def launch_environment(config) -> dict[str, str]:
     recipe = Settings.from_mapping(resolved)
     invariants.enforce_invariants(config, relax=recipe.relax_invariants)
     flashreinforce_registration.require_supported_settings(recipe)
-    mismatches = contract.compare(contract.build_contract(config))
+
+    plan = determinism_env.plan_for_config(config)
+    env = settings_module.export(recipe, {})
+    env.update(plan.worker_env)
+    if plan.deterministic and plan.in_process:
+        env[IN_PROCESS_ENV] = json.dumps([[name, kwargs] for name, kwargs in plan.in_process])
+    if recipe.platform == "cpu":
+        env.update(CPU_PLATFORM_ENV)
+    updates = determinism_env.config_updates(plan)
+    updates.update({f"{determinism_env.ENV_PATH}.{key}": value for key, value in env.items()})
+    with open_dict(config):
+        for path, value in updates.items():
+            OmegaConf.update(config, path, value, force_add=True)
+
+    mismatches = contract.compare(contract.build_contract(config, plan=plan))
     if mismatches and not recipe.allow_contract_mismatch:
         lines = "\n".join(f"  - {mismatch}" for mismatch in mismatches)
         raise ValueError(
@@ -66,18 +87,6 @@ def launch_environment(config) -> dict[str, str]:
         )
     for mismatch in mismatches:
         logger.warning("true_on_policy: contract mismatch allowed by config: %s", mismatch)
-    env = settings_module.export(recipe, {})
-    env.update(determinism_env.worker_environment(recipe.deterministic, recipe.platform))
-    if recipe.platform == "cpu":
-        env.update(CPU_PLATFORM_ENV)
-    return env
-
-
-def prepare_launch(config) -> dict[str, str]:
-    """Check the config and export its worker environment into this (driver) process."""
-    import os
-
-    env = launch_environment(config)
     os.environ.update(env)
     return env
 
@@ -94,24 +103,12 @@ def install_driver_hooks() -> None:
     def auto_set_device(config):
         if recipe_section(config) is not None:
             env = prepare_launch(config)
-            _add_to_ray_runtime_env(config, env)
             if env.get("VERL_PLATFORM") == "cpu":
                 _select_cpu_platform()
         return original_auto_set_device(config)
 
     auto_set_device._true_on_policy = True
     verl_device.auto_set_device = auto_set_device
-
-
-def _add_to_ray_runtime_env(config, env: dict[str, str]) -> None:
-    """main_ppo merges ``ray_kwargs.ray_init.runtime_env`` over verl's defaults at ray.init."""
-    from omegaconf import open_dict
-
-    with open_dict(config):
-        runtime_env = config.ray_kwargs.ray_init.setdefault("runtime_env", {})
-        env_vars = runtime_env.setdefault("env_vars", {})
-        for key, value in env.items():
-            env_vars[key] = value
 
 
 def _select_cpu_platform() -> None:
@@ -130,8 +127,11 @@ def activate_from_environment() -> Settings | None:
     recipe = settings_module.current()
     if recipe is None:
         return None
+    from true_on_policy import determinism_env
     from true_on_policy.verl_adapter import behaviour_log_probs
 
+    if os.environ.get(IN_PROCESS_ENV):
+        determinism_env.run_in_process_calls(recipe.platform, json.loads(os.environ[IN_PROCESS_ENV]))
     behaviour_log_probs.install()
     if recipe.platform == "cpu":
         from true_on_policy.verl_adapter import cpu_platform

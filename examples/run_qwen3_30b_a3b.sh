@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Qwen3-30B-A3B FlashREINFORCE, true on-policy (bitwise training/rollout log-probs), on Ascend or CUDA.
+#
+#   PLATFORM=ascend NNODES=2 MODEL_PATH=/models/Qwen3-30B-A3B TRAIN_FILES=... VAL_FILES=... \
+#       examples/run_qwen3_30b_a3b.sh [--dry-run] [hydra overrides...]
+#
+# Environment (defaults in brackets):
+#   PLATFORM        ascend | cuda                                        [ascend]
+#   NNODES          nodes in the Ray cluster                             [ascend 1, cuda 2]
+#   NPUS_PER_NODE   accelerators per node (NPUs on Ascend, GPUs on CUDA) [ascend 16, cuda 8]
+#   MODEL_PATH      Hugging Face model directory or id                   [Qwen/Qwen3-30B-A3B]
+#   TRAIN_FILES / VAL_FILES  parquet files                               [~/data/dapo-math-17k.parquet / ~/data/aime-2024.parquet]
+#   TRAIN_BATCH_SIZE, MAX_PROMPT_LENGTH, MAX_RESPONSE_LENGTH, ACTOR_LR, PROJECT_NAME, EXPERIMENT_NAME
+#   PYTHON          interpreter                                          [python3]
+# The configs (configs/qwen3_30b_a3b_<platform>.yaml) read these with ${oc.env:...}.
+#
+# --dry-run prints the resolved config (YAML, with the determinism plan applied), the
+# training/rollout contract table and the exact launch command, and starts nothing; it runs on a
+# machine without accelerators. Without --dry-run the script execs that launch command; verl's
+# driver then runs the contract check again before Ray starts.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "${here}/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+PLATFORM="${PLATFORM:-ascend}"
+
+case "${PLATFORM}" in
+    ascend) export NNODES="${NNODES:-1}" NPUS_PER_NODE="${NPUS_PER_NODE:-16}" ;;
+    cuda) export NNODES="${NNODES:-2}" NPUS_PER_NODE="${NPUS_PER_NODE:-8}" ;;
+    *) echo "PLATFORM must be ascend or cuda, got '${PLATFORM}'" >&2; exit 64 ;;
+esac
+export MODEL_PATH="${MODEL_PATH:-Qwen/Qwen3-30B-A3B}"
+export TRAIN_FILES="${TRAIN_FILES:-${HOME}/data/dapo-math-17k.parquet}"
+export VAL_FILES="${VAL_FILES:-${HOME}/data/aime-2024.parquet}"
+
+dry_run=0
+overrides=()
+for arg in "$@"; do
+    case "${arg}" in
+        --dry-run) dry_run=1 ;;
+        *) overrides+=("${arg}") ;;
+    esac
+done
+
+config_path="${repo}/configs"
+config_name="qwen3_30b_a3b_${PLATFORM}"
+cd "${repo}"
+export PYTHONPATH="${repo}${PYTHONPATH:+:${PYTHONPATH}}"
+
+if [[ "${dry_run}" == 1 ]]; then
+    echo "# dry run: PLATFORM=${PLATFORM} NNODES=${NNODES} NPUS_PER_NODE=${NPUS_PER_NODE} MODEL_PATH=${MODEL_PATH}"
+    set +e
+    "${PYTHON}" -m true_on_policy.check_cli --config-path "${config_path}" --config-name "${config_name}" \
+        --python "${PYTHON}" --show-config --plan --show-command -- "${overrides[@]+"${overrides[@]}"}"
+    rc=$?
+    set -e
+    if [[ ${rc} == 2 ]]; then
+        echo "# the contract has mismatches (listed above); the launch would stop unless true_on_policy.allow_contract_mismatch=true" >&2
+    fi
+    exit "${rc}"
+fi
+
+command=()
+while IFS= read -r -d '' part; do
+    command+=("${part}")
+done < <("${PYTHON}" -m true_on_policy.check_cli --config-path "${config_path}" --config-name "${config_name}" \
+    --python "${PYTHON}" --command-args -- "${overrides[@]+"${overrides[@]}"}")
+if [[ ${#command[@]} == 0 ]]; then
+    echo "could not build the launch command (see the error above)" >&2
+    exit 1
+fi
+echo "+ ${command[*]}" >&2
+exec "${command[@]}"
