@@ -382,13 +382,6 @@ def test_verls_padding_rows_contribute_nothing(flashreinforce_settings):
     assert set(metrics) == set(METRIC_NAMES)
 
 
-def test_entropy_filter_settings_are_refused_by_name(monkeypatch):
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(negative_token_fraction=0.5).to_json())
-    refusal = r"true_on_policy\.negative_token_fraction=0\.5.*neither token entropies nor rewards"
-    with pytest.raises(ValueError, match=refusal):
-        call_policy_loss(make_batch())
-
-
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

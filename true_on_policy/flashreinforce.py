@@ -18,6 +18,9 @@ keeps the step size independent of how many rows the gate rejects.
 :func:`flashreinforce_loss` is the whole-batch reference. :func:`flashreinforce_loss_from_advantages`
 is the same math for a slice of a batch (precomputed advantages, the full batch's size as the
 denominator); the verl adapter calls it per micro-batch, so there is one implementation.
+:func:`entropy_filter` is the filter alone: its keep decisions depend only on each row's own
+entropies, failure flag and token count, so they can be computed where the entropies are (verl's
+trainer) and handed to the loss as ``kept_tokens``, with the same result as passing the entropies.
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ def flashreinforce_loss_from_advantages(
     negative_token_fraction: float = 1.0,
     entropies: torch.Tensor | None = None,
     failures: torch.Tensor | None = None,
+    kept_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """FlashREINFORCE loss of some rows of a batch, given their advantages.
 
@@ -137,6 +141,13 @@ def flashreinforce_loss_from_advantages(
     rows of the batch-wide advantages, gives exactly :func:`flashreinforce_loss` of the batch:
     every term depends only on its own row. Arguments are otherwise as in
     :func:`flashreinforce_loss`; ``advantages`` is [rows] and is used without gradient.
+
+    ``kept_tokens`` ([rows, T] bool, a subset of ``action_mask``) are the entropy filter's decisions
+    computed beforehand, as :func:`entropy_filter` returns them; they replace
+    ``negative_token_fraction``/``entropies``/``failures`` (passing both is an error). The
+    denominators stay the original ``batch_size`` and T_i = ``action_mask.sum(-1)`` either way, so
+    ``kept_tokens=entropy_filter(action_mask, entropies, failures, q)`` gives exactly the loss of
+    ``negative_token_fraction=q, entropies=entropies, failures=failures``.
     """
     rows, length = _check_log_prob_pair(log_probs, behavior_log_probs)
     device = log_probs.device
@@ -153,6 +164,13 @@ def flashreinforce_loss_from_advantages(
     _check_delta(delta)
     fraction = _check_fraction(negative_token_fraction)
     filter_requested = fraction < 1.0
+    if kept_tokens is not None:
+        if filter_requested or entropies is not None or failures is not None:
+            raise ValueError(
+                "pass the entropy filter either as kept_tokens (its precomputed decisions) or as "
+                "negative_token_fraction < 1 with entropies and failures, not both"
+            )
+        _check_kept_tokens(kept_tokens, action_mask)
     _check_filter_inputs(entropies, failures, rows, length, device, required=filter_requested)
 
     policy_tokens = action_mask.sum(dim=-1)
@@ -176,7 +194,9 @@ def flashreinforce_loss_from_advantages(
         admitted = sequence_kl <= delta  # inclusive; delta = inf admits every row
 
         kept = action_mask
-        if filter_requested:
+        if kept_tokens is not None:
+            kept = kept_tokens
+        elif filter_requested:
             kept = _entropy_filter(action_mask, entropies, failures, fraction, policy_tokens)
         active = kept & admitted.unsqueeze(-1)
 
@@ -219,6 +239,51 @@ def flashreinforce_loss_from_advantages(
 # --- the two mechanisms ---------------------------------------------------------------------------
 
 
+def entropy_filter(
+    action_mask: torch.Tensor,
+    entropies: torch.Tensor,
+    failures: torch.Tensor,
+    negative_token_fraction: float,
+) -> torch.Tensor:
+    """The entropy filter's keep decisions, [B, T] bool: every policy token of a successful row; in
+    a failed row the ceil(q * T_i) highest-entropy policy tokens, ties going to the earlier position
+    (q = ``negative_token_fraction``, T_i = the row's policy tokens). Never keeps a masked position.
+
+    Per row: a row's decisions depend on its own entropies, failure flag and T_i only, so any split
+    of a batch into rows gives the same decisions. A row without policy tokens (verl's synthetic
+    padding) keeps nothing. The result is what :func:`flashreinforce_loss_from_advantages` accepts
+    as ``kept_tokens``.
+
+    Args:
+        action_mask: [B, T] bool, True at policy tokens.
+        entropies: [B, T] float token entropies of the behaviour policy; finite at policy tokens.
+        failures: [B] bool, True for failed trajectories.
+        negative_token_fraction: q in [0, 1]; 1 keeps every policy token.
+    """
+    if not isinstance(action_mask, torch.Tensor) or action_mask.dim() != 2:
+        found = tuple(action_mask.shape) if isinstance(action_mask, torch.Tensor) else type(action_mask).__name__
+        raise ValueError(f"action_mask must be a 2-D [B, T] tensor, got {found}")
+    rows, length = action_mask.shape
+    _check_mask(action_mask, rows, length, action_mask.device)
+    fraction = _check_fraction(negative_token_fraction)
+    _check_filter_inputs(entropies, failures, rows, length, action_mask.device, required=True)
+    _check_policy_entropies(entropies, action_mask)
+    with torch.no_grad():
+        policy_tokens = action_mask.sum(dim=-1)
+        return _entropy_filter(action_mask, entropies.detach(), failures, fraction, policy_tokens)
+
+
+def kept_token_count(negative_token_fraction: float, policy_tokens: int) -> int:
+    """ceil(q * T) in exact arithmetic on the decimal the user wrote: the tokens a failed row keeps."""
+    return _ceil_fraction(_check_fraction(negative_token_fraction), int(policy_tokens))
+
+
+def _ceil_fraction(fraction: float, count: int) -> int:
+    # ceil on the decimal the user wrote, in exact arithmetic: the float product 0.28 * 25 is
+    # 7.000000000000001 and would keep one token too many.
+    return math.ceil(Fraction(repr(fraction)) * count)
+
+
 def _sequence_bernoulli_kl(
     behaviour: torch.Tensor, current: torch.Tensor, action_mask: torch.Tensor, policy_tokens: torch.Tensor
 ) -> torch.Tensor:
@@ -248,11 +313,8 @@ def _entropy_filter(
     order = torch.sort(ranking, dim=-1, descending=True, stable=True).indices
     positions = torch.arange(length, device=action_mask.device).expand(rows, length)
     rank = torch.empty_like(order).scatter_(1, order, positions)
-    # ceil on the decimal the user wrote, in exact arithmetic: the float product 0.28 * 25 is
-    # 7.000000000000001 and would keep one token too many.
-    exact_fraction = Fraction(repr(fraction))
     keep_counts = torch.tensor(
-        [math.ceil(exact_fraction * count) for count in policy_tokens.tolist()], device=action_mask.device
+        [_ceil_fraction(fraction, count) for count in policy_tokens.tolist()], device=action_mask.device
     )
     kept_in_failed_row = action_mask & (rank < keep_counts.unsqueeze(-1))
     return torch.where(failures.unsqueeze(-1), kept_in_failed_row, action_mask)
@@ -321,6 +383,21 @@ def _check_fraction(fraction: float) -> float:
     if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"negative_token_fraction must be a number in [0, 1], got {fraction!r}")
     return float(fraction)
+
+
+def _check_kept_tokens(kept_tokens: torch.Tensor, action_mask: torch.Tensor) -> None:
+    if not isinstance(kept_tokens, torch.Tensor) or kept_tokens.dtype != torch.bool:
+        found = getattr(kept_tokens, "dtype", type(kept_tokens).__name__)
+        raise ValueError(f"kept_tokens must be a bool tensor [B, T], got {found}")
+    if kept_tokens.shape != action_mask.shape:
+        raise ValueError(
+            f"shape mismatch: kept_tokens {tuple(kept_tokens.shape)} vs action_mask {tuple(action_mask.shape)}"
+        )
+    _check_device("kept_tokens", kept_tokens, action_mask.device)
+    outside = kept_tokens & ~action_mask
+    if bool(outside.any()):
+        where = torch.nonzero(outside)[:5].tolist()
+        raise ValueError(f"kept_tokens must be a subset of action_mask; kept masked [row, position]: {where}")
 
 
 def _check_filter_inputs(

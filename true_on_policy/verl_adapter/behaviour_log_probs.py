@@ -1,4 +1,6 @@
-"""FlashREINFORCE's behaviour log-probs in verl 0.9.1: the rollout engine's recorded ones.
+"""What FlashREINFORCE's loss needs from the behaviour policy, put where verl 0.9.1's loss can see it.
+
+1. Behaviour log-probs: the rollout engine's recorded ones.
 
 The gate and the importance ratio compare the current policy with the policy that SAMPLED each
 token, so the loss must see the log-probs the rollout engine recorded at sampling time, never a
@@ -16,12 +18,44 @@ carrier is ``old_log_probs`` itself. The options verl offers, and why this modul
 So the v1 trainer's ``_compute_old_log_prob`` runs as verl wrote it (the training engine
 recomputes the log-probs and logs ``training/rollout_probs_diff_*`` against the rollout's), then
 ``old_log_probs`` is overwritten with ``rollout_log_probs``, exactly the copy bypass mode makes.
-Installed only in a process whose launch configured the recipe.
+
+2. The entropy filter's keep decisions (only when ``true_on_policy.negative_token_fraction`` < 1).
+
+The filter needs the behaviour policy's token entropies and each trajectory's success, and verl's
+policy-loss call carries neither. Both are in the TransferQueue by the time the v1 trainer has run
+``_compute_advantage``: ``entropy`` (written by the recompute in ``_compute_old_log_prob``, which
+runs with ``calculate_entropy=True``; the rollout engines record no entropies, and under the
+consistent kernels the recompute's logits are the rollout's bit for bit) and ``rm_scores`` (the
+task reward on the last response token). After verl's ``_compute_advantage``, the last step that
+writes per-token fields before ``_update_actor``, :func:`write_entropy_filter_mask` computes
+
+    failed_i = sum_t rm_scores_it <= true_on_policy.failure_reward_threshold
+    keep = true_on_policy.flashreinforce.entropy_filter(response_mask, entropy, failed, q)
+
+and stores ``keep`` (float 0/1) as the field ``rollout_is_weights``. The actor worker fetches every
+field of its samples, and verl's ``ppo_loss`` forwards that field to the policy loss, which reads it
+as the filter mask (see :mod:`true_on_policy.verl_adapter.flashreinforce_registration`). The field
+is free because the gate replaces importance weighting; should verl have written real importance
+weights there anyway, the hook refuses rather than overwrite them.
+
+The filter's decisions are per row, so computing them on the whole batch in the driver and slicing
+them into micro-batches gives what the pure loss computes from the entropies. Both hooks are
+installed only in a process whose launch configured the recipe.
 """
 
 from __future__ import annotations
 
 import functools
+
+import torch
+
+from true_on_policy import settings as settings_module
+from true_on_policy.flashreinforce import entropy_filter
+from true_on_policy.verl_adapter.flashreinforce_registration import FILTER_MASK_FIELD, METRIC_PREFIX
+
+# Driver-side metric: the fraction of the step's trajectories the filter treats as failed.
+FAILED_FRACTION_METRIC = METRIC_PREFIX + "failed_fraction"
+FILTER_INPUT_FIELDS = ("response_mask", "entropy", "rm_scores")
 
 
 def use_rollout_log_probs_as_old(batch, tq) -> None:
@@ -36,12 +70,72 @@ def use_rollout_log_probs_as_old(batch, tq) -> None:
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=data)
 
 
-@functools.cache
-def install() -> None:
-    import transfer_queue as tq
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+def filter_keep_mask(
+    response_mask: torch.Tensor,
+    entropies: torch.Tensor,
+    token_scores: torch.Tensor,
+    negative_token_fraction: float,
+    failure_reward_threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keep, failed)`` for a padded batch: keep [B, T] bool from :func:`entropy_filter`, failed [B]
+    bool = (sum over the response of ``token_scores``) <= ``failure_reward_threshold``.
 
-    recompute_old_log_prob = PPOTrainer._compute_old_log_prob
+    Rows without response tokens (verl's synthetic padding) keep nothing.
+    """
+    mask = response_mask.bool()
+    with torch.no_grad():
+        sequence_rewards = torch.where(mask, token_scores, torch.zeros((), dtype=token_scores.dtype)).sum(dim=-1)
+        failed = sequence_rewards <= failure_reward_threshold
+        keep = entropy_filter(mask, entropies, failed, negative_token_fraction)
+    return keep, failed
+
+
+def write_entropy_filter_mask(batch, tq, negative_token_fraction: float, failure_reward_threshold: float, metrics=None):
+    """Compute the filter's keep decisions for ``batch`` and store them as ``rollout_is_weights``.
+
+    Returns the KVBatchMeta of the write (its ``fields`` include the new one), as verl's own steps do.
+    """
+    from tensordict import TensorDict
+    from verl.workers.utils.padding import response_to_nested
+
+    data = tq.kv_batch_get(
+        keys=batch.keys, partition_id=batch.partition_id, select_fields=[*FILTER_INPUT_FIELDS, FILTER_MASK_FIELD]
+    )
+    if FILTER_MASK_FIELD in data.keys():
+        raise ValueError(
+            f"the batch already holds '{FILTER_MASK_FIELD}' (verl's rollout importance weights), the field that "
+            "carries the entropy filter's mask to the FlashREINFORCE loss; refusing to overwrite them. "
+            "Set algorithm.rollout_correction.rollout_is=null: the trust-region gate replaces importance weighting."
+        )
+    missing = [field for field in FILTER_INPUT_FIELDS if field not in data.keys()]
+    if missing:
+        raise ValueError(
+            f"the entropy filter (true_on_policy.negative_token_fraction={negative_token_fraction}) needs the "
+            f"batch fields {list(FILTER_INPUT_FIELDS)}; missing: {missing} (entropy comes from verl's log-prob "
+            "recompute, which algorithm.rollout_correction.bypass_mode=true skips; rm_scores from the reward)"
+        )
+    response_mask = data["response_mask"]
+    padded = data.select(*FILTER_INPUT_FIELDS).to_padded_tensor()
+    keep, failed = filter_keep_mask(
+        padded["response_mask"],
+        padded["entropy"],
+        padded["rm_scores"],
+        negative_token_fraction,
+        failure_reward_threshold,
+    )
+    if metrics is not None:
+        trajectories = padded["response_mask"].bool().any(dim=-1)
+        if bool(trajectories.any()):
+            metrics[FAILED_FRACTION_METRIC] = failed[trajectories].float().mean().item()
+    carrier = keep.to(torch.float32)
+    fields = TensorDict({FILTER_MASK_FIELD: response_to_nested(carrier, response_mask)}, batch_size=len(batch.keys))
+    return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+
+
+def install_on(trainer_cls, tq) -> None:
+    """Wrap ``trainer_cls._compute_old_log_prob`` and ``_compute_advantage`` (verl's v1 PPOTrainer)."""
+    recompute_old_log_prob = trainer_cls._compute_old_log_prob
+    compute_advantage = trainer_cls._compute_advantage
 
     @functools.wraps(recompute_old_log_prob)
     def compute_old_log_prob(self, batch, metrics):
@@ -49,4 +143,23 @@ def install() -> None:
         use_rollout_log_probs_as_old(batch, tq)
         return batch
 
-    PPOTrainer._compute_old_log_prob = compute_old_log_prob
+    @functools.wraps(compute_advantage)
+    def compute_advantage_and_filter_mask(self, batch, metrics):
+        batch = compute_advantage(self, batch, metrics)
+        recipe = settings_module.current()
+        if recipe is not None and recipe.negative_token_fraction < 1.0:
+            batch = write_entropy_filter_mask(
+                batch, tq, recipe.negative_token_fraction, recipe.failure_reward_threshold, metrics
+            )
+        return batch
+
+    trainer_cls._compute_old_log_prob = compute_old_log_prob
+    trainer_cls._compute_advantage = compute_advantage_and_filter_mask
+
+
+@functools.cache
+def install() -> None:
+    import transfer_queue as tq
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    install_on(PPOTrainer, tq)

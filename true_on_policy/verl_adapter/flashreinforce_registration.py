@@ -8,6 +8,25 @@ Both delegate the math to :mod:`true_on_policy.flashreinforce`; this module only
 calling conventions. verl calls the policy loss once per micro-batch (workers/utils/losses.py
 ``ppo_loss``), with ``old_log_prob`` = the batch's ``old_log_probs``, which in this project are the
 rollout engine's recorded sampling log-probs: the behaviour log-probs of the gate and the ratio.
+
+The entropy filter (``true_on_policy.negative_token_fraction`` q < 1). verl 0.9.1's policy-loss call
+carries no entropies and no rewards; of the per-token fields ``ppo_loss`` forwards (old_log_probs,
+advantages, rollout_is_weights) only ``rollout_is_weights`` is free: the gate replaces importance
+weighting, so verl's rollout correction is refused anyway (invariant ``no_rollout_correction``).
+The trainer hook (:mod:`true_on_policy.verl_adapter.behaviour_log_probs`) therefore writes the
+filter's keep decisions, computed in the driver by :func:`true_on_policy.flashreinforce.entropy_filter`
+from the recompute's token entropies and the sequence rewards, into the batch's
+``rollout_is_weights`` field, and this loss reads that field as the FILTER MASK, never as weights:
+
+* q < 1: ``rollout_is_weights`` must be present, shaped like ``response_mask``, exactly 0 or 1,
+  0 outside the response, and keep T_i or ceil(q * T_i) tokens in each row (a successful or a
+  failed row); anything else is refused. Importance weights that are all exactly 1 (what they are
+  when training and rollout agree bitwise) would read as "no row failed", so real weights must
+  never reach this field: the launch refuses ``rollout_is`` (invariant ``no_rollout_correction``)
+  and the trainer hook refuses to write its mask over weights verl already wrote;
+* q = 1: ``rollout_is_weights`` must be absent; real importance weights are refused as before.
+
+The denominators stay the ORIGINAL B and T_i (``flashreinforce_loss_from_advantages(kept_tokens=)``).
 """
 
 from __future__ import annotations
@@ -18,11 +37,14 @@ import torch
 from verl.trainer.ppo.core_algos import register_adv_est, register_policy_loss
 
 from true_on_policy import settings as settings_module
-from true_on_policy.flashreinforce import flashreinforce_loss_from_advantages, sequence_advantages
+from true_on_policy.flashreinforce import flashreinforce_loss_from_advantages, kept_token_count, sequence_advantages
 
 NAME = "flashreinforce"
 SAMPLE_MEAN = "seq-mean-token-mean"
 METRIC_PREFIX = "actor/flashreinforce/"
+# The batch field that carries the entropy filter's keep decisions to the loss when q < 1
+# (verl's ppo_loss forwards it as the policy loss's ``rollout_is_weights`` argument).
+FILTER_MASK_FIELD = "rollout_is_weights"
 METRIC_NAMES = (
     METRIC_PREFIX + "acceptance_rate",
     METRIC_PREFIX + "sequence_kl_mean",
@@ -66,19 +88,13 @@ def compute_flashreinforce_advantage(
 
 
 def require_supported_settings(settings: settings_module.Settings) -> None:
-    """Refuse settings that verl's policy-loss signature cannot carry out.
+    """Refuse settings the verl loss cannot carry out; the launch hook calls this before Ray starts.
 
-    verl 0.9.1 hands the loss only old/current log-probs, advantages and the mask: no token entropies
-    and no rewards, so the entropy filter cannot run inside verl. Silently training without it would
-    misreport the algorithm, hence the error. The launch hook may call this before Ray starts.
+    Nothing is refused at present: the entropy filter (q < 1), the one setting verl's loss call could
+    not carry, reaches the loss as the mask the trainer hook writes (see the module docstring). The
+    function stays as the launch's one place for such refusals.
     """
-    if settings.negative_token_fraction < 1.0:
-        raise ValueError(
-            f"true_on_policy.negative_token_fraction={settings.negative_token_fraction} requests the entropy "
-            "filter, which cannot run inside verl 0.9.1: its policy-loss call carries neither token entropies "
-            "nor rewards. Set true_on_policy.negative_token_fraction=1.0 (the filter is available in the pure "
-            "true_on_policy.flashreinforce.flashreinforce_loss)."
-        )
+    del settings
 
 
 @register_policy_loss(NAME)
@@ -104,15 +120,15 @@ def compute_flashreinforce_policy_loss(
             f"loss_mode=flashreinforce needs actor_rollout_ref.actor.loss_agg_mode='{SAMPLE_MEAN}' "
             f"(mean over tokens within a trajectory, then over trajectories); got {loss_agg_mode!r}"
         )
-    if rollout_is_weights is not None:
+    if config is None or not hasattr(config, "global_batch_info"):
+        raise ValueError("loss_mode=flashreinforce needs verl's actor config (with global_batch_info) as `config`")
+    settings = settings_module.current() or settings_module.Settings()
+    fraction = settings.negative_token_fraction
+    if fraction >= 1.0 and rollout_is_weights is not None:
         raise ValueError(
             "loss_mode=flashreinforce received rollout importance weights; its trust-region gate replaces them. "
             "Set algorithm.rollout_correction.rollout_is=null."
         )
-    if config is None or not hasattr(config, "global_batch_info"):
-        raise ValueError("loss_mode=flashreinforce needs verl's actor config (with global_batch_info) as `config`")
-    settings = settings_module.current() or settings_module.Settings()
-    require_supported_settings(settings)
 
     global_batch_info = config.global_batch_info
     dp_size = global_batch_info.get("dp_size", 1) or 1
@@ -126,6 +142,7 @@ def compute_flashreinforce_policy_loss(
     mask = response_mask.bool()
     rows_with_response = mask.any(dim=-1)
     sequence_advantage = _sequence_advantage(advantages, mask)
+    kept_tokens = filter_mask(rollout_is_weights, mask, fraction) if fraction < 1.0 else None
 
     if not bool(rows_with_response.any()):
         # Only verl's synthetic padding rows: nothing to learn, but backward() still needs a graph.
@@ -135,6 +152,8 @@ def compute_flashreinforce_policy_loss(
     if not bool(rows_with_response.all()):
         log_prob, old_log_prob = log_prob[rows_with_response], old_log_prob[rows_with_response]
         sequence_advantage, mask = sequence_advantage[rows_with_response], mask[rows_with_response]
+        if kept_tokens is not None:
+            kept_tokens = kept_tokens[rows_with_response]
 
     loss, stats = flashreinforce_loss_from_advantages(
         log_prob,
@@ -143,8 +162,53 @@ def compute_flashreinforce_policy_loss(
         mask,
         batch_size=int(global_batch_size),
         delta=settings.delta,
+        kept_tokens=kept_tokens,
     )
     return loss * dp_size, _metrics(stats)
+
+
+def filter_mask(carrier: torch.Tensor | None, response_mask: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The entropy filter's keep decisions from their carrier (``rollout_is_weights``), validated.
+
+    ``response_mask`` is the micro-batch's bool [rows, T]; ``fraction`` is q < 1. Returns bool
+    [rows, T]. Refuses a missing carrier (the trainer hook did not run), a wrong shape, any value
+    other than exactly 0 or 1, a kept position outside the response, and a row that keeps neither
+    all its T_i tokens (a successful row) nor ceil(q * T_i) of them (a failed row).
+    """
+    if carrier is None:
+        raise ValueError(
+            f"true_on_policy.negative_token_fraction={fraction} needs the entropy filter's per-token keep mask, "
+            f"which the trainer hook writes into the batch field '{FILTER_MASK_FIELD}'; the loss received none. "
+            "Is the true_on_policy plugin active in the trainer process (launch with a true_on_policy: section)?"
+        )
+    if not isinstance(carrier, torch.Tensor) or tuple(carrier.shape) != tuple(response_mask.shape):
+        found = tuple(carrier.shape) if isinstance(carrier, torch.Tensor) else type(carrier).__name__
+        raise ValueError(
+            f"the entropy filter mask ('{FILTER_MASK_FIELD}') must have the response's shape "
+            f"{tuple(response_mask.shape)}, got {found}"
+        )
+    ones, zeros = carrier == 1, carrier == 0
+    if not bool((ones | zeros).all()):
+        bad = torch.nonzero(~(ones | zeros))[:5].tolist()
+        raise ValueError(
+            f"'{FILTER_MASK_FIELD}' must be the entropy filter's 0/1 keep mask when negative_token_fraction < 1, "
+            f"but holds other values (importance weights?) at [row, position] {bad}; "
+            "rollout importance weighting is not supported: set algorithm.rollout_correction.rollout_is=null"
+        )
+    kept = ones
+    outside = kept & ~response_mask
+    if bool(outside.any()):
+        bad = torch.nonzero(outside)[:5].tolist()
+        raise ValueError(f"the entropy filter mask keeps positions outside the response: [row, position] {bad}")
+    policy_tokens = response_mask.sum(dim=-1).tolist()
+    for row, (count, total) in enumerate(zip(kept.sum(dim=-1).tolist(), policy_tokens)):
+        if count not in (total, kept_token_count(fraction, total)):
+            raise ValueError(
+                f"the entropy filter mask keeps {count} of the {total} response tokens of row {row}; with "
+                f"negative_token_fraction={fraction} a row keeps all of them (success) or "
+                f"{kept_token_count(fraction, total)} (failure)"
+            )
+    return kept
 
 
 def _sequence_advantage(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
