@@ -87,6 +87,7 @@ VIOLATIONS = [
     ("no_kl", "algorithm.use_kl_in_reward", True),
     ("no_entropy_bonus", "actor_rollout_ref.actor.entropy_coeff", 0.01),
     ("behaviour_log_probs", "actor_rollout_ref.rollout.calculate_log_probs", False),
+    ("behaviour_log_probs", "trainer.use_v1", False),
     ("full_support_sampling", "actor_rollout_ref.rollout.top_p", 0.95),
     ("full_support_sampling", "actor_rollout_ref.rollout.top_k", 50),
     ("full_support_sampling", "actor_rollout_ref.rollout.do_sample", False),

@@ -113,6 +113,9 @@ INVARIANTS: dict[str, Callable[[Any], list[_Requirement]]] = {
             "true (the gate and the ratio need the log-probs the rollout engine sampled with)",
             _is_exactly(True),
         ),
+        # The hook that hands those log-probs to the loss wraps the v1 trainer only; the legacy
+        # trainer would feed the gate recomputed log-probs without a word.
+        _Requirement("trainer.use_v1", "true (verl's v1 trainer carries the behaviour log-probs)", _is_exactly(True)),
     ],
     "full_support_sampling": lambda config: [
         # Truncated sampling makes the recorded log-probs those of a different distribution than

@@ -13,7 +13,7 @@ The entropy filter (``true_on_policy.negative_token_fraction`` q < 1). verl 0.9.
 carries no entropies and no rewards; of the per-token fields ``ppo_loss`` forwards (old_log_probs,
 advantages, rollout_is_weights) only ``rollout_is_weights`` is free: the gate replaces importance
 weighting, so verl's rollout correction is refused anyway (invariant ``no_rollout_correction``).
-The trainer hook (:mod:`true_on_policy.verl_adapter.behaviour_log_probs`) therefore writes the
+The trainer hook (:mod:`true_on_policy.verl_adapter.trainer_hooks`) therefore writes the
 filter's keep decisions, computed in the driver by :func:`true_on_policy.flashreinforce.entropy_filter`
 from the recompute's token entropies and the sequence rewards, into the batch's
 ``rollout_is_weights`` field, and this loss reads that field as the FILTER MASK, never as weights:

@@ -128,11 +128,11 @@ def activate_from_environment() -> Settings | None:
     if recipe is None:
         return None
     from true_on_policy import determinism_env
-    from true_on_policy.verl_adapter import behaviour_log_probs
+    from true_on_policy.verl_adapter import trainer_hooks
 
     if os.environ.get(IN_PROCESS_ENV):
         determinism_env.run_in_process_calls(recipe.platform, json.loads(os.environ[IN_PROCESS_ENV]))
-    behaviour_log_probs.install()
+    trainer_hooks.install()
     if recipe.platform == "cpu":
         from true_on_policy.verl_adapter import cpu_platform
 

@@ -1,4 +1,4 @@
-"""What FlashREINFORCE's loss needs from the behaviour policy, put where verl 0.9.1's loss can see it.
+"""Hooks on verl 0.9.1's v1 trainer (``PPOTrainer``): what FlashREINFORCE and true on-policy need.
 
 1. Behaviour log-probs: the rollout engine's recorded ones.
 
@@ -39,8 +39,17 @@ is free because the gate replaces importance weighting; should verl have written
 weights there anyway, the hook refuses rather than overwrite them.
 
 The filter's decisions are per row, so computing them on the whole batch in the driver and slicing
-them into micro-batches gives what the pure loss computes from the entropies. Both hooks are
-installed only in a process whose launch configured the recipe.
+them into micro-batches gives what the pure loss computes from the entropies.
+
+3. A canonical batch order (only with ``true_on_policy.deterministic``).
+
+The learner receives trajectories in completion order, which varies from run to run. Every
+reduction over the batch (the gradient summed over rows and micro-batches, the step's metric means)
+then adds the same numbers in a different order. Before verl balances the batch, it is sorted by
+its token sequences, so the same trajectories always meet the optimizer in the same order: the
+batch dimension gets the fixed reduction order the kernels give every other dimension.
+
+All hooks are installed only in a process whose launch configured the recipe.
 """
 
 from __future__ import annotations
@@ -132,10 +141,25 @@ def write_entropy_filter_mask(batch, tq, negative_token_fraction: float, failure
     return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
 
 
+def canonical_order(batch, tq) -> list[int]:
+    """Indices that sort ``batch`` by token sequence (a stable sort: equal sequences keep their order)."""
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])
+    sequences = [tuple(row.tolist()) for row in data["input_ids"].unbind()]
+    return sorted(range(len(sequences)), key=sequences.__getitem__)
+
+
 def install_on(trainer_cls, tq) -> None:
-    """Wrap ``trainer_cls._compute_old_log_prob`` and ``_compute_advantage`` (verl's v1 PPOTrainer)."""
+    """Wrap ``_balance_batch``, ``_compute_old_log_prob`` and ``_compute_advantage`` of ``trainer_cls``."""
+    balance_batch = trainer_cls._balance_batch
     recompute_old_log_prob = trainer_cls._compute_old_log_prob
     compute_advantage = trainer_cls._compute_advantage
+
+    @functools.wraps(balance_batch)
+    def balance_canonical_batch(self, batch, *args, **kwargs):
+        recipe = settings_module.current()
+        if recipe is not None and recipe.deterministic:
+            batch.reorder(canonical_order(batch, tq))
+        return balance_batch(self, batch, *args, **kwargs)
 
     @functools.wraps(recompute_old_log_prob)
     def compute_old_log_prob(self, batch, metrics):
@@ -153,6 +177,7 @@ def install_on(trainer_cls, tq) -> None:
             )
         return batch
 
+    trainer_cls._balance_batch = balance_canonical_batch
     trainer_cls._compute_old_log_prob = compute_old_log_prob
     trainer_cls._compute_advantage = compute_advantage_and_filter_mask
 

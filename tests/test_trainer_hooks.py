@@ -1,4 +1,4 @@
-"""The trainer hooks of :mod:`true_on_policy.verl_adapter.behaviour_log_probs`, on an in-memory stand-in
+"""The trainer hooks of :mod:`true_on_policy.verl_adapter.trainer_hooks`, on an in-memory stand-in
 for the TransferQueue.
 
 A real TransferQueue needs Ray (its controller and storage units are Ray actors): about 15-20 s to start
@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from true_on_policy import settings as settings_module
 from true_on_policy.flashreinforce import entropy_filter
-from true_on_policy.verl_adapter import behaviour_log_probs, flashreinforce_registration
+from true_on_policy.verl_adapter import flashreinforce_registration, trainer_hooks
 
 
 def nested(rows):
@@ -93,7 +93,7 @@ def batch_meta(keys=KEYS):
 
 def test_old_log_probs_become_the_recorded_rollout_log_probs():
     tq = filled_queue()
-    behaviour_log_probs.use_rollout_log_probs_as_old(batch_meta(), tq)
+    trainer_hooks.use_rollout_log_probs_as_old(batch_meta(), tq)
     for key in KEYS:
         assert torch.equal(tq.row(key, "old_log_probs"), tq.row(key, "rollout_log_probs"))
 
@@ -102,7 +102,7 @@ def test_missing_rollout_log_probs_are_an_error_naming_the_setting():
     tq = FakeTransferQueue()
     tq.put_rows(["a"], "train", old_log_probs=[torch.zeros(2)])
     with pytest.raises(ValueError, match="calculate_log_probs=true"):
-        behaviour_log_probs.use_rollout_log_probs_as_old(batch_meta(["a"]), tq)
+        trainer_hooks.use_rollout_log_probs_as_old(batch_meta(["a"]), tq)
 
 
 # --- the entropy filter's mask ----------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def test_missing_rollout_log_probs_are_an_error_naming_the_setting():
 def test_the_mask_is_the_pure_filter_of_entropies_and_failures(threshold):
     tq = filled_queue()
     metrics = {}
-    meta = behaviour_log_probs.write_entropy_filter_mask(batch_meta(), tq, 0.5, threshold, metrics)
+    meta = trainer_hooks.write_entropy_filter_mask(batch_meta(), tq, 0.5, threshold, metrics)
     assert flashreinforce_registration.FILTER_MASK_FIELD in meta.fields
 
     failed = torch.tensor([reward <= threshold for reward in REWARDS])  # inclusive threshold
@@ -129,12 +129,12 @@ def test_the_mask_is_the_pure_filter_of_entropies_and_failures(threshold):
         assert torch.equal(stored, expected[row, : LENGTHS[row]].float())
     assert tq.row("pad_0_0", "rollout_is_weights").tolist() == [0.0]  # verl's padding sample keeps nothing
     trajectories = failed[:-1]
-    assert metrics[behaviour_log_probs.FAILED_FRACTION_METRIC] == pytest.approx(trajectories.float().mean().item())
+    assert metrics[trainer_hooks.FAILED_FRACTION_METRIC] == pytest.approx(trajectories.float().mean().item())
 
 
 def test_the_mask_for_a_concrete_batch():
     tq = filled_queue()
-    behaviour_log_probs.write_entropy_filter_mask(batch_meta(), tq, 0.5, 0.0)
+    trainer_hooks.write_entropy_filter_mask(batch_meta(), tq, 0.5, 0.0)
     # u0 failed (T=5): its ceil(2.5)=3 highest entropies, the tie at 0.9 in order, then 0.5
     assert tq.row("u0_0_0", "rollout_is_weights").tolist() == [0.0, 1.0, 0.0, 1.0, 1.0]
     assert tq.row("u1_0_0", "rollout_is_weights").tolist() == [1.0, 1.0, 1.0]  # succeeded
@@ -146,7 +146,7 @@ def test_the_hook_refuses_to_overwrite_importance_weights_verl_wrote():
     tq = filled_queue()
     tq.put_rows(KEYS, "train", rollout_is_weights=[torch.ones(n) for n in LENGTHS])
     with pytest.raises(ValueError, match="rollout_is=null"):
-        behaviour_log_probs.write_entropy_filter_mask(batch_meta(), tq, 0.5, 0.0)
+        trainer_hooks.write_entropy_filter_mask(batch_meta(), tq, 0.5, 0.0)
 
 
 @pytest.mark.parametrize("field", ["entropy", "rm_scores"])
@@ -154,19 +154,19 @@ def test_missing_filter_inputs_are_named(field):
     tq = filled_queue()
     del tq.samples[("train", KEYS[2])][field]
     with pytest.raises(ValueError, match=rf"missing: \['{field}'\]"):
-        behaviour_log_probs.write_entropy_filter_mask(batch_meta(), tq, 0.5, 0.0)
+        trainer_hooks.write_entropy_filter_mask(batch_meta(), tq, 0.5, 0.0)
 
 
 def test_non_finite_entropies_at_response_tokens_are_refused():
     tq = filled_queue()
     tq.samples[("train", KEYS[0])]["entropy"][2] = math.nan
     with pytest.raises(ValueError, match="entropies must be finite"):
-        behaviour_log_probs.write_entropy_filter_mask(batch_meta(), tq, 0.5, 0.0)
+        trainer_hooks.write_entropy_filter_mask(batch_meta(), tq, 0.5, 0.0)
 
 
 def test_the_field_names_agree_with_the_loss():
-    assert behaviour_log_probs.FILTER_MASK_FIELD == flashreinforce_registration.FILTER_MASK_FIELD
-    assert behaviour_log_probs.FAILED_FRACTION_METRIC.startswith(flashreinforce_registration.METRIC_PREFIX)
+    assert trainer_hooks.FILTER_MASK_FIELD == flashreinforce_registration.FILTER_MASK_FIELD
+    assert trainer_hooks.FAILED_FRACTION_METRIC.startswith(flashreinforce_registration.METRIC_PREFIX)
 
 
 # --- the installed trainer wrappers -------------------------------------------------------------------
@@ -191,7 +191,7 @@ class FakeTrainer:
 
 def installed_trainer(tq):
     cls = type("Trainer", (FakeTrainer,), {})
-    behaviour_log_probs.install_on(cls, tq)
+    trainer_hooks.install_on(cls, tq)
     return cls(tq)
 
 
@@ -218,6 +218,6 @@ def test_the_wrapped_steps(monkeypatch, settings, writes_mask):
     assert metrics["verl"] == 1.0
     stored = "rollout_is_weights" in tq.samples[("train", KEYS[0])]
     assert stored is writes_mask
-    assert (behaviour_log_probs.FAILED_FRACTION_METRIC in metrics) is writes_mask
+    assert (trainer_hooks.FAILED_FRACTION_METRIC in metrics) is writes_mask
     if writes_mask:
         assert "rollout_is_weights" in result.fields  # the actor update is handed the meta with the field
