@@ -1,0 +1,757 @@
+"""transformers' Qwen3 / Qwen3-MoE models on the consistent ops, for BOTH engines, same module code.
+
+Training side (verl's FSDP engine): :func:`patch_transformers` patches the model CLASSES --
+
+* ``Qwen3RMSNorm`` / ``Qwen3MoeRMSNorm`` -> :func:`consistent_ops.rms_norm`
+* ``Qwen3RotaryEmbedding`` / ``Qwen3MoeRotaryEmbedding`` -> rows of one fp32 :func:`rope_table`,
+  and the modules' ``apply_rotary_pos_emb`` -> :func:`consistent_ops.apply_rope` (fp32)
+* ``Qwen3MLP`` / ``Qwen3MoeMLP`` -> :func:`consistent_ops.silu` between the (consistent) linears
+* ``Qwen3MoeTopKRouter`` -> fp32 logits + :func:`moe_route`; ``Qwen3MoeExperts`` -> per-expert
+  consistent linears + :func:`moe_combine`
+* the ``nn.Linear`` children of every decoder layer become :class:`ConsistentLinear` and the
+  ``lm_head`` a :class:`ConsistentLMHead` (fp32 logits) -- subclasses of ``nn.Linear`` with the
+  same parameters, so state dicts, FSDP wrapping and forward hooks are unchanged. This happens in
+  the patched ``__init__`` of the decoder layers and causal LMs when :func:`patch_transformers`
+  ran before the model was built, else on the causal LM's first forward with the flag on (or by
+  :func:`convert_model`).
+* attention: an implementation named :data:`ATTN_IMPLEMENTATION` (``"true_on_policy"``) is
+  registered in transformers' ``AttentionInterface`` with a matching ``AttentionMaskInterface``
+  entry that hands the 2D padding mask through (HF builds no additive mask). Build the model with
+  ``attn_implementation="true_on_policy"``. It reads the packing/padding layout from
+  ``position_ids`` (a new sequence wherever a position is not its predecessor + 1, as HF does) and
+  the 2D mask, scatters every sequence's tokens to their absolute positions and runs
+  :func:`consistent_ops.attention`.
+
+Every patched forward consults the one flag (:func:`consistent_ops.enabled`): off, it runs
+transformers' original code (the attention then uses SDPA with a boolean mask). With the flag ON,
+anything not covered raises an error naming it: another attention implementation, sliding
+windows, attention dropout, 4D masks, HF ``Cache`` objects, unsupported rope types, an activation
+other than SiLU, linears that are not consistent (built before patching, LoRA wrappers), attention
+modules of other architectures.
+
+Rollout side: :func:`forward_packed` runs the SAME model (same modules, same hooks) as a ragged,
+continuous batch over per-request :class:`KVCache` objects; the cache travels to the attention
+function as a keyword argument that transformers forwards from ``model(...)`` to the attention
+interface. The same :func:`consistent_ops.attention` serves training rows and decode rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from true_on_policy import consistent_ops as ops
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "ROLLOUT_KWARG",
+    "attn_implementation",
+    "ConsistentLinear",
+    "ConsistentLMHead",
+    "KVCache",
+    "UnsupportedFeatureError",
+    "convert_model",
+    "forward_packed",
+    "is_patched",
+    "patch_transformers",
+    "unpatch_transformers",
+]
+
+ATTN_IMPLEMENTATION = "true_on_policy"
+ROLLOUT_KWARG = "true_on_policy_rollout"  # model(..., true_on_policy_rollout=<_RolloutBatch>)
+
+
+def attn_implementation() -> str:
+    """The ``attn_implementation`` to build models with: ``"true_on_policy"`` (see patch_transformers)."""
+    return ATTN_IMPLEMENTATION
+
+
+class UnsupportedFeatureError(NotImplementedError):
+    """A model feature the consistent path does not cover, met while the flag is on."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear modules
+# ----------------------------------------------------------------------------------------------
+
+
+class ConsistentLinear(nn.Linear):
+    """``nn.Linear`` whose forward is :func:`consistent_ops.linear` while the flag is on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ops.enabled():
+            return ops.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class ConsistentLMHead(ConsistentLinear):
+    """The LM head: consistent linear with fp32 logits while the flag is on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ops.enabled():
+            return ops.linear(x, self.weight, self.bias, out_dtype=torch.float32)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _swap_linears(module: nn.Module) -> None:
+    for child in module.modules():
+        if type(child) is nn.Linear:
+            child.__class__ = ConsistentLinear
+
+
+def _swap_lm_head(model: nn.Module) -> None:
+    head = getattr(model, "lm_head", None)
+    if type(head) in (nn.Linear, ConsistentLinear):
+        head.__class__ = ConsistentLMHead
+
+
+def _require_consistent_linears(module: nn.Module, names) -> None:
+    for name in names:
+        child = getattr(module, name)
+        if not isinstance(child, ConsistentLinear):
+            raise UnsupportedFeatureError(
+                f"true_on_policy: {type(module).__name__}.{name} is a {type(child).__name__}, not a "
+                "ConsistentLinear: wrapped linears (e.g. LoRA adapters) are not covered; a model built "
+                "before patch_transformers() is converted by its causal-LM forward or convert_model(model)"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Patched forwards (each falls back to transformers' original when the flag is off)
+# ----------------------------------------------------------------------------------------------
+
+_ORIGINALS: dict[tuple[object, str], object] = {}
+
+
+def _make_rms_norm_forward(cls):
+    original = cls.forward
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        if not ops.enabled():
+            return original(self, hidden_states)
+        return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    return forward
+
+
+def _check_attn_implementation(config) -> None:
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION:
+        raise UnsupportedFeatureError(
+            f"true_on_policy: attention implementation {impl!r} is not consistent; build the model with "
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" (after patch_transformers())'
+        )
+
+
+def _rope_rows(module, position_ids: torch.Tensor):
+    cached = module.__dict__.get("_true_on_policy_rope")
+    if cached is None or cached[0] != position_ids.device:
+        cos, sin = ops.rope_table(module.config, device=position_ids.device)
+        cached = (position_ids.device, cos, sin)
+        module.__dict__["_true_on_policy_rope"] = cached
+    _, cos, sin = cached
+    if position_ids.numel():
+        low, high = (int(x) for x in torch.aminmax(position_ids))
+        if low < 0 or high >= cos.shape[0]:
+            raise UnsupportedFeatureError(
+                f"true_on_policy: position {high if high >= cos.shape[0] else low} is outside the RoPE table "
+                f"[0, max_position_embeddings={cos.shape[0]})"
+            )
+    return cos[position_ids], sin[position_ids]
+
+
+def _make_rotary_forward(cls):
+    original = cls.forward
+
+    @functools.wraps(original)
+    def forward(self, x, position_ids):
+        if not ops.enabled():
+            return original(self, x, position_ids)
+        _check_attn_implementation(self.config)
+        return _rope_rows(self, position_ids)  # fp32; apply_rotary_pos_emb below keeps them fp32
+
+    return forward
+
+
+def _make_apply_rotary(original):
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if not ops.enabled():
+            return original(q, k, cos, sin, unsqueeze_dim)
+        d = unsqueeze_dim
+        if q.shape[:d] + q.shape[d + 1 :] == k.shape[:d] + k.shape[d + 1 :]:  # one call; elementwise: same bits
+            both = ops.apply_rope(torch.cat([q, k], dim=d), cos, sin, d)
+            return both.split([q.shape[unsqueeze_dim], k.shape[unsqueeze_dim]], dim=unsqueeze_dim)
+        return ops.apply_rope(q, cos, sin, unsqueeze_dim), ops.apply_rope(k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
+def _require_silu(module) -> None:
+    act = getattr(module.config, "hidden_act", None)
+    if act != "silu":
+        raise UnsupportedFeatureError(f"true_on_policy: activation {act!r} is not supported (only 'silu')")
+
+
+def _make_mlp_forward(cls):
+    original = cls.forward
+
+    @functools.wraps(original)
+    def forward(self, x):
+        if not ops.enabled():
+            return original(self, x)
+        _require_silu(self)
+        _require_consistent_linears(self, ("gate_proj", "up_proj", "down_proj"))
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    return forward
+
+
+def _make_router_forward(cls):
+    original = cls.forward
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        if not ops.enabled():
+            return original(self, hidden_states)
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = ops.linear(hidden_states, self.weight, out_dtype=torch.float32)
+        weights, experts = ops.moe_route(router_logits, self.top_k, self.norm_topk_prob)
+        return router_logits, weights, experts
+
+    return forward
+
+
+def _make_experts_forward(cls):
+    original = cls.forward
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if not ops.enabled():
+            return original(self, hidden_states, top_k_index, top_k_weights)
+        _require_silu(self)
+        layout = (("has_bias", False), ("is_transposed", False), ("has_gate", True), ("is_concatenated", True))
+        for flag, wanted in layout:
+            if getattr(self, flag, wanted) != wanted:
+                raise UnsupportedFeatureError(f"true_on_policy: experts with {flag}={not wanted} are not supported")
+        tokens, top_k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            x = hidden_states[pairs // top_k]
+            gate, up = ops.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            outputs.append(ops.linear(ops.silu(gate) * up, self.down_proj[expert]))
+        grouped = torch.cat(outputs) if outputs else hidden_states.new_zeros(0, hidden_states.shape[-1])
+        per_slot = grouped[torch.argsort(order)].view(tokens, top_k, -1)
+        return ops.moe_combine(per_slot, top_k_weights).to(hidden_states.dtype)
+
+    return forward
+
+
+def _make_init(original, convert):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        convert(self)
+
+    return __init__
+
+
+def _make_causal_lm_forward(original):
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        if ops.enabled() and not isinstance(getattr(self, "lm_head", None), ConsistentLMHead):
+            convert_model(self)  # a model built before patch_transformers(): same result as building after
+            if not isinstance(getattr(self, "lm_head", None), ConsistentLMHead):
+                raise UnsupportedFeatureError(
+                    f"true_on_policy: {type(self).__name__}.lm_head is a {type(self.lm_head).__name__}, "
+                    "not a plain nn.Linear that could become a ConsistentLMHead"
+                )
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention interface
+# ----------------------------------------------------------------------------------------------
+
+_ATTENTION_CLASSES: tuple[type, ...] = ()
+_UNSUPPORTED_ATTENTION_KWARGS = ("s_aux", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _mask_interface(
+    batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs
+):
+    """Hand HF's 2D boolean padding mask (or None) straight to the attention function."""
+    return attention_mask
+
+
+def _check_attention_call(module, attention_mask, dropout, sliding_window, kwargs) -> None:
+    if not isinstance(module, _ATTENTION_CLASSES):
+        raise UnsupportedFeatureError(
+            f"true_on_policy: attention module {type(module).__name__} is not covered "
+            f"(supported: {[c.__name__ for c in _ATTENTION_CLASSES]})"
+        )
+    _require_consistent_linears(module, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    if sliding_window is not None:
+        raise UnsupportedFeatureError(
+            f"true_on_policy: sliding window attention (window {sliding_window}) is not supported"
+        )
+    if dropout:
+        raise UnsupportedFeatureError(f"true_on_policy: attention dropout {dropout} is not supported")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise UnsupportedFeatureError("true_on_policy: only 2D padding masks are supported, got a 4D/custom mask")
+    for name in _UNSUPPORTED_ATTENTION_KWARGS:
+        if kwargs.get(name) is not None:
+            raise UnsupportedFeatureError(f"true_on_policy: attention argument {name!r} is not supported")
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedFeatureError("true_on_policy: attention logit softcapping is not supported")
+
+
+def _training_layout(position_ids, attention_mask, batch: int, length: int, device):
+    """Per token: (segment id, absolute position, valid) for a packed or padded training batch."""
+    if position_ids is None:
+        position_ids = torch.arange(length, device=device)[None]
+    pos = position_ids.to(device).long().expand(batch, length)
+    if attention_mask is None:
+        valid = torch.ones(batch, length, dtype=torch.bool, device=device)
+        starts = torch.ones(batch, length, dtype=torch.bool, device=device)
+        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        seg = (starts.reshape(-1).cumsum(0) - 1).view(batch, length)
+    else:
+        valid = attention_mask.to(device=device, dtype=torch.bool)
+        seg = torch.arange(batch, device=device)[:, None].expand(batch, length)
+        marked = torch.where(valid, pos, -1)
+        before = torch.cummax(marked, dim=1).values
+        before = torch.cat([before.new_full((batch, 1), -1), before[:, :-1]], dim=1)
+        if bool((valid & ((pos <= before) | (pos < 0))).any()):
+            raise UnsupportedFeatureError(
+                "true_on_policy: position_ids of the unmasked tokens must be non-negative and strictly "
+                "increasing in each row"
+            )
+    return seg, pos, valid
+
+
+class _GridLayout:
+    """Where each token of a training batch goes in the [sequence, absolute position] grid."""
+
+    def __init__(self, position_ids, attention_mask, batch, length, num_heads, num_kv_heads, device):
+        seg, pos, valid = _training_layout(position_ids, attention_mask, batch, length, device)
+        self.valid = valid
+        self.all_valid = bool(valid.all())
+        self.valid_index = None if self.all_valid else torch.nonzero(valid, as_tuple=True)
+        self.s_idx, self.p_idx = seg[valid], pos[valid]
+        self.n_seg = int(self.s_idx.max()) + 1 if self.s_idx.numel() else 0
+        span = int(self.p_idx.max()) + 1 if self.s_idx.numel() else 0
+        self.span = -(-span // ops.KV_BLOCK) * ops.KV_BLOCK  # whole KV blocks: no padding in the kernel
+        kv_valid = torch.zeros(self.n_seg, self.span, dtype=torch.bool, device=device)
+        kv_valid[self.s_idx, self.p_idx] = True
+        q_pos = torch.where(kv_valid, torch.arange(self.span, device=device), -1)
+        self.plan = ops.attention_plan(q_pos, kv_valid, num_heads, num_kv_heads) if self.n_seg else None
+
+    def to_grid(self, x):
+        """[B, H, T, D] tokens -> [S, H, span, D] grid (zeros where no token)."""
+        tokens = x.transpose(1, 2)
+        tokens = tokens.reshape(-1, *tokens.shape[2:]) if self.all_valid else tokens[self.valid_index]
+        grid = x.new_zeros(self.n_seg, self.span, x.shape[1], x.shape[3])
+        return grid.index_put((self.s_idx, self.p_idx), tokens).transpose(1, 2)
+
+    def from_grid(self, grid, batch, length):
+        """[S, H, span, D] grid -> [B, T, H, D] tokens (zeros for padding tokens)."""
+        tokens = grid.transpose(1, 2)[self.s_idx, self.p_idx]
+        if self.all_valid:
+            return tokens.view(batch, length, *tokens.shape[1:])
+        return grid.new_zeros(batch, length, *tokens.shape[1:]).index_put(self.valid_index, tokens)
+
+
+_LAYOUT_CACHE: list = []  # one entry: the layout of the last training batch, shared by its layers
+
+
+def _version(t):
+    if t is None:
+        return None
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors track no version: never cache their layout
+        return object()
+
+
+def _grid_layout(position_ids, attention_mask, batch, length, num_heads, num_kv_heads, device):
+    """The layout of a training batch, computed once and shared by all its layers.
+
+    Cached on the identity (and in-place version) of the ``position_ids`` / mask tensors that
+    transformers hands every layer of one forward.
+    """
+    key = (batch, length, num_heads, num_kv_heads, device, _version(position_ids), _version(attention_mask))
+    if position_ids is not None and _LAYOUT_CACHE:
+        ids, mask, cached_key, layout = _LAYOUT_CACHE[0]
+        if ids is position_ids and mask is attention_mask and cached_key == key:
+            return layout
+    layout = _GridLayout(position_ids, attention_mask, batch, length, num_heads, num_kv_heads, device)
+    if position_ids is not None:  # strong references: the identity check cannot be fooled by id reuse
+        _LAYOUT_CACHE[:] = [(position_ids, attention_mask, key, layout)]
+    return layout
+
+
+def _consistent_training_attention(query, key, value, position_ids, attention_mask, scaling):
+    batch, hq, length, dim = query.shape
+    layout = _grid_layout(position_ids, attention_mask, batch, length, hq, key.shape[1], query.device)
+    if layout.n_seg == 0:
+        return query.new_zeros(batch, length, hq, dim)
+    out = ops.attention(
+        layout.to_grid(query), layout.to_grid(key), layout.to_grid(value), None, None, scaling, plan=layout.plan
+    )
+    return layout.from_grid(out, batch, length)
+
+
+def _default_training_attention(query, key, value, seg, pos, valid, scaling, dropout):
+    """The flag-off path: SDPA with a boolean mask (HF's own semantics, default kernels)."""
+    length = query.shape[2]
+    index = torch.arange(length, device=query.device)
+    mask = (seg[:, :, None] == seg[:, None, :]) & valid[:, None, :] & (index[None, :] <= index[:, None])[None]
+    mask = mask | torch.eye(length, dtype=torch.bool, device=query.device)[None]  # padding rows: no NaN
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask[:, None], dropout_p=dropout, scale=scaling, enable_gqa=True
+    ).transpose(1, 2)
+    return torch.where(valid[:, :, None, None], out, 0.0)
+
+
+def _attention_interface(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
+):
+    """transformers attention function ``"true_on_policy"``: [B, H, T, D] in, ([B, T, H, D], None) out."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if ops.enabled():
+        _check_attention_call(module, attention_mask, dropout, sliding_window, kwargs)
+    rollout = kwargs.get(ROLLOUT_KWARG)
+    if rollout is not None:
+        return rollout.attend(module.layer_idx, query, key, value, scaling), None
+    batch, _, length, _ = query.shape
+    if key.shape[2] != length:
+        raise UnsupportedFeatureError(
+            "true_on_policy: HF Cache objects / past_key_values are not supported; use consistent_model.forward_packed"
+        )
+    position_ids = kwargs.get("position_ids")
+    if ops.enabled():
+        return _consistent_training_attention(query, key, value, position_ids, attention_mask, scaling), None
+    seg, pos, valid = _training_layout(position_ids, attention_mask, batch, length, query.device)
+    return _default_training_attention(query, key, value, seg, pos, valid, scaling, dropout), None
+
+
+# ----------------------------------------------------------------------------------------------
+# patch / unpatch
+# ----------------------------------------------------------------------------------------------
+
+
+def _families():
+    from transformers.models.qwen3 import modeling_qwen3 as q3
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as q3m
+
+    return [
+        dict(
+            module=q3,
+            norms=[q3.Qwen3RMSNorm],
+            rotary=q3.Qwen3RotaryEmbedding,
+            mlps=[q3.Qwen3MLP],
+            attention=q3.Qwen3Attention,
+            layers=[q3.Qwen3DecoderLayer],
+            lms=[q3.Qwen3ForCausalLM],
+        ),
+        dict(
+            module=q3m,
+            norms=[q3m.Qwen3MoeRMSNorm],
+            rotary=q3m.Qwen3MoeRotaryEmbedding,
+            mlps=[q3m.Qwen3MoeMLP],
+            attention=q3m.Qwen3MoeAttention,
+            layers=[q3m.Qwen3MoeDecoderLayer],
+            lms=[q3m.Qwen3MoeForCausalLM],
+            router=q3m.Qwen3MoeTopKRouter,
+            experts=q3m.Qwen3MoeExperts,
+        ),
+    ]
+
+
+def _set(owner, name, value) -> None:
+    _ORIGINALS.setdefault((owner, name), getattr(owner, name))
+    setattr(owner, name, value)
+
+
+def is_patched() -> bool:
+    return bool(_ORIGINALS)
+
+
+def patch_transformers() -> None:
+    """Patch transformers' Qwen3 / Qwen3-MoE classes and register the attention ``"true_on_policy"``.
+
+    Idempotent; class-level, so it covers every model built afterwards in this process (call it in
+    each worker process before the model is built). Behaviour changes only while the flag is on.
+    """
+    global _ATTENTION_CLASSES
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention_interface)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mask_interface)
+    if _ORIGINALS:
+        return
+    attention_classes = []
+    for fam in _families():
+        for cls in fam["norms"]:
+            _set(cls, "forward", _make_rms_norm_forward(cls))
+        _set(fam["rotary"], "forward", _make_rotary_forward(fam["rotary"]))
+        _set(fam["module"], "apply_rotary_pos_emb", _make_apply_rotary(fam["module"].apply_rotary_pos_emb))
+        for cls in fam["mlps"]:
+            _set(cls, "forward", _make_mlp_forward(cls))
+        for cls in fam["layers"]:
+            _set(cls, "__init__", _make_init(cls.__init__, _swap_linears))
+        for cls in fam["lms"]:
+            _set(cls, "__init__", _make_init(cls.__init__, _swap_lm_head))
+            _set(cls, "forward", _make_causal_lm_forward(cls.forward))
+        if "router" in fam:
+            _set(fam["router"], "forward", _make_router_forward(fam["router"]))
+            _set(fam["experts"], "forward", _make_experts_forward(fam["experts"]))
+        attention_classes.append(fam["attention"])
+    _ATTENTION_CLASSES = tuple(attention_classes)
+
+
+def unpatch_transformers() -> None:
+    """Undo :func:`patch_transformers` (classes restored, attention name unregistered).
+
+    Modules already converted keep their ConsistentLinear class; with the flag off it is F.linear.
+    """
+    global _ATTENTION_CLASSES
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for (owner, name), original in reversed(list(_ORIGINALS.items())):
+        setattr(owner, name, original)
+    _ORIGINALS.clear()
+    _ATTENTION_CLASSES = ()
+    AttentionInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
+    AttentionMaskInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
+
+
+def convert_model(model: nn.Module) -> nn.Module:
+    """Convert a model built before :func:`patch_transformers` in place (idempotent): the plain
+    ``nn.Linear`` of its Qwen3 / Qwen3-MoE decoder layers become :class:`ConsistentLinear`, the
+    causal LM's ``lm_head`` a :class:`ConsistentLMHead`. The causal LM's forward does this by
+    itself on its first call with the flag on."""
+    layer_classes = tuple(cls for fam in _families() for cls in fam["layers"])
+    lm_classes = tuple(cls for fam in _families() for cls in fam["lms"])
+    for module in model.modules():
+        if isinstance(module, layer_classes):
+            _swap_linears(module)
+        if isinstance(module, lm_classes):
+            _swap_lm_head(module)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout: per-request KV caches and the packed ragged forward
+# ----------------------------------------------------------------------------------------------
+
+
+class KVCache:
+    """One request's keys and values for all layers, stored by absolute position.
+
+    ``data`` is [capacity, num_layers, 2 (k, v), num_kv_heads, head_dim]: slot ``p`` holds the
+    token at absolute position ``p``, so the attention's KV blocks are aligned at absolute
+    positions. Capacity grows in whole :data:`consistent_ops.KV_BLOCK` blocks (at least doubling).
+    Filled by :func:`forward_packed`, and only after the model call succeeded.
+    """
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """[num_kv_heads, length, head_dim] (a view)."""
+        return self.data[: self._length, layer, 0].transpose(0, 1)
+
+    def values(self, layer: int) -> torch.Tensor:
+        """[num_kv_heads, length, head_dim] (a view)."""
+        return self.data[: self._length, layer, 1].transpose(0, 1)
+
+    def filled(self) -> torch.Tensor | None:
+        """[length, num_layers, 2, num_kv_heads, head_dim] (a view), None while empty."""
+        return None if self.data is None else self.data[: self._length]
+
+    def append(self, kv: torch.Tensor) -> None:
+        """Append ``kv`` [n, num_layers, 2, num_kv_heads, head_dim] at positions length .. length+n-1."""
+        n = kv.shape[0]
+        need = self._length + n
+        if self.data is not None and self.data.shape[1:] != kv.shape[1:]:
+            raise ValueError(f"KVCache: appending {tuple(kv.shape)} to a cache of {tuple(self.data.shape)}")
+        if self.data is None or self.data.shape[0] < need:
+            capacity = -(-need // ops.KV_BLOCK) * ops.KV_BLOCK
+            if self.data is not None:
+                capacity = max(capacity, 2 * self.data.shape[0])
+            grown = kv.new_zeros(capacity, *kv.shape[1:])
+            if self.data is not None and self._length:
+                grown[: self._length] = self.data[: self._length]
+            self.data = grown
+        self.data[self._length : need] = kv
+        self._length = need
+
+
+class _RolloutBatch:
+    """The layout of one :func:`forward_packed` call, carried to every attention call.
+
+    Holds the keys/values of all requests as a grid [S, span, num_layers, 2, Hkv, D] indexed by
+    absolute position (the caches' contents, then each layer writes its new tokens).
+    """
+
+    def __init__(self, positions, seq_lens, caches, config, dtype):
+        device = positions.device
+        S = len(seq_lens)
+        self.seq_lens = seq_lens
+        self.caches = caches
+        self.prefix = [c.length for c in caches]
+        self.total = [p + n for p, n in zip(self.prefix, seq_lens)]
+        lens = torch.tensor(seq_lens, device=device)
+        self.seg = torch.repeat_interleave(torch.arange(S, device=device), lens)
+        self.local = torch.arange(positions.numel(), device=device) - (torch.cumsum(lens, 0) - lens)[self.seg]
+        self.expected = torch.tensor(self.prefix, device=device)[self.seg] + self.local
+        self.pos = positions
+        self.span = -(-max(self.total) // ops.KV_BLOCK) * ops.KV_BLOCK  # whole KV blocks
+        self.q_len = max(seq_lens)
+        hkv = config.num_key_value_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        shape = (config.num_hidden_layers, 2, hkv, dim)
+        filled = []
+        for i, cache in enumerate(caches):
+            data = cache.filled()
+            if data is None:
+                filled.append(torch.zeros(0, *shape, dtype=dtype, device=device))
+            elif data.shape[1:] != shape or data.dtype != dtype:
+                raise ValueError(
+                    f"KVCache {i}: entries {tuple(data.shape[1:])} {data.dtype}, this model needs {shape} {dtype}"
+                )
+            else:
+                filled.append(data)
+        grid = torch.nn.utils.rnn.pad_sequence(filled, batch_first=True)  # [S, max prefix, L, 2, Hkv, D]
+        self.grid = F.pad(grid, (0, 0, 0, 0, 0, 0, 0, 0, 0, self.span - grid.shape[1]))
+        self.plan = None
+        self.default_mask = None
+        self.plan_flag = ops.enabled()
+        if self.plan_flag:
+            q_pos = torch.full((S, self.q_len), -1, dtype=torch.long, device=device)
+            q_pos[self.seg, self.local] = positions
+            kv_valid = torch.arange(self.span, device=device)[None] < torch.tensor(self.total, device=device)[:, None]
+            self.plan = ops.attention_plan(q_pos, kv_valid, self.num_heads, hkv)
+
+    def attend(self, layer, query, key, value, scaling):
+        grid = self.grid
+        grid[self.seg, self.pos, layer, 0] = key[0].transpose(0, 1).to(grid.dtype)
+        grid[self.seg, self.pos, layer, 1] = value[0].transpose(0, 1).to(grid.dtype)
+        k_grid = grid[:, :, layer, 0].transpose(1, 2)  # [S, Hkv, span, D]
+        v_grid = grid[:, :, layer, 1].transpose(1, 2)
+        n, hq, dim = query.shape[2], query.shape[1], query.shape[3]
+        if ops.enabled() != self.plan_flag:
+            raise RuntimeError("true_on_policy: the consistent flag was switched in the middle of a forward")
+        if self.plan is not None:
+            q_grid = query.new_zeros(len(self.seq_lens), self.q_len, hq, dim)
+            q_grid[self.seg, self.local] = query[0].transpose(0, 1)
+            out = ops.attention(q_grid.transpose(1, 2), k_grid, v_grid, None, None, scaling, plan=self.plan)
+            return out.transpose(1, 2)[self.seg, self.local][None]
+        # flag off: the default path -- ONE batched SDPA over the padded batch (like a serving
+        # engine's batched attention: its numerics depend on the batch's shapes)
+        S = len(self.seq_lens)
+        q_grid = query.new_zeros(S, self.q_len, hq, dim)
+        q_grid[self.seg, self.local] = query[0].transpose(0, 1)
+        if self.default_mask is None:
+            q_pos = torch.zeros(S, self.q_len, dtype=torch.long, device=query.device)  # padding rows see key 0
+            q_pos[self.seg, self.local] = self.pos
+            self.default_mask = torch.arange(self.span, device=query.device)[None, None] <= q_pos[:, :, None]
+        out = F.scaled_dot_product_attention(
+            q_grid.transpose(1, 2),
+            k_grid.to(query.dtype),
+            v_grid.to(query.dtype),
+            attn_mask=self.default_mask[:, None],
+            scale=scaling,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2)[self.seg, self.local][None]
+
+    def commit(self):
+        for i, cache in enumerate(self.caches):
+            cache.append(self.grid[i, self.prefix[i] : self.total[i]])
+
+
+@torch.no_grad()
+def forward_packed(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: list[int],
+    caches: list[KVCache] | None = None,
+    logits_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Ragged continuous-batching forward of several requests through the SAME HF model modules.
+
+    ``input_ids``/``positions`` [N]: the new tokens of all requests concatenated; segment i has
+    ``seq_lens[i]`` tokens at absolute positions ``caches[i].length ... + seq_lens[i] - 1``.
+    With caches, segment i's keys/values are appended to ``caches[i]`` (only if the call succeeds)
+    and its queries attend causally to everything in it; with the flag off the attention is one
+    batched SDPA over the padded batch (a serving engine's default). Without caches each segment
+    is an independent sequence at positions ``0 ... seq_lens[i] - 1`` and the call IS the training
+    forward: ``model(input_ids=[1, N], position_ids=[1, N])``, the packed layout of verl's FSDP
+    engine (use_remove_padding=True), so with the flag off it shows the trainer's numerics.
+    Returns logits [N or len(logits_rows), V] (fp32 when the flag is on). The model's attention
+    implementation is set to ``"true_on_policy"`` if it is not (it is what carries the caches).
+    """
+    if not is_patched():
+        raise RuntimeError("forward_packed: call consistent_model.patch_transformers() first")
+    input_ids = input_ids.reshape(-1)
+    positions = positions.reshape(-1).to(device=input_ids.device, dtype=torch.long)
+    seq_lens = [int(n) for n in seq_lens]
+    if positions.numel() != input_ids.numel() or sum(seq_lens) != input_ids.numel() or min(seq_lens, default=0) < 1:
+        raise ValueError(
+            f"forward_packed: {input_ids.numel()} tokens, {positions.numel()} positions and "
+            f"seq_lens {seq_lens} do not agree"
+        )
+    if caches is not None and len(caches) != len(seq_lens):
+        raise ValueError(f"forward_packed: {len(caches)} caches for {len(seq_lens)} segments")
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    inputs = dict(
+        input_ids=input_ids[None],
+        position_ids=positions[None],
+        attention_mask=None,
+        use_cache=False,
+        logits_to_keep=logits_rows if logits_rows is not None else 0,
+    )
+    if caches is None:
+        lens = torch.tensor(seq_lens, device=positions.device)
+        starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        if not torch.equal(positions, torch.arange(positions.numel(), device=positions.device) - starts):
+            raise ValueError("forward_packed: without caches, segment i's positions must be arange(seq_lens[i])")
+        return model(**inputs).logits[0]
+    dtype = model.get_input_embeddings().weight.dtype
+    batch = _RolloutBatch(positions, seq_lens, caches, config, dtype)
+    if not torch.equal(positions, batch.expected):
+        raise ValueError("forward_packed: segment i's positions must be cache_length_i + arange(seq_lens[i])")
+    out = model(**inputs, **{ROLLOUT_KWARG: batch})
+    batch.commit()
+    return out.logits[0]

@@ -1,0 +1,615 @@
+"""Consistent (batch-invariant, order-fixed) ops: one implementation per op, used by both engines.
+
+True on-policy needs the training engine and the rollout engine to produce *bitwise* identical token
+log-probs for the same weights and tokens. Floating-point addition is not associative, so every
+reduction must keep its order whatever the batch size, the batch composition, a row's position in
+the batch, the sequence position, the micro-batching and the thread count. The ops below guarantee
+that with plain PyTorch by construction, on four rules:
+
+1. Visible tokens are chosen by selection (``torch.where`` / ``-inf``), never by adding a large
+   negative number; padding, packing and garbage (NaN/inf) in masked slots never reach a row.
+2. Every reduction has a fixed order. Matrix products run as ONE ``torch.bmm`` over row tiles of a
+   fixed height (:data:`TILE_ROWS`) with the reduced dimension split into fixed chunks
+   (:data:`K_CHUNK`) whose fp32 partials are added left to right; last-dim sums are a fixed
+   pairwise tree of elementwise adds (:func:`fixed_sum`); attention reduces over KV blocks of a
+   fixed size (:data:`KV_BLOCK`) aligned at absolute positions.
+3. Attention is an online softmax with the same block size and rescale cadence for a whole sequence
+   (training, prefill) and for one query over a KV cache (decode).
+4. One precision policy: fp32 accumulation everywhere, fp32 softmax and full-vocabulary
+   log-softmax, fp32 RoPE from one table, fp32 MoE routing. Outputs are cast once at the end.
+
+Transcendentals are restricted to those measured position-invariant on CPU (fp32 ``exp``, ``log``,
+``sqrt``; correctly rounded ``+ - * /``); ``sigmoid``/``silu``/``rsqrt`` are rebuilt from them.
+Autocast is switched off inside these ops: the precision policy is the ops', not autocast's.
+Backward: :func:`linear` and :func:`attention` are autograd Functions whose forward is the
+consistent kernel and whose backward uses plain matmuls (gradients need not be batch-invariant);
+the other ops differentiate through their (elementwise) torch ops.
+
+The switch (:func:`enabled`, :func:`enable`, :func:`disable`, :func:`consistent`) is THE one flag:
+:mod:`true_on_policy.consistent_model` routes the model's modules through these ops iff it is on.
+The ops themselves always compute the consistent way. Pure torch; no verl, no transformers import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "TILE_ROWS",
+    "ATTN_TILE_ROWS",
+    "K_CHUNK",
+    "KV_BLOCK",
+    "enabled",
+    "enable",
+    "disable",
+    "set_enabled",
+    "consistent",
+    "fixed_sum",
+    "matmul_tiles",
+    "linear",
+    "rms_norm",
+    "silu",
+    "rope_table",
+    "apply_rope",
+    "attention",
+    "attention_plan",
+    "AttentionPlan",
+    "moe_route",
+    "moe_combine",
+    "log_softmax",
+    "token_log_probs",
+]
+
+TILE_ROWS = 64  # rows of one linear-layer tile: a row never sees how many rows its batch has
+ATTN_TILE_ROWS = 32  # query rows (heads x positions) of one attention tile
+K_CHUNK = 128  # the reduced dimension of every bmm is split into chunks of at most this size
+KV_BLOCK = 64  # attention's KV block, aligned at absolute positions [j*KV_BLOCK, (j+1)*KV_BLOCK)
+
+# ----------------------------------------------------------------------------------------------
+# The one switch
+# ----------------------------------------------------------------------------------------------
+
+_ENABLED = False
+
+
+def enabled() -> bool:
+    """Whether models patched by :mod:`consistent_model` run on these ops."""
+    return _ENABLED
+
+
+def set_enabled(value: bool) -> bool:
+    """Set the switch; return its previous value."""
+    global _ENABLED
+    previous, _ENABLED = _ENABLED, bool(value)
+    return previous
+
+
+def enable() -> None:
+    set_enabled(True)
+
+
+def disable() -> None:
+    set_enabled(False)
+
+
+@contextlib.contextmanager
+def consistent(value: bool = True) -> Iterator[None]:
+    """Context manager: the switch set to ``value`` inside, restored on exit."""
+    previous = set_enabled(value)
+    try:
+        yield
+    finally:
+        set_enabled(previous)
+
+
+def _no_autocast(device: torch.device):
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------
+# Reductions
+# ----------------------------------------------------------------------------------------------
+
+
+def fixed_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim, keepdim, as a fixed pairwise tree of elementwise adds.
+
+    Invariant: element ``i`` is paired with ``i + n/2`` (zero-padded to a power of two) at every
+    level, so a row's sum depends only on the row's values, never on the number of rows, the
+    row's position, the threads or the vector width (elementwise adds are correctly rounded).
+    """
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = F.pad(x, (0, width - n))
+    while x.shape[-1] > 1:
+        low, high = x.chunk(2, dim=-1)
+        x = low + high
+    return x
+
+
+def matmul_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a @ b`` for ``a`` [G, R, K], ``b`` [G, K, N]: one bmm per K chunk, partials added in order.
+
+    Invariant: entry (g, r, n) depends only on row ``a[g, r]`` and ``b[g]`` -- not on G, on r, on
+    the other rows, or on the thread count -- as long as R and N are fixed by the caller. Each
+    chunk's reduced dim is <= :data:`K_CHUNK` (measured: a bmm of K <= 128 keeps a row's result
+    for any batch count and 1 or 2 threads; an unsplit K = 1024 does not), and the chunk partials
+    are summed left to right with elementwise adds.
+    """
+    k = a.shape[-1]
+    if k <= K_CHUNK:
+        return torch.bmm(a, b)
+    out = None
+    for start in range(0, k, K_CHUNK):
+        part = torch.bmm(a[..., start : start + K_CHUNK], b[:, start : start + K_CHUNK])
+        out = part if out is None else out + part
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear
+# ----------------------------------------------------------------------------------------------
+
+
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> torch.Tensor:
+    k = x.shape[-1]
+    n = weight.shape[0]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    with _no_autocast(x.device):
+        if m == 0:
+            return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
+        tiles = -(-m // TILE_ROWS)
+        a = rows.to(torch.float32)
+        if tiles * TILE_ROWS != m:
+            a = F.pad(a, (0, 0, 0, tiles * TILE_ROWS - m))
+        a = a.view(tiles, TILE_ROWS, k)
+        w = weight.to(torch.float32)
+        if w.is_contiguous():  # W^T repeated for every tile without a copy
+            b = w.as_strided((tiles, k, n), (0, 1, k))
+        else:
+            b = w.t().unsqueeze(0).expand(tiles, k, n)
+        out = matmul_tiles(a, b).view(tiles * TILE_ROWS, n)[:m]
+        if bias is not None:
+            out = out + bias.to(torch.float32)
+        if out_dtype != torch.float32:
+            out = out.to(out_dtype)
+        return out.view(*x.shape[:-1], n)
+
+
+class _Linear(torch.autograd.Function):
+    """Forward: the tile kernel. Backward: plain matmuls (gradients need not be batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, out_dtype):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return _linear_forward(x, weight, bias, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        k, n = x.shape[-1], weight.shape[0]
+        g = grad.reshape(-1, n).to(torch.float32)
+        grad_x = grad_w = grad_b = None
+        with _no_autocast(grad.device):
+            if ctx.needs_input_grad[0]:
+                grad_x = (g @ weight.to(torch.float32)).to(x.dtype).view(x.shape)
+            if ctx.needs_input_grad[1]:
+                grad_w = (g.t() @ x.reshape(-1, k).to(torch.float32)).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = g.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with a per-row result independent of the batch.
+
+    Invariant: rows are padded to tiles of :data:`TILE_ROWS` and multiplied in fp32 by
+    :func:`matmul_tiles` (reduced dim split in :data:`K_CHUNK` chunks, partials added in order),
+    the bias is added in fp32, and the output is cast once to ``out_dtype`` (default: ``x``'s
+    dtype). So a row's output is the same bits for any number of rows (1 = decode, thousands =
+    training), any position in the batch and 1 or 2 threads.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if needs_grad and torch.is_grad_enabled():
+        return _Linear.apply(x, weight, bias, out_dtype)
+    return _linear_forward(x, weight, bias, out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Elementwise-ish ops
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype)``, fp32 inside.
+
+    Invariant: the sum of squares is :func:`fixed_sum` (fixed tree) and HF's ``x * rsqrt(v)``
+    is ``x / sqrt(v)`` (sqrt and div are correctly rounded; torch's rsqrt kernel is not
+    position-invariant in bf16). The casts are exactly HF's: fp32 inside, back to the input dtype
+    before the weight multiply (whose dtype promotion is HF's too).
+    """
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = fixed_sum(h * h) / h.shape[-1]
+    return weight * (h / torch.sqrt(variance + eps)).to(input_dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` computed as ``x / (1 + exp(-x))`` in fp32, cast once to ``x``'s dtype.
+
+    Invariant: built only from fp32 ``exp`` (measured position-invariant) and correctly rounded
+    ``+`` and ``/``; torch's ``sigmoid``/``silu`` kernels give different bits in a tensor's tail.
+    """
+    h = x.to(torch.float32)
+    return (h / (1.0 + torch.exp(-h))).to(x.dtype)
+
+
+_ROPE_TYPES = ("default", "linear")
+
+
+def _rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    scaling.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return scaling
+
+
+def rope_table(config, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` of shape [max_position_embeddings, head_dim], computed once per model.
+
+    Invariant: both engines index the SAME table by absolute position, so a position's rotation
+    never depends on which other positions were computed with it (torch's ``cos``/``sin`` kernels
+    are not guaranteed position-invariant). The frequencies are HF's default RoPE (``linear``
+    scaling divides them by its factor); any other rope type raises.
+    """
+    params = _rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in _ROPE_TYPES:
+        raise NotImplementedError(
+            f"consistent ops: rope type {rope_type!r} is not supported (supported: {_ROPE_TYPES})"
+        )
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise NotImplementedError(f"consistent ops: partial_rotary_factor={partial} is not supported")
+    base = float(params["rope_theta"])
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float32) / dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` in fp32, cast once to ``x``'s dtype.
+
+    Invariant: elementwise, correctly rounded ops on fp32 values; ``cos``/``sin`` are rows of
+    :func:`rope_table` (already broadcast by position), unsqueezed at ``unsqueeze_dim`` as HF does.
+    """
+    h = x.to(torch.float32)
+    c = cos.to(torch.float32).unsqueeze(unsqueeze_dim)
+    s = sin.to(torch.float32).unsqueeze(unsqueeze_dim)
+    return (h * c + _rotate_half(h) * s).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+
+class AttentionPlan:
+    """Everything :func:`attention` derives from the layout alone (positions, valid slots, heads).
+
+    Build it once per forward with :func:`attention_plan` and pass it to every layer's call; it
+    holds the query tiles' positions, the (tile, block) pairs to compute and their visibility mask.
+    """
+
+    def __init__(self, q_positions: torch.Tensor, kv_valid: torch.Tensor, num_heads: int, num_kv_heads: int):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"attention: {num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+        self.R = R = ATTN_TILE_ROWS  # the plan fixes the tile and block sizes of every call using it
+        self.B = B = KV_BLOCK
+        device = q_positions.device
+        S, Tq = q_positions.shape
+        Tk = kv_valid.shape[1]
+        rep = num_heads // num_kv_heads
+        n_blocks = max(-(-Tk // B), 1)
+        if n_blocks * B != Tk:
+            kv_valid = F.pad(kv_valid, (0, n_blocks * B - Tk), value=False)
+        rows = Tq * rep
+        tiles = -(-rows // R)
+        # query rows of one kv head: position-major, the group's `rep` heads interleaved, tiles of R
+        rpos = q_positions[:, :, None].expand(S, Tq, rep).reshape(S, rows)
+        if tiles * R != rows:
+            rpos = F.pad(rpos, (0, tiles * R - rows), value=-1)
+        rpos = rpos.view(S, tiles, R)
+        # Elementwise work only on rows that can be real: a single tile (decode) holds `rows` of R.
+        # Rows are independent in every elementwise op, so this changes no bit of a real row.
+        live = rows if tiles == 1 else R
+        rpos = rpos[:, :, :live]
+        # (tile, block) pairs to compute: block j is skipped for a tile whose rows all lie before
+        # it -- an exact no-op for those rows (see attention()), so skipping changes no bit.
+        tile_hi = rpos.amax(dim=(0, 2))
+        top = int(tile_hi.max())
+        n_used = min(n_blocks, top // B + 1) if top >= 0 else 1
+        needed = torch.arange(n_used, device=device)[None, :] * B <= tile_hi[:, None]
+        self.dense = bool(needed.all())  # every tile needs every block (decode, short prefill)
+        pair_t, pair_j = torch.nonzero(needed, as_tuple=True)
+        key_pos = torch.arange(n_blocks * B, device=device).view(n_blocks, B)
+        valid_blocks = kv_valid.view(S, n_blocks, B)
+        # [S, pairs, live, B]: key visible to the row iff it holds a token at or before the row's position
+        self.visible = (key_pos[pair_j][None, :, None, :] <= rpos[:, pair_t, :, None]) & valid_blocks[
+            :, pair_j, None, :
+        ]
+        self.kv_valid = kv_valid
+        self.pair_t, self.pair_j = pair_t, pair_j
+        self.dims = (S, num_heads, Tq, num_kv_heads, Tk, rep, rows, tiles, live, n_blocks, n_used)
+
+
+def attention_plan(
+    q_positions: torch.Tensor, kv_valid: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> AttentionPlan:
+    """The layout part of :func:`attention` for ``q_positions`` [S, Tq] and ``kv_valid`` [S, Tk]."""
+    return AttentionPlan(q_positions, kv_valid, num_heads, num_kv_heads)
+
+
+def _tiles_to_heads(x, plan: AttentionPlan):
+    """[S, Hkv, tiles, live, D] query rows -> [S, Hq, Tq, D]."""
+    S, Hq, Tq, Hkv, _, rep, rows, _, _, _, _ = plan.dims
+    D = x.shape[-1]
+    x = x.reshape(S, Hkv, -1, D)[:, :, :rows].reshape(S, Hkv, Tq, rep, D).transpose(2, 3)
+    return x.reshape(S, Hq, Tq, D)
+
+
+def _heads_to_tiles(x, plan: AttentionPlan, rows_per_tile: int):
+    """[S, Hq, Tq, D] -> [S, Hkv, tiles, rows_per_tile, D] (zero rows appended), fp32."""
+    S, Hq, Tq, Hkv, _, rep, rows, tiles, _, _, _ = plan.dims
+    D = x.shape[-1]
+    x = x.to(torch.float32).view(S, Hkv, rep, Tq, D).transpose(2, 3).reshape(S, Hkv, rows, D)
+    if tiles * plan.R != rows:
+        x = F.pad(x, (0, 0, 0, tiles * plan.R - rows))
+    return x.view(S, Hkv, tiles, plan.R, D)[:, :, :, :rows_per_tile]
+
+
+def _scatter_pairs(values, plan: AttentionPlan, fill: float):
+    """[S, Hkv, pairs, ...] -> [S, Hkv, tiles, n_used, ...] with ``fill`` where a pair was skipped."""
+    S, _, _, Hkv, _, _, _, tiles, _, _, n_used = plan.dims
+    if plan.dense:
+        return values.view(S, Hkv, tiles, n_used, *values.shape[3:])
+    out = values.new_full((S, Hkv, tiles, n_used, *values.shape[3:]), fill)
+    out[:, :, plan.pair_t, plan.pair_j] = values
+    return out
+
+
+def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_backward: bool = False):
+    """The forward of :func:`attention`: (out [S, Hq, Tq, D] in q's dtype, saved state or None)."""
+    S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
+    D = q.shape[-1]
+    R, B = plan.R, plan.B
+    if n_blocks * B != Tk:
+        k, v = F.pad(k, (0, 0, 0, n_blocks * B - Tk)), F.pad(v, (0, 0, 0, n_blocks * B - Tk))
+    pair_t, pair_j = plan.pair_t, plan.pair_j
+    n_pairs = pair_t.numel()
+    # keys as [S, Hkv, block, D, B]; values of invisible slots zeroed (0 * NaN would leak) and a
+    # ones column appended, so the PV product also accumulates the softmax denominator l.
+    k_blocks = k.to(torch.float32).unflatten(2, (n_blocks, B)).transpose(-1, -2)  # a view
+    v32 = torch.where(plan.kv_valid[:, None, :, None], v.to(torch.float32), 0.0)
+    v_blocks = torch.cat([v32, v32.new_ones(S, Hkv, n_blocks * B, 1)], dim=-1).view(S, Hkv, n_blocks, B, D + 1)
+    q_tiles = _heads_to_tiles(q.to(torch.float32) * scaling, plan, R)
+
+    def flat(x):  # [S, Hkv, pairs, a, b] -> [S * Hkv * pairs, a, b]
+        return x.reshape(S * Hkv * n_pairs, *x.shape[-2:])
+
+    def pairs_of_tiles(x):  # [S, Hkv, tiles, ...] -> [S, Hkv, pairs, ...]
+        if plan.dense:
+            return x[:, :, :, None].expand(S, Hkv, tiles, n_used, *x.shape[3:])
+        return x.index_select(2, pair_t)
+
+    def pairs_of_blocks(x):  # [S, Hkv, blocks, ...] -> [S, Hkv, pairs, ...]
+        if plan.dense:
+            return x[:, :, None, :n_used].expand(S, Hkv, tiles, n_used, *x.shape[3:])
+        return x.index_select(2, pair_j)
+
+    scores = matmul_tiles(flat(pairs_of_tiles(q_tiles)), flat(pairs_of_blocks(k_blocks)))
+    scores = torch.where(plan.visible[:, None], scores.view(S, Hkv, n_pairs, R, B)[:, :, :, :live], -math.inf)
+
+    # running max after each block, per row: the same maximum() chain a block loop computes
+    m_run = torch.cummax(_scatter_pairs(scores.amax(dim=-1), plan, -math.inf), dim=3).values
+    m_ref = torch.where(m_run == -math.inf, 0.0, m_run)
+    alpha = torch.exp(m_run[:, :, :, :-1] - m_ref[:, :, :, 1:])  # rescale of acc entering block j >= 1
+    m_pairs = m_ref.view(S, Hkv, -1, live) if plan.dense else m_ref[:, :, pair_t, pair_j]
+    p = torch.exp(scores - m_pairs[..., None])
+    p_tiles = p if live == R else F.pad(p, (0, 0, 0, R - live))
+    pv = matmul_tiles(flat(p_tiles), flat(pairs_of_blocks(v_blocks)))
+    pv = _scatter_pairs(pv.view(S, Hkv, n_pairs, R, D + 1)[:, :, :, :live], plan, 0.0)
+
+    # online-softmax accumulation in block order: acc_j = acc_{j-1} * alpha_j + pv_j
+    pv_j, alpha_j = pv.unbind(3), alpha[..., None].unbind(3)
+    acc = pv_j[0]
+    for j in range(1, n_used):
+        acc = acc * alpha_j[j - 1] + pv_j[j]
+
+    l = acc[..., D:]
+    has_keys = l > 0
+    out_tiles = torch.where(has_keys, acc[..., :D] / torch.where(has_keys, l, 1.0), 0.0)
+    out = _tiles_to_heads(out_tiles, plan).to(q.dtype)
+    if not keep_for_backward:
+        return out, None
+    lse = m_run[:, :, :, -1] + torch.log(l[..., 0])  # -inf for rows without keys
+    lse = torch.where(torch.isfinite(lse), lse, 0.0)
+    # final probabilities of the computed pairs: p_j * exp(m_j - lse) (backward only)
+    probs = p * torch.exp(m_pairs - lse[:, :, pair_t])[..., None]
+    state = dict(q_tiles=q_tiles, k_blocks=k_blocks, v_blocks=v_blocks, probs=probs, out_tiles=out_tiles)
+    return out, state
+
+
+class _Attention(torch.autograd.Function):
+    """Forward: the consistent kernel. Backward: the same (tile, block) pairs with plain bmm and
+    index_add (gradients need not be batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scaling):
+        out, state = _attention_kernel(q, k, v, plan, scaling, keep_for_backward=True)
+        ctx.state, ctx.plan, ctx.scaling, ctx.dtypes = state, plan, scaling, (q.dtype, k.dtype, v.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        st, plan, scaling = ctx.state, ctx.plan, ctx.scaling
+        S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
+        B = plan.B
+        D = grad_out.shape[-1]
+        pair_t, pair_j = plan.pair_t, plan.pair_j
+        with _no_autocast(grad_out.device):
+            do = _heads_to_tiles(grad_out, plan, live)
+            delta = (do * st["out_tiles"]).sum(-1)  # [S, Hkv, tiles, live]
+            probs = st["probs"]  # [S, Hkv, P, live, B]
+            do_p = do.index_select(2, pair_t)
+            v_p = st["v_blocks"].index_select(2, pair_j)[..., :D]
+            grad_s = probs * (do_p @ v_p.transpose(-1, -2) - delta[:, :, pair_t][..., None])
+            grad_v = v_p.new_zeros(S, Hkv, n_blocks, B, D).index_add_(2, pair_j, probs.transpose(-1, -2) @ do_p)
+            k_p = st["k_blocks"].index_select(2, pair_j)  # [S, Hkv, P, D, B]
+            grad_q = do.new_zeros(S, Hkv, tiles, live, D).index_add_(2, pair_t, grad_s @ k_p.transpose(-1, -2))
+            q_p = st["q_tiles"][:, :, :, :live].index_select(2, pair_t)
+            grad_k = do.new_zeros(S, Hkv, n_blocks, B, D).index_add_(2, pair_j, grad_s.transpose(-1, -2) @ q_p)
+            grad_q = _tiles_to_heads(grad_q * scaling, plan)
+            grad_k = grad_k.view(S, Hkv, n_blocks * B, D)[:, :, :Tk]
+            grad_v = torch.where(plan.kv_valid[:, None, :, None], grad_v.view(S, Hkv, n_blocks * B, D), 0.0)[:, :, :Tk]
+        ctx.state = None
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        return grad_q.to(q_dtype), grad_k.to(k_dtype), grad_v.to(v_dtype), None, None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor | None,
+    kv_valid: torch.Tensor | None,
+    scaling: float,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """Causal attention as an online softmax over fixed KV blocks aligned at absolute positions.
+
+    Args: ``q`` [S, Hq, Tq, D]; ``k``, ``v`` [S, Hkv, Tk, D] where the key index IS the absolute
+    position; ``q_positions`` [S, Tq] absolute positions of the queries (-1 marks a padding row,
+    whose output is 0); ``kv_valid`` [S, Tk] which key slots hold a real token; ``scaling`` the
+    softmax scale; ``plan`` optionally :func:`attention_plan` of the same layout, built once and
+    shared by all layers (then ``q_positions``/``kv_valid`` are not read). Key j is visible to a
+    query at position p iff ``kv_valid[j] and j <= p``. Returns [S, Hq, Tq, D] in ``q``'s dtype.
+
+    Invariant: a query row's result depends only on its own q, position and visible keys. Its
+    scores and PV products are :func:`matmul_tiles` over tiles of :data:`ATTN_TILE_ROWS` rows
+    against one KV block of :data:`KV_BLOCK` keys (fp32); the running max, the rescale factors
+    and the accumulator ``acc_j = acc_{j-1} * alpha_j + pv_j`` follow blocks 0, 1, 2, ... with the
+    same fp32 ops for a whole sequence (training, prefill) and a single decode query. Invisible
+    keys are selected away (score -inf, value 0), so garbage in masked slots never leaks, and a
+    block with no visible key is an exact no-op for a row (``m`` unchanged, ``acc * 1 + 0``) --
+    which is why a tile whose rows all precede a block may skip it. Backward (training) reuses
+    the forward's (tile, block) pairs with plain ops.
+    """
+    if plan is None:
+        plan = AttentionPlan(q_positions, kv_valid, q.shape[1], k.shape[1])
+    S, Hq, Tq, Hkv, Tk, *_ = plan.dims
+    if q.shape[:3] != (S, Hq, Tq) or k.shape[:3] != (S, Hkv, Tk) or v.shape[:3] != (S, Hkv, Tk):
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit the plan")
+    with _no_autocast(q.device):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _Attention.apply(q, k, v, plan, scaling)
+        return _attention_kernel(q, k, v, plan, scaling)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE
+# ----------------------------------------------------------------------------------------------
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 softmax over experts, then the top-k with ties broken towards the lower expert index.
+
+    Returns ``(weights fp32 [T, k], experts long [T, k])``, best first. Invariant: per-row fp32
+    math (max, :func:`fixed_sum`, exp, divide) and a STABLE descending sort, so the selection and
+    weights of a token never depend on the other tokens or on ``torch.topk``'s tie order.
+    """
+    x = router_logits.to(torch.float32)
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    probs = e / fixed_sum(e)
+    values, indices = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, experts = values[..., :top_k], indices[..., :top_k]
+    if norm_topk_prob:
+        weights = weights / fixed_sum(weights)
+    return weights, experts
+
+
+def moe_combine(expert_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_k weights[:, k] * expert_outputs[:, k]`` in fp32, added in slot order k = 0, 1, ...
+
+    ``expert_outputs`` [T, k, H] holds each token's output of its k-th selected expert.
+    Invariant: a token's combination is a fixed left-to-right chain of elementwise fp32 ops,
+    independent of how tokens were grouped per expert. Returns fp32 [T, H].
+    """
+    y = expert_outputs.to(torch.float32) * weights.to(torch.float32)[..., None]
+    out = y[:, 0]
+    for slot in range(1, y.shape[1]):
+        out = out + y[:, slot]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs
+# ----------------------------------------------------------------------------------------------
+
+
+def _shifted_and_lse(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = logits.to(torch.float32) / temperature
+    shifted = x - x.amax(dim=-1, keepdim=True)
+    return shifted, torch.log(fixed_sum(torch.exp(shifted)))
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 full-vocabulary ``log_softmax(logits / temperature)`` over the last dim.
+
+    Invariant: per row, fp32 divide, exact max, fp32 exp, :func:`fixed_sum` over the whole
+    vocabulary and fp32 log -- the same bits for a row whatever the batch around it. Entry
+    ``[..., t]`` is bitwise :func:`token_log_probs` at label ``t`` (the same elementwise ops), so
+    a sampler reading its distribution and a trainer scoring the token agree.
+    """
+    shifted, lse = _shifted_and_lse(logits, temperature)
+    return shifted - lse
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """:func:`log_softmax` gathered at ``labels``: ``logits`` [..., V], ``labels`` [...] -> fp32 [...].
+
+    Invariant: as :func:`log_softmax` (fp32, fixed-order full-vocabulary sum), without
+    materialising the [..., V] result.
+    """
+    shifted, lse = _shifted_and_lse(logits, temperature)
+    picked = torch.gather(shifted, -1, labels.long().unsqueeze(-1))
+    return (picked - lse).squeeze(-1)
