@@ -1,0 +1,131 @@
+"""``python -m true_on_policy logdiff``: training-vs-rollout log-prob differences, measured.
+
+For each model (tiny dense, tiny MoE), dtype (fp32, bf16) and flag (consistent kernels on/off):
+
+1. the CPU rollout engine serves ``--prompts`` prompts of lengths spread over 1..200 tokens, each
+   generating ``--new-tokens`` tokens (continuous batching; EOS ignored), and records the sampling
+   log-prob of every generated token;
+2. the training path scores the same tokens the way verl's FSDP engine does with
+   ``use_remove_padding``: whole sequences packed into one row with restarting position ids, in
+   micro-batches of a DIFFERENT composition (reversed order, ``--micro-batch`` sequences each),
+   then the fp32 log-softmax of the scored token;
+3. it reports max/mean |Δ| and the fraction of bitwise-equal tokens.
+
+With the flag on every ``max_abs_diff`` is exactly 0.0 (checked with ``torch.equal``); with the
+flag off the same measurement is non-zero, which shows the check is not vacuous. The training
+path here is transformers' module code as verl calls it, not verl's engine itself; inside verl
+the same property is verl's own ``training/rollout_probs_diff_max`` metric.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from true_on_policy import consistent_model, consistent_ops, tiny_assets
+from true_on_policy.cpu_rollout_engine import RolloutEngine, SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def prompt_lengths(count: int, longest: int = 200) -> list[int]:
+    """``count`` lengths from 1 to ``longest``, spread evenly (both ends included)."""
+    if count == 1:
+        return [longest]
+    return [1 + round(i * (longest - 1) / (count - 1)) for i in range(count)]
+
+
+def make_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    low = len(tiny_assets.SPECIAL_TOKENS)
+    return [torch.randint(low, vocab_size, (n,), generator=generator).tolist() for n in prompt_lengths(count)]
+
+
+def rollout(model, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """(generated tokens, recorded log-probs) per prompt, from one continuous-batching run."""
+    engine = RolloutEngine(model, eos_token_id=None, max_num_seqs=len(prompts), max_model_len=4096)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, SamplingParams(max_new_tokens=new_tokens, seed=index))
+    done = engine.run_until_done()
+    return [(done[str(i)].token_ids, torch.tensor(done[str(i)].log_probs)) for i in range(len(prompts))]
+
+
+@torch.no_grad()
+def score(model, sequences: list[list[int]], prompt_lens: list[int], micro_batch: int) -> list[torch.Tensor]:
+    """Log-probs of each sequence's generated tokens, scored packed, in reversed micro-batches."""
+    order = list(reversed(range(len(sequences))))
+    scores: dict[int, torch.Tensor] = {}
+    for start in range(0, len(order), micro_batch):
+        group = order[start : start + micro_batch]
+        ids = torch.tensor([token for i in group for token in sequences[i]])
+        positions = torch.cat([torch.arange(len(sequences[i])) for i in group])
+        logits = consistent_model.forward_packed(model, ids, positions, [len(sequences[i]) for i in group], None)
+        offset = 0
+        for i in group:
+            n, p = len(sequences[i]), prompt_lens[i]
+            rows = logits[offset + p - 1 : offset + n - 1]
+            labels = torch.tensor(sequences[i][p:])
+            scores[i] = consistent_ops.token_log_probs(rows, labels)
+            offset += n
+    return [scores[i] for i in range(len(sequences))]
+
+
+def measure(kind: str, dtype: str, deterministic: bool, prompts: int, new_tokens: int, micro_batch: int) -> dict:
+    was_enabled = consistent_ops.enabled()
+    (consistent_ops.enable if deterministic else consistent_ops.disable)()
+    try:
+        model = tiny_assets.build_model(kind).to(DTYPES[dtype])
+        prompt_ids = make_prompts(prompts, model.config.vocab_size)
+        outputs = rollout(model, prompt_ids, new_tokens)
+        sequences = [p + out for p, (out, _) in zip(prompt_ids, outputs)]
+        trained = score(model, sequences, [len(p) for p in prompt_ids], micro_batch)
+    finally:
+        (consistent_ops.enable if was_enabled else consistent_ops.disable)()
+    recorded = torch.cat([log_probs for _, log_probs in outputs])
+    scored = torch.cat(trained).to(recorded.dtype)
+    diff = (recorded - scored).abs()
+    return {
+        "model": kind,
+        "dtype": dtype,
+        "deterministic": deterministic,
+        "max_abs_diff": 0.0 if torch.equal(recorded, scored) else float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+        "frac_equal": float((recorded == scored).float().mean()),
+        "tokens": int(recorded.numel()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m true_on_policy logdiff", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the JSON list of records only")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=3)
+    parser.add_argument("--models", nargs="+", default=list(tiny_assets.MODEL_KINDS), choices=tiny_assets.MODEL_KINDS)
+    args = parser.parse_args(argv)
+    if args.prompts < 1 or args.new_tokens < 1 or args.micro_batch < 1:
+        parser.error("--prompts, --new-tokens and --micro-batch must be >= 1")
+    consistent_model.patch_transformers()
+    records = [
+        measure(kind, dtype, flag, args.prompts, args.new_tokens, args.micro_batch)
+        for kind in args.models
+        for dtype in DTYPES
+        for flag in (True, False)
+    ]
+    if args.json:
+        print(json.dumps(records, indent=1))
+    else:
+        for r in records:
+            print(
+                f"{r['model']:6s} {r['dtype']:9s} deterministic={str(r['deterministic']):5s} "
+                f"max|Δ|={r['max_abs_diff']:.3e} mean|Δ|={r['mean_abs_diff']:.3e} "
+                f"equal={r['frac_equal']:.4f} tokens={r['tokens']}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
