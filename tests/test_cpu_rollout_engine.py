@@ -163,3 +163,15 @@ def test_bad_requests_are_refused(dense_model, consistent):
     engine.add_request("dup", prompt(3), SamplingParams(max_new_tokens=1))
     with pytest.raises(ValueError, match="already"):
         engine.add_request("dup", prompt(3), SamplingParams(max_new_tokens=1))
+
+
+def test_load_weights_takes_verls_per_expert_moe_layout():
+    """verl streams MoE experts one per expert (unfuse_moe_params); they land in the packed tensors."""
+    from verl.workers.engine.fsdp.utils import unfuse_moe_params
+
+    trained = tiny_assets.build_model("moe", seed=3)
+    engine = RolloutEngine(tiny_assets.build_model("moe", seed=0), eos_token_id=EOS)
+    engine.load_weights(unfuse_moe_params(trained.state_dict().items()))
+    served = engine.model.state_dict()
+    assert served.keys() == trained.state_dict().keys()
+    assert all(torch.equal(served[name], tensor) for name, tensor in trained.state_dict().items())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
@@ -84,6 +85,29 @@ def sampling_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor
     if temperature != 1.0:
         logits = logits / torch.tensor(temperature, dtype=torch.float32).clamp(min=1e-8).to(logits.dtype)
     return consistent_ops.log_softmax(logits)
+
+
+_PER_EXPERT_WEIGHT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _packed_expert_slice(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The view of a packed expert tensor that a per-expert checkpoint weight ``name`` fills.
+
+    transformers packs Qwen-MoE experts as ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows)
+    and ``down_proj`` [E, H, I]; verl's ``unfuse_moe_params`` splits them exactly this way.
+    """
+    match = _PER_EXPERT_WEIGHT.match(name)
+    if match is None:
+        return None
+    experts, index, proj = match["experts"], int(match["index"]), match["proj"]
+    if proj == "down_proj":
+        packed = params.get(f"{experts}.down_proj")
+        return packed[index] if packed is not None and index < packed.shape[0] else None
+    packed = params.get(f"{experts}.gate_up_proj")
+    if packed is None or index >= packed.shape[0]:
+        return None
+    gate, up = packed[index].chunk(2, dim=0)
+    return gate if proj == "gate_proj" else up
 
 
 class RolloutEngine:
@@ -158,15 +182,19 @@ class RolloutEngine:
     # ----------------------------------------------------------------- weights
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy trainer weights in by name (cast to the serving dtype); drops every KV cache."""
+        """Copy trainer weights in by name (cast to the serving dtype); drops every KV cache.
+
+        MoE experts may arrive one per expert (``...mlp.experts.3.gate_proj.weight``, the checkpoint
+        layout verl streams to rollout engines) and land in transformers' packed expert tensors.
+        """
         if self.has_work():
             raise RuntimeError("load_weights while requests are in flight: abort or drain them first")
         params = dict(self.model.named_parameters())
         loaded = 0
         for name, tensor in named_tensors:
-            if name not in params:
+            target = _packed_expert_slice(params, name) if name not in params else params[name]
+            if target is None:
                 raise KeyError(f"trainer sent weight {name!r}, which the rollout model does not have")
-            target = params[name]
             if target.shape != tensor.shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != rollout {tuple(target.shape)}")
             target.copy_(tensor.to(dtype=target.dtype, device=target.device))
