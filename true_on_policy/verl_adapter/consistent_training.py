@@ -1,10 +1,14 @@
-"""The consistent kernels on verl's training side.
+"""The project's model code on verl's training side (CPU platform).
 
-The model half is :func:`true_on_policy.consistent_model.patch_transformers` (the same module code
-the CPU rollout engine runs). The other half is the log-prob itself: verl's FSDP engine turns
-logits into token log-probs with ``verl.utils.torch_functional.logprobs_from_logits``, bound by
-name in ``verl.workers.engine.fsdp.transformer_impl``; with the flag on it becomes the project's
-fp32 full-vocabulary log-softmax, the one the rollout engine samples from.
+The model half is :func:`true_on_policy.consistent_model.patch_transformers`: the same module code
+the CPU rollout engine runs, registered as ``attn_implementation="true_on_policy"``. It is
+installed whatever the flag, since the CPU configs name that attention; with the flag off it runs
+the default kernels (SDPA, F.linear), with the flag on the consistent ones.
+
+The other half is the log-prob itself: verl's FSDP engine turns logits into token log-probs with
+``verl.utils.torch_functional.logprobs_from_logits``, bound by name in
+``verl.workers.engine.fsdp.transformer_impl``; with the flag on it becomes the project's fp32
+full-vocabulary log-softmax, the one the rollout engine samples from.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ def consistent_logprobs_from_logits(logits, labels, inplace_backward=True):
 
 
 @functools.cache
-def activate() -> None:
+def activate(deterministic: bool) -> None:
     from verl.workers.engine.fsdp import transformer_impl
 
     from true_on_policy import consistent_model, consistent_ops
 
-    consistent_ops.enable()
     consistent_model.patch_transformers()
-    transformer_impl.logprobs_from_logits = consistent_logprobs_from_logits
+    if deterministic:
+        consistent_ops.enable()
+        transformer_impl.logprobs_from_logits = consistent_logprobs_from_logits

@@ -17,8 +17,8 @@ Ray process exists, :func:`prepare_launch`
    every Ray worker sees them before it builds a model.
 
 In every process, :func:`activate_from_environment` (called by the plugin at import) switches on
-what the exported settings ask for: the plan's in-process calls, the behaviour-log-prob carrier,
-the CPU backend and the consistent kernels.
+what the exported settings ask for: the plan's in-process calls, the trainer hooks, and on the
+CPU platform the CPU backend and the project's kernels.
 """
 
 from __future__ import annotations
@@ -134,11 +134,10 @@ def activate_from_environment() -> Settings | None:
         determinism_env.run_in_process_calls(recipe.platform, json.loads(os.environ[IN_PROCESS_ENV]))
     trainer_hooks.install()
     if recipe.platform == "cpu":
-        from true_on_policy.verl_adapter import cpu_platform
+        # The project's kernels are the CPU reference path; on Ascend and CUDA the determinism
+        # plan's vendor settings (exported above) pin the engines' own kernels instead.
+        from true_on_policy.verl_adapter import consistent_training, cpu_platform
 
         cpu_platform.activate()
-    if recipe.deterministic:
-        from true_on_policy.verl_adapter import consistent_training
-
-        consistent_training.activate()
+        consistent_training.activate(recipe.deterministic)
     return recipe
