@@ -20,7 +20,9 @@ through verl's ``oc.select`` interpolations):
   context_parallel_size, sequence_parallel, dtype}``; ``...megatron.override_transformer_config.
   {attention_backend (verl default flash), use_flash_attn_npu_batch_invariant, moe_token_dispatcher_type
   (verl default alltoall), moe_router_dtype}``.
-* fsdp / fsdp2: no TP/EP/PP/CP (1); ``actor_rollout_ref.actor.fsdp_config.{mixed_precision.param_dtype
+* fsdp / fsdp2: no TP/EP/PP/CP (1) -- except on ``platform: cpu``, where TP and EP are the CPU
+  backend's (:mod:`true_on_policy.tensor_parallel`), read from ``true_on_policy.{cpu_tensor_parallel_size,
+  cpu_expert_parallel_size}`` (default 1); ``actor_rollout_ref.actor.fsdp_config.{mixed_precision.param_dtype
   (compute dtype, verl default bf16), model_dtype (master weights), ulysses_sequence_parallel_size}``;
   attention ``actor_rollout_ref.model.override_config.attn_implementation`` (verl default
   flash_attention_2).
@@ -39,10 +41,14 @@ Rollout side (``actor_rollout_ref.rollout.name``):
   ``engine_kwargs.vllm.{attention_backend, all2all_backend (vLLM default allgather_reducescatter),
   block_size, decode_context_parallel_size, prefill_context_parallel_size, compilation_config.pass_config.
   enable_sp, additional_config.rl_config.*, additional_config.enable_flashcomm1}``.
-* cpu: the project's single-process CPU engine (TP=EP=DP=1), the consistent kernels.
+* cpu: the project's CPU engine, the consistent kernels; TP = ``rollout.tensor_model_parallel_size``,
+  EP = ``rollout.expert_parallel_size`` (as declared: no vLLM TP*DP rule), sharded by
+  :mod:`true_on_policy.tensor_parallel` (row-parallel combine: all-gather + ordered fp32 fold;
+  experts whole on their rank, no token dispatch); DP 1.
 
 Keys verl has no slot for are pinned in the ``true_on_policy:`` section (read with ``.get`` until
-settings.py declares them): ``attention_backend``, ``row_parallel_reduction``, ``moe_dispatcher``,
+settings.py declares them): ``cpu_tensor_parallel_size``, ``cpu_expert_parallel_size`` (the CPU
+training side's TP/EP), ``attention_backend``, ``row_parallel_reduction``, ``moe_dispatcher``,
 ``moe_combine``, ``moe_router_dtype`` (a pin, when set, is the value both sides must have) and
 ``stack_versions`` (declared accelerator-stack versions, used where a package is not installed).
 
@@ -183,6 +189,13 @@ M = "actor_rollout_ref.model"
 TOP = "true_on_policy"
 ENV = denv.ENV_PATH
 
+# The CPU backend's training-side TP/EP (verl's FSDP engine has no slot for them) and the names of its
+# collectives; the same strings as true_on_policy.tensor_parallel.{ROW_PARALLEL_REDUCTION, MOE_DISPATCH}.
+CPU_TP_KEY = f"{TOP}.cpu_tensor_parallel_size"
+CPU_EP_KEY = f"{TOP}.cpu_expert_parallel_size"
+CPU_ROW_PARALLEL = "all_gather+ordered_fold"
+CPU_MOE_DISPATCH = "replicated"
+
 
 def _int(value: Any, default: int = 1) -> int:
     if value is None or value == "":
@@ -288,7 +301,7 @@ class _Layout:
     extra: dict[str, Side]
 
 
-def _training_layout(cfg: Any, strategy: str, world: int) -> _Layout:
+def _training_layout(cfg: Any, strategy: str, world: int, platform: str = "") -> _Layout:
     extra: dict[str, Side] = {}
     if strategy == "megatron":
         base = f"{A}.megatron"
@@ -336,6 +349,9 @@ def _training_layout(cfg: Any, strategy: str, world: int) -> _Layout:
     else:  # fsdp, fsdp2, fsdp_turbo and any data-parallel engine
         src = f"{A}.strategy={strategy} (FSDP shards parameters, no model parallelism)"
         layout = _Layout(Side(1, src), Side(1, src), Side(1, src), Side(1, src), Side(1, src), Side(0, ""), extra)
+        if platform == "cpu":  # the CPU backend shards the same model code (true_on_policy.tensor_parallel)
+            layout.tp = Side(_int(_get(cfg, CPU_TP_KEY)), f"{CPU_TP_KEY} (CPU backend, true_on_policy.tensor_parallel)")
+            layout.ep = Side(_int(_get(cfg, CPU_EP_KEY)), f"{CPU_EP_KEY} (CPU backend, experts whole on their rank)")
         extra["ulysses"] = Side(
             _int(_get(cfg, f"{A}.fsdp_config.ulysses_sequence_parallel_size")),
             f"{A}.fsdp_config.ulysses_sequence_parallel_size",
@@ -344,7 +360,7 @@ def _training_layout(cfg: Any, strategy: str, world: int) -> _Layout:
         1, layout.cp.value
     )
     layout.dp = Side(
-        world // denom if world else NA, "trainer.nnodes * trainer.n_gpus_per_node / (TP * PP * CP)"
+        world // denom if world and world >= denom else NA, "trainer.nnodes * trainer.n_gpus_per_node / (TP * PP * CP)"
     )
     return layout
 
@@ -352,12 +368,19 @@ def _training_layout(cfg: Any, strategy: str, world: int) -> _Layout:
 def _rollout_layout(cfg: Any, name: str, notes: list[str]) -> _Layout:
     extra: dict[str, Side] = {}
     if name == "cpu":
-        src = f"{R}.name=cpu (project CPU engine: one process)"
-        declared_tp = _int(_get(cfg, f"{R}.tensor_model_parallel_size"))
-        if declared_tp != 1:
-            notes.append(f"{R}.tensor_model_parallel_size={declared_tp} is ignored by the single-process cpu engine")
+        src = f"{R}.name=cpu (project CPU engine)"
+        tp = _int(_get(cfg, f"{R}.tensor_model_parallel_size"))
+        ep = _int(_get(cfg, f"{R}.expert_parallel_size"))
         one = Side(1, src)
-        return _Layout(one, one, one, one, one, Side(1, src), extra)
+        return _Layout(
+            Side(tp, f"{R}.tensor_model_parallel_size (cpu engine: true_on_policy.tensor_parallel)"),
+            Side(ep, f"{R}.expert_parallel_size (cpu engine: as declared, experts whole on their rank)"),
+            one,
+            one,
+            one,
+            Side(1, src),
+            extra,
+        )
     tp = _int(_get(cfg, f"{R}.tensor_model_parallel_size"), 2)
     dp = _int(_get(cfg, f"{R}.data_parallel_size"))
     ep_declared = _int(_get(cfg, f"{R}.expert_parallel_size"))
@@ -456,7 +479,7 @@ def _rollout_row_parallel(cfg: Any, name: str, platform: str, tp: int, env: Mapp
     if tp <= 1:
         return Side(denv.ROW_PARALLEL_NONE, f"{R}.tensor_model_parallel_size=1")
     if name == "cpu":
-        return Side(denv.ROW_PARALLEL_NONE, f"{R}.name=cpu")
+        return Side(CPU_ROW_PARALLEL, f"{R}.name=cpu, {R}.tensor_model_parallel_size={tp} (true_on_policy.tensor_parallel)")
     if name == "vllm" and platform == "ascend":
         key = f"{R}.engine_kwargs.vllm.additional_config.enable_flashcomm1"
         on = _bool(_get(cfg, key, False)) or _bool(env.get("VLLM_ASCEND_ENABLE_FLASHCOMM1", "0"))
@@ -473,7 +496,7 @@ def _rollout_row_parallel(cfg: Any, name: str, platform: str, tp: int, env: Mapp
 
 def _training_dispatcher(cfg: Any, strategy: str, ep: int, platform: str, deterministic: bool, pin: Any) -> Side:
     if platform == "cpu" and deterministic and not strategy == "megatron":
-        return Side(pin or "local", f"{TOP}.moe_dispatcher (project kernels)")
+        return Side(pin or ("local" if ep <= 1 else CPU_MOE_DISPATCH), f"{TOP}.moe_dispatcher (project kernels)")
     if strategy == "megatron":
         key = f"{A}.megatron.override_transformer_config.moe_token_dispatcher_type"
         value = _get(cfg, key)
@@ -487,7 +510,7 @@ def _training_dispatcher(cfg: Any, strategy: str, ep: int, platform: str, determ
 
 def _rollout_dispatcher(cfg: Any, name: str, ep: int, platform: str, deterministic: bool, pin: Any) -> Side:
     if name == "cpu":
-        return Side(pin or "local", f"{TOP}.moe_dispatcher (project CPU engine)")
+        return Side(pin or ("local" if ep <= 1 else CPU_MOE_DISPATCH), f"{TOP}.moe_dispatcher (project CPU engine)")
     if ep <= 1:
         return Side("local", f"{R}.expert_parallel_size<=1 (experts TP-split, no dispatch)")
     if name == "vllm" and platform == "ascend":
@@ -611,8 +634,15 @@ def build_contract(
     world = _int(_get(cfg, "trainer.nnodes"), 1) * _int(_get(cfg, "trainer.n_gpus_per_node"), 1)
     pins = {k: _get(section, k) for k in ("attention_backend", "row_parallel_reduction", "moe_dispatcher", "moe_combine", "moe_router_dtype")}
 
-    tl = _training_layout(cfg, strategy, world)
+    tl = _training_layout(cfg, strategy, world, platform)
     rl = _rollout_layout(cfg, name, notes)
+    cpu_sides = [s for s, on in ((tl, platform == "cpu"), (rl, name == "cpu")) if on]
+    if any(_int(side.tp.value) > 1 or _int(side.ep.value) > 1 for side in cpu_sides):
+        notes.append(
+            "CPU TP/EP > 1 is true_on_policy.tensor_parallel.shard_model (gloo, all-gather + ordered fp32 fold), "
+            "proven at library level (tests/test_tensor_parallel.py); verl's FSDP trainer and the Ray-served cpu "
+            "rollout replica do not shard yet"
+        )
     env = _rollout_env(cfg)
     rollout_env = {**env, **(plan.rollout_forced_env if _bool(env.get("VLLM_BATCH_INVARIANT", "0")) and name == "vllm" else {})}
 
@@ -698,6 +728,8 @@ def build_contract(
         )
     )
     t_rp = Side(denv.training_row_parallel(cfg), f"{A}.megatron.sequence_parallel (TP>1: true = reduce-scatter + all-gather)")
+    if platform == "cpu" and strategy not in ("megatron", "torchtitan") and _int(tl.tp.value) > 1:
+        t_rp = Side(CPU_ROW_PARALLEL, f"{CPU_TP_KEY}={tl.tp.value} (true_on_policy.tensor_parallel)")
     r_rp = _rollout_row_parallel(cfg, name, platform, _int(rl.tp.value), env)
     rows.append(
         Row(
@@ -710,7 +742,7 @@ def build_contract(
             fix=(
                 f"match {A}.megatron.sequence_parallel with the rollout: Ascend {ENV}.VLLM_ASCEND_ENABLE_FLASHCOMM1=1 "
                 f"(FlashComm1 = reduce-scatter + all-gather); CUDA keep TP=1 or sequence_parallel=false (vLLM's SP pass "
-                "is not batch invariant)"
+                f"is not batch invariant); CPU: set {CPU_TP_KEY} equal to {R}.tensor_model_parallel_size"
             ),
         )
     )

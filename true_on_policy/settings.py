@@ -44,6 +44,10 @@ class Settings:
     moe_dispatcher: str | None = None  # "local" | "alltoall" | "allgather"
     moe_combine: str | None = None  # MoE combine order, e.g. "expert_major"
     moe_router_dtype: str | None = None  # e.g. "fp32"
+    # CPU backend sharding (true_on_policy.tensor_parallel); the contract compares them with the
+    # rollout's TP/EP. Library-level only: a verl launch with either > 1 is refused.
+    cpu_tensor_parallel_size: int = 1
+    cpu_expert_parallel_size: int = 1
     # The stack the config is written for (package -> version); an installed package's version wins.
     stack_versions: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -67,6 +71,10 @@ class Settings:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"true_on_policy.{name} must be a string or null, got {value!r}")
+        for name in ("cpu_tensor_parallel_size", "cpu_expert_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"true_on_policy.{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.stack_versions, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.stack_versions.items()
         ):

@@ -64,6 +64,12 @@ def prepare_launch(config) -> dict[str, str]:
     recipe = Settings.from_mapping(resolved)
     invariants.enforce_invariants(config, relax=recipe.relax_invariants)
     flashreinforce_registration.require_supported_settings(recipe)
+    if recipe.platform == "cpu" and (recipe.cpu_tensor_parallel_size > 1 or recipe.cpu_expert_parallel_size > 1):
+        raise ValueError(
+            "true_on_policy.cpu_tensor_parallel_size / cpu_expert_parallel_size > 1: CPU TP/EP is implemented "
+            "at library level (true_on_policy.tensor_parallel) and proven bitwise there, but neither verl's FSDP "
+            "engine nor the Ray-served CPU rollout shards the model; run CPU jobs with both set to 1"
+        )
 
     plan = determinism_env.plan_for_config(config)
     env = settings_module.export(recipe, {})

@@ -1,0 +1,407 @@
+"""Tensor and expert parallelism for the CPU backend, with an order-fixed collective.
+
+:func:`shard_model` shards a transformers Qwen3 / Qwen3-MoE model (built after
+:func:`consistent_model.patch_transformers`) in place over a ``torch.distributed`` process group
+(gloo on CPU). The sharded model is the SAME module tree -- only some weights are slices and some
+linears combine their partial results with a collective -- so it serves BOTH paths of
+:func:`consistent_model.forward_packed`: the training forward (packed, no caches) and the rollout
+(prefill/decode over per-request KV caches, which then hold the rank's local KV heads).
+
+Layout (``tp_size`` and ``ep_size`` are each 1 or the group size; the group is shared):
+
+* attention: ``q_proj``/``k_proj``/``v_proj`` column-parallel by whole heads (rank r owns query
+  heads ``[r*Hq/tp, (r+1)*Hq/tp)`` and KV heads ``[r*Hkv/tp, ...)``, so grouped-query pairing is
+  rank-local); ``o_proj`` row-parallel. ``q_norm``/``k_norm`` act per head and stay whole.
+* dense MLP: ``gate_proj``/``up_proj`` column-parallel, ``down_proj`` row-parallel.
+* MoE (``ep_size`` > 1): experts split in contiguous ranges (rank r owns experts
+  ``[r*E/ep, (r+1)*E/ep)``); activations are replicated under TP, so there is no token dispatch:
+  every rank runs the fp32 router on all tokens (replicated), runs its own experts on the tokens
+  routed to them, combines them with :func:`consistent_ops.moe_combine` in slot order with
+  non-local slots selected to exactly 0, and the partials are combined by the ordered fold.
+  With ``ep_size`` = 1 the experts stay whole on every rank (no collective).
+* ``lm_head``: vocabulary-parallel; the fp32 logit slices are all-gathered and concatenated in
+  rank order (no reduction). Embeddings and norms are replicated.
+
+The collective: a row-parallel layer's partial outputs (fp32, from the consistent kernels) are
+combined by :func:`ordered_all_reduce` = ``all_gather`` of the partials, then a left-to-right fp32
+fold ``p_0 + p_1 + ... + p_{n-1}`` computed identically on every rank. ``all_gather`` moves bits
+without arithmetic, so the result does not depend on the collective's algorithm (ring, tree,
+halving-doubling), its chunking or its start rank -- unlike a ring ``all_reduce``, whose summation
+order for an element depends on which chunk the element falls in once there are 3 or more ranks.
+With 2 ranks any all-reduce computes ``p_0 + p_1`` or ``p_1 + p_0``, the same bits (IEEE addition
+is commutative); the ordered fold is what keeps the guarantee for any group size.
+
+What is and is not equal (see docs/parallelism_and_determinism.md): rollout TPn/EPn == training
+TPn/EPn bitwise (the local math is the batch-invariant consistent kernels, the combine is the
+fixed fold); TP1 vs TP2 is NOT equal in general (a reduction split in two partials is a
+different addition order, the LM head's bmm has a different N) -- which is why the contract
+requires both sides to pin the same TP/EP.
+
+Backward (training): autograd Functions with the usual Megatron pairing -- the column-parallel
+input is an identity whose gradient is all-reduced (ordered fold), the row-parallel combine is a
+fold whose gradient passes through, the logit all-gather's gradient is the rank's slice. Gradients
+need not be batch-invariant; they are correct (tested against TP1 within fp32 tolerance).
+
+With the consistent flag off the sharded modules run the default kernels (``F.linear``) and a
+plain ``dist.all_reduce`` (SUM): a serving engine's default numerics.
+
+Pure torch + torch.distributed (+ the transformers Qwen3 classes it shards); no verl import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from true_on_policy import consistent_model as cm
+from true_on_policy import consistent_ops as ops
+
+__all__ = [
+    "ROW_PARALLEL_REDUCTION",
+    "MOE_DISPATCH",
+    "ParallelLayout",
+    "ordered_fold",
+    "ordered_all_reduce",
+    "all_gather_last_dim",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelLMHead",
+    "shard_model",
+    "layout_of",
+]
+
+# How the contract names this backend's collectives (true_on_policy.contract reads the same strings).
+ROW_PARALLEL_REDUCTION = "all_gather+ordered_fold"
+MOE_DISPATCH = "replicated"  # EP on CPU: tokens are already on every rank; no dispatch, ordered-fold combine
+
+
+# ----------------------------------------------------------------------------------------------
+# Collectives
+# ----------------------------------------------------------------------------------------------
+
+
+def ordered_fold(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts[0] + parts[1] + ...`` in fp32, left to right (elementwise, correctly rounded adds)."""
+    out = parts[0].to(torch.float32)
+    for part in parts[1:]:
+        out = out + part.to(torch.float32)
+    return out
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _gather(x: torch.Tensor, group) -> list[torch.Tensor]:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_world(group))]
+    dist.all_gather(parts, x, group=group)
+    return parts
+
+
+def ordered_all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum over ranks of ``x`` as fp32, in rank order, the same bits on every rank.
+
+    ``all_gather`` of the fp32 partials (a copy: no arithmetic, so the collective's algorithm
+    cannot change a bit), then :func:`ordered_fold` over the ranks 0, 1, ..., n-1.
+    """
+    x32 = x.to(torch.float32)
+    if _world(group) == 1:
+        return x32.clone()
+    return ordered_fold(_gather(x32, group))
+
+
+def _plain_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The ranks' ``x`` concatenated along the last dim in rank order (no reduction)."""
+    if _world(group) == 1:
+        return x
+    return torch.cat(_gather(x, group), dim=-1)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Identity forward into a sharded region; backward: the ranks' partial gradients, summed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ordered_all_reduce(grad, ctx.group).to(grad.dtype), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Forward: combine the ranks' partials (ordered fold, or a plain all-reduce with the flag off);
+    backward: the (replicated) gradient goes to every rank's partial unchanged."""
+
+    @staticmethod
+    def forward(ctx, partial, group, ordered):
+        return ordered_all_reduce(partial, group) if ordered else _plain_all_reduce(partial, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """Forward: all-gather along the last dim; backward: this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.width = group, x.shape[-1]
+        return all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = dist.get_rank(ctx.group)
+        return grad.narrow(-1, rank * ctx.width, ctx.width).contiguous(), None
+
+
+def _tracks_grad(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+def copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
+    return _CopyToRegion.apply(x, group) if _tracks_grad(x) else x
+
+
+def reduce_from_region(partial: torch.Tensor, group, ordered: bool = True) -> torch.Tensor:
+    if _tracks_grad(partial):
+        return _ReduceFromRegion.apply(partial, group, ordered)
+    return ordered_all_reduce(partial, group) if ordered else _plain_all_reduce(partial, group)
+
+
+def gather_from_region(x: torch.Tensor, group) -> torch.Tensor:
+    return _GatherFromRegion.apply(x, group) if _tracks_grad(x) else all_gather_last_dim(x, group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded modules
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """How a model was sharded: recorded on it as ``model.true_on_policy_parallel``."""
+
+    tp_size: int
+    ep_size: int
+    rank: int
+    world_size: int
+    full_heads: tuple[int, int]  # (query heads, KV heads) of the unsharded model
+    group: object = dataclasses.field(default=None, compare=False, repr=False)
+    row_parallel_reduction: str = ROW_PARALLEL_REDUCTION
+
+
+def layout_of(model: nn.Module) -> ParallelLayout | None:
+    """The :class:`ParallelLayout` of a sharded model, None for an unsharded one."""
+    return getattr(model, "true_on_policy_parallel", None)
+
+
+class ColumnParallelLinear(cm.ConsistentLinear):
+    """Output features split across ranks; the (replicated) input enters the sharded region."""
+
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(copy_to_region(x, self.tp_group))
+
+
+class RowParallelLinear(cm.ConsistentLinear):
+    """Input features split across ranks; the fp32 partial products are combined by the ordered
+    fold (flag on) or a plain all-reduce (flag off), the bias added once, then cast once."""
+
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ops.enabled():
+            partial = ops.linear(x, self.weight, None, out_dtype=torch.float32)
+            out = reduce_from_region(partial, self.tp_group, ordered=True)
+            if self.bias is not None:
+                out = out + self.bias.to(torch.float32)
+            return out.to(x.dtype)
+        out = reduce_from_region(F.linear(x, self.weight), self.tp_group, ordered=False)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelLMHead(cm.ConsistentLMHead):
+    """Vocabulary rows split across ranks; the logit slices are all-gathered in rank order."""
+
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = super().forward(copy_to_region(x, self.tp_group))  # fp32 with the flag on
+        return gather_from_region(local, self.tp_group)
+
+
+def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The local experts' weighted outputs for all tokens, combined over ranks (see module doc)."""
+    group, lo, n_local = self.ep_group, self.expert_offset, self.num_local_experts
+    x = copy_to_region(hidden_states, group)
+    weights = copy_to_region(top_k_weights, group)
+    tokens, top_k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    local = (flat >= lo) & (flat < lo + n_local)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+    starts = [sum(counts[:e]) for e in range(self.num_experts)]
+    consistent = ops.enabled()
+    if consistent:  # the same checks as the unsharded experts' consistent forward
+        cm._require_silu(self)  # noqa: SLF001
+        layout = (("has_bias", False), ("is_transposed", False), ("has_gate", True), ("is_concatenated", True))
+        for flag, wanted in layout:
+            if getattr(self, flag, wanted) != wanted:
+                raise cm.UnsupportedFeatureError(f"true_on_policy: experts with {flag}={not wanted} are not supported")
+    pair_ids, outputs = [], []
+    for expert in range(lo, lo + n_local):
+        count = counts[expert]
+        if count == 0:
+            continue
+        pairs = order[starts[expert] : starts[expert] + count]
+        rows = x[pairs // top_k]
+        if consistent:
+            gate, up = ops.linear(rows, self.gate_up_proj[expert - lo]).chunk(2, dim=-1)
+            out = ops.linear(ops.silu(gate) * up, self.down_proj[expert - lo])
+        else:
+            gate, up = F.linear(rows, self.gate_up_proj[expert - lo]).chunk(2, dim=-1)
+            out = F.linear(self.act_fn(gate) * up, self.down_proj[expert - lo])
+        pair_ids.append(pairs)
+        outputs.append(out)
+    hidden = hidden_states.shape[-1]
+    per_slot = x.new_zeros(tokens * top_k, hidden)
+    if outputs:
+        per_slot = per_slot.index_put((torch.cat(pair_ids),), torch.cat(outputs))
+    per_slot = per_slot.view(tokens, top_k, hidden)
+    # non-local slots: output 0 and weight 0 selected (not multiplied), so they add exactly +0.0
+    weights = torch.where(local.view(tokens, top_k), weights, torch.zeros((), dtype=weights.dtype))
+    if consistent:
+        partial = ops.moe_combine(per_slot, weights)  # fp32, slot order
+        return reduce_from_region(partial, group, ordered=True).to(hidden_states.dtype)
+    partial = (per_slot * weights.to(per_slot.dtype)[..., None]).sum(dim=1)
+    return reduce_from_region(partial, group, ordered=False).to(hidden_states.dtype)
+
+
+_EP_CLASSES: dict[type, type] = {}
+
+
+def _expert_parallel_class(cls: type) -> type:
+    if cls not in _EP_CLASSES:
+        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _expert_parallel_forward})
+    return _EP_CLASSES[cls]
+
+
+# ----------------------------------------------------------------------------------------------
+# shard_model
+# ----------------------------------------------------------------------------------------------
+
+
+def _classes():
+    from transformers.models.qwen3 import modeling_qwen3 as q3
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as q3m
+
+    return (
+        (q3.Qwen3Attention, q3m.Qwen3MoeAttention),
+        (q3.Qwen3MLP, q3m.Qwen3MoeMLP),
+        (q3m.Qwen3MoeExperts,),
+        (q3.Qwen3ForCausalLM, q3m.Qwen3MoeForCausalLM),
+    )
+
+
+def _slice_param(param: nn.Parameter, dim: int, index: int, parts: int) -> nn.Parameter:
+    size = param.shape[dim]
+    if size % parts:
+        raise ValueError(f"shard_model: dimension {dim} of size {size} does not split into {parts} parts")
+    width = size // parts
+    return nn.Parameter(param.detach().narrow(dim, index * width, width).clone(), requires_grad=param.requires_grad)
+
+
+def _column(linear: nn.Linear, group, rank: int, parts: int) -> None:
+    """Keep output rows [rank*n/parts, (rank+1)*n/parts)."""
+    linear.weight = _slice_param(linear.weight, 0, rank, parts)
+    if linear.bias is not None:
+        linear.bias = _slice_param(linear.bias, 0, rank, parts)
+    linear.out_features = linear.weight.shape[0]
+    linear.__class__ = ColumnParallelLinear
+    linear.tp_group = group
+
+
+def _row(linear: nn.Linear, group, rank: int, parts: int) -> None:
+    """Keep input columns [rank*k/parts, (rank+1)*k/parts); the bias stays whole (added once)."""
+    linear.weight = _slice_param(linear.weight, 1, rank, parts)
+    linear.in_features = linear.weight.shape[1]
+    linear.__class__ = RowParallelLinear
+    linear.tp_group = group
+
+
+def shard_model(model: nn.Module, *, tp_size: int, ep_size: int = 1, group=None) -> nn.Module:
+    """Shard a Qwen3 / Qwen3-MoE causal LM in place for ``group`` (default: the world group).
+
+    ``tp_size`` and ``ep_size`` must each be 1 or the group's size. Every rank must call it on a
+    model with the same (full) weights. The model's config is updated to the LOCAL head counts
+    (``num_attention_heads``, ``num_key_value_heads``), which is what sizes the rollout's
+    KV caches; the full counts are kept in :func:`layout_of`. Returns the model.
+    """
+    if not cm.is_patched():
+        raise RuntimeError("shard_model: call consistent_model.patch_transformers() first")
+    if layout_of(model) is not None:
+        raise RuntimeError(f"shard_model: the model is already sharded ({layout_of(model)})")
+    if not dist.is_initialized():
+        raise RuntimeError("shard_model: torch.distributed is not initialised")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    for name, size in (("tp_size", tp_size), ("ep_size", ep_size)):
+        if size not in (1, world):
+            raise ValueError(f"shard_model: {name}={size}; it must be 1 or the group size {world}")
+    attention_classes, mlp_classes, expert_classes, lm_classes = _classes()
+    if not isinstance(model, lm_classes):
+        raise cm.UnsupportedFeatureError(f"shard_model: {type(model).__name__} is not a Qwen3 / Qwen3-MoE causal LM")
+    config = model.config
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
+    if hq % tp_size or hkv % tp_size:
+        raise ValueError(f"shard_model: {hq} query / {hkv} KV heads do not split over TP {tp_size}")
+    num_experts = getattr(config, "num_experts", 0) or 0
+    if ep_size > 1 and (num_experts == 0 or num_experts % ep_size):
+        raise ValueError(f"shard_model: {num_experts} experts do not split over EP {ep_size}")
+    cm.convert_model(model)  # plain nn.Linear -> ConsistentLinear (idempotent)
+    for module in list(model.modules()):
+        if tp_size > 1 and isinstance(module, attention_classes):
+            # column blocks of q/k/v are whole heads: rank r owns heads [r*H/tp, (r+1)*H/tp)
+            for name in ("q_proj", "k_proj", "v_proj"):
+                _column(getattr(module, name), group, rank, tp_size)
+            _row(module.o_proj, group, rank, tp_size)
+        elif tp_size > 1 and isinstance(module, mlp_classes):
+            _column(module.gate_proj, group, rank, tp_size)
+            _column(module.up_proj, group, rank, tp_size)
+            _row(module.down_proj, group, rank, tp_size)
+        elif ep_size > 1 and isinstance(module, expert_classes):
+            n_local = module.num_experts // ep_size
+            module.gate_up_proj = _slice_param(module.gate_up_proj, 0, rank, ep_size)
+            module.down_proj = _slice_param(module.down_proj, 0, rank, ep_size)
+            module.__class__ = _expert_parallel_class(type(module))
+            module.ep_group, module.expert_offset, module.num_local_experts = group, rank * n_local, n_local
+    if tp_size > 1:
+        head = model.lm_head
+        if not isinstance(head, cm.ConsistentLMHead):
+            raise cm.UnsupportedFeatureError(f"shard_model: lm_head is a {type(head).__name__}")
+        head.weight = _slice_param(head.weight, 0, rank, tp_size)  # unties a tied head: the embedding stays whole
+        if head.bias is not None:
+            head.bias = _slice_param(head.bias, 0, rank, tp_size)
+        head.out_features = head.weight.shape[0]
+        head.__class__ = VocabParallelLMHead
+        head.tp_group = group
+        config.head_dim = head_dim  # pin it before the head counts change
+        config.num_attention_heads = hq // tp_size
+        config.num_key_value_heads = hkv // tp_size
+    model.true_on_policy_parallel = ParallelLayout(tp_size, ep_size, rank, world, (hq, hkv), group)
+    return model
