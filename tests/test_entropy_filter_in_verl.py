@@ -371,11 +371,3 @@ def test_without_the_filter_importance_weights_are_still_refused(monkeypatch):
         call_policy_loss(batch, rollout_is_weights=torch.ones(ROWS, RESPONSE_LENGTH))
     loss, _ = call_policy_loss(batch, rollout_is_weights=None)  # and no field: the plain loss
     assert torch.isfinite(loss)
-
-
-def test_the_launch_no_longer_refuses_the_filter():
-    from true_on_policy.verl_adapter import flashreinforce_registration
-
-    assert flashreinforce_registration.require_supported_settings(
-        settings_module.Settings(negative_token_fraction=0.5)
-    ) is None

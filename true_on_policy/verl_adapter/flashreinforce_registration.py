@@ -87,16 +87,6 @@ def compute_flashreinforce_advantage(
     return token_advantages, token_advantages
 
 
-def require_supported_settings(settings: settings_module.Settings) -> None:
-    """Refuse settings the verl loss cannot carry out; the launch hook calls this before Ray starts.
-
-    Nothing is refused at present: the entropy filter (q < 1), the one setting verl's loss call could
-    not carry, reaches the loss as the mask the trainer hook writes (see the module docstring). The
-    function stays as the launch's one place for such refusals.
-    """
-    del settings
-
-
 @register_policy_loss(NAME)
 def compute_flashreinforce_policy_loss(
     old_log_prob: torch.Tensor,

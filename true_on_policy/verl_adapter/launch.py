@@ -7,8 +7,7 @@ The wrapper does nothing unless the config has a ``true_on_policy:`` section; th
 Ray process exists, :func:`prepare_launch`
 
 1. validates the section (:class:`true_on_policy.settings.Settings`),
-2. enforces the FlashREINFORCE invariants (:mod:`true_on_policy.invariants`) and the settings
-   the verl loss can honour,
+2. enforces the FlashREINFORCE invariants (:mod:`true_on_policy.invariants`),
 3. pins the platform's determinism plan into the config (:mod:`true_on_policy.determinism_env`),
 4. refuses a launch whose training and rollout sides are not pinned identically
    (:mod:`true_on_policy.contract`), unless ``true_on_policy.allow_contract_mismatch=true``,
@@ -57,13 +56,11 @@ def prepare_launch(config) -> dict[str, str]:
     from omegaconf import OmegaConf, open_dict
 
     from true_on_policy import contract, determinism_env, invariants
-    from true_on_policy.verl_adapter import flashreinforce_registration
 
     section = recipe_section(config)
     resolved = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
     recipe = Settings.from_mapping(resolved)
     invariants.enforce_invariants(config, relax=recipe.relax_invariants)
-    flashreinforce_registration.require_supported_settings(recipe)
     if recipe.platform == "cpu" and (recipe.cpu_tensor_parallel_size > 1 or recipe.cpu_expert_parallel_size > 1):
         raise ValueError(
             "true_on_policy.cpu_tensor_parallel_size / cpu_expert_parallel_size > 1: CPU TP/EP is implemented "
