@@ -1,0 +1,156 @@
+"""The asynchronous single-rollout sampler in verl's real colocate_async trainer, on CPU.
+
+The e2e tests run ``python -m verl.trainer.main_ppo --config-name=cpu_tiny_async`` in a subprocess
+(Ray, the FSDP engine on gloo, the CPU rollout engine, TransferQueue) and read the per-step metrics
+from verl's console log. The unmarked tests at the end check the sampler's configuration errors
+without starting anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+from verl_run import run_trainer
+
+TESTS = Path(__file__).resolve().parent
+FAIL_ENV_VAR = "TOP_TEST_FAIL_FIRST_ROLLOUTS"
+
+CONFIG = "cpu_tiny_async"
+STEPS = 4
+BATCH = 8  # data.train_batch_size in configs/common/cpu_tiny.yaml
+PREFIX = "flashreinforce/sampler"
+HISTOGRAM = [f"{PREFIX}/policy_lag_hist/{bucket}" for bucket in ("lag_0", "lag_1", "lag_2", "lag_ge_3")]
+
+
+def check_lag_metrics(step: int, metrics: dict[str, float], max_policy_lag: int) -> None:
+    lag_min, lag_mean, lag_max = (metrics[f"{PREFIX}/policy_lag/{stat}"] for stat in ("min", "mean", "max"))
+    assert 0 <= lag_min <= lag_mean <= lag_max <= max_policy_lag, (step, lag_min, lag_mean, lag_max)
+    # The histogram counts every trajectory of the batch once.
+    assert sum(metrics[key] for key in HISTOGRAM) == BATCH, (step, [metrics[key] for key in HISTOGRAM])
+    assert metrics[f"{PREFIX}/policy_lag_hist/lag_{int(lag_max)}"] >= 1
+    # verl computes the same quantity independently from the same tags: (step - 1) - min_global_steps.
+    assert metrics["training/off_policy/trajectory_staleness_worst/max"] == lag_max
+    assert metrics["training/off_policy/trajectory_staleness_worst/mean"] == pytest.approx(lag_mean)
+    assert metrics[f"{PREFIX}/version_span/max"] >= 1
+    assert metrics[f"{PREFIX}/fill_seconds"] >= 0.0
+    # One rollout per prompt: a batch of 8 trajectories from 8 different prompts (epoch 0 of 256).
+    assert metrics[f"{PREFIX}/distinct_prompts"] == BATCH
+    assert metrics[f"{PREFIX}/epoch"] == 0
+    # Nothing lost or duplicated: after k steps the learner has seen exactly k * B prompts of the epoch.
+    assert metrics[f"{PREFIX}/epoch_delivered"] == step * BATCH
+
+
+@pytest.mark.e2e
+def test_async_run_logs_policy_lag_within_the_bound():
+    _, steps = run_trainer(CONFIG, f"trainer.total_training_steps={STEPS}")
+
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for step, metrics in steps.items():
+        check_lag_metrics(step, metrics, max_policy_lag=2)
+        assert metrics[f"{PREFIX}/requeued/rollout_failure"] == 0
+    # One warm-up batch is in flight ahead of the learner, so some batch trains on older weights.
+    assert max(metrics[f"{PREFIX}/policy_lag/max"] for metrics in steps.values()) >= 1
+
+
+@pytest.mark.e2e
+def test_lag_bound_zero_drops_stale_trajectories_and_requeues_their_prompts():
+    _, steps = run_trainer(
+        CONFIG, f"trainer.total_training_steps={STEPS}", "trainer.v1.sampler.sampler_kwargs.max_policy_lag=0"
+    )
+
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for step, metrics in steps.items():
+        check_lag_metrics(step, metrics, max_policy_lag=0)
+    # The warm-up batch finishes on version 0 and is too old by step 2: re-rolled, never trained on.
+    assert sum(metrics[f"{PREFIX}/requeued/policy_lag"] for metrics in steps.values()) >= 1
+
+
+class FailFirstRolloutsAgentLoop(SingleTurnAgentLoop):
+    """verl's single-turn loop, except that the first N distinct prompts it sees raise once each.
+
+    Runs in the agent-loop worker (a Ray actor; num_workers=1 in cpu_tiny, so one process keeps the
+    count). The exception is what a crashed tool or a dead server connection produces: verl's
+    agent_loop_tq marks the prompt ``failure`` with no trajectory.
+    """
+
+    failed_indices: set[int] = set()
+
+    async def run(self, sampling_params, **kwargs):
+        index = int(getattr(kwargs["index"], "item", lambda: kwargs["index"])())
+        budget = int(os.environ.get(FAIL_ENV_VAR, "0"))
+        if index not in self.failed_indices and len(self.failed_indices) < budget:
+            FailFirstRolloutsAgentLoop.failed_indices.add(index)
+            raise RuntimeError(f"injected rollout failure for prompt index {index}")
+        return await super().run(sampling_params, **kwargs)
+
+
+@pytest.mark.e2e
+def test_failed_rollouts_requeue_their_prompts_and_none_is_lost(tmp_path, monkeypatch):
+    failures = 3
+    registry = tmp_path / "fail_first_rollouts.yaml"
+    registry.write_text(f"- name: fail_first_rollouts\n  _target_: {Path(__file__).stem}.FailFirstRolloutsAgentLoop\n")
+    # Ray workers of the local cluster inherit the driver's environment: they import the loop from here.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(FAIL_ENV_VAR, str(failures))
+
+    _, steps = run_trainer(
+        CONFIG,
+        f"trainer.total_training_steps={STEPS}",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={registry}",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=fail_first_rollouts",
+    )
+
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for step, metrics in steps.items():
+        check_lag_metrics(step, metrics, max_policy_lag=2)
+    # Each failure re-queued its prompt once; the re-roll succeeded and the epoch count stayed exact.
+    assert sum(metrics[f"{PREFIX}/requeued/rollout_failure"] for metrics in steps.values()) == failures
+
+
+# ---------------------------------------------------------------------- configuration errors (no Ray)
+def _sampler(**overrides):
+    from true_on_policy.verl_adapter.async_sampler import SingleRolloutAsyncSampler
+
+    class Trainer:  # stands in for the trainer only as the owner of refill_fn
+        def _add_prompts_to_generate(self, num_prompts):
+            raise AssertionError("not called by the constructor")
+
+    arguments = dict(
+        trainer_mode="colocate_async",
+        trainer_config={},
+        max_off_policy_threshold=None,
+        max_off_policy_strategy="drop",
+        sampler_kwargs={"max_policy_lag": 2, "lag_strategy": "drop"},
+        refill_fn=Trainer()._add_prompts_to_generate,
+    )
+    arguments.update(overrides)
+    return SingleRolloutAsyncSampler(**arguments)
+
+
+def test_sampler_accepts_the_shipped_settings():
+    sampler = _sampler()
+    assert (sampler.max_policy_lag, sampler.lag_strategy) == (2, "drop")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"trainer_mode": "sync"}, "needs an async v1 trainer"),
+        ({"max_off_policy_threshold": 8}, "set max_off_policy_threshold=null"),
+        ({"refill_fn": None}, "re-dispatches prompts through the trainer's agent loop"),
+        ({"sampler_kwargs": {"max_policy_lag": -1}}, "max_policy_lag must be an int >= 0"),
+        ({"sampler_kwargs": {"max_policy_lag": 1, "lag_strategy": "skip"}}, "lag_strategy must be one of"),
+        ({"sampler_kwargs": {"lag_strategy": "wait"}}, "max_policy_lag is null"),
+        ({"sampler_kwargs": {"poll_interval_s": 0}}, "poll_interval_s must be a number > 0"),
+        ({"sampler_kwargs": {"rollout_timeout_s": -5}}, "rollout_timeout_s must be a number > 0"),
+        ({"sampler_kwargs": {"lag_histogram_buckets": 1}}, "lag_histogram_buckets must be an int >= 2"),
+        ({"sampler_kwargs": {"max_lag": 2}}, r"unknown key\(s\) \['max_lag'\]"),
+    ],
+)
+def test_bad_sampler_settings_name_the_problem(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _sampler(**overrides)
