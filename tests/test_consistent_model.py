@@ -4,7 +4,6 @@ caches) on the SAME transformers modules: bitwise-equal log-probs with the flag 
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -12,18 +11,11 @@ import torch
 from true_on_policy import consistent_model as cm
 from true_on_policy import consistent_ops as ops
 from true_on_policy.tiny_assets import build_model, tiny_model_config
+from kernel_helpers import threads, patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)
 
 # (prompt length, total length): mixed lengths, a 1-token prompt, and decode steps crossing the
 # 64- and 128-token KV block boundaries; request 1's prompt is prefilled in two chunks (25 + 85)
 REQUESTS = [(5, 23), (110, 140), (1, 12), (50, 70)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def patched():
-    previous = ops.enabled()
-    cm.patch_transformers()
-    yield
-    ops.set_enabled(previous)
 
 
 @pytest.fixture(autouse=True)
@@ -33,16 +25,6 @@ def flag_off_after():
 
 
 _MODELS: dict = {}
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def model_for(kind: str, dtype: torch.dtype):

@@ -6,7 +6,6 @@ among them, on the sequence position a tile starts at, or on 1 vs 2 threads.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -14,16 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from true_on_policy import consistent_ops as ops
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+from kernel_helpers import threads
 
 
 def gen(seed: int) -> torch.Generator:

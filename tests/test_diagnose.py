@@ -20,14 +20,7 @@ from true_on_policy import consistent_model as cm
 from true_on_policy import consistent_ops as ops
 from true_on_policy import diagnose as dg
 from true_on_policy.tiny_assets import build_model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def patched():
-    previous = ops.enabled()
-    cm.patch_transformers()
-    yield
-    ops.set_enabled(previous)
+from kernel_helpers import patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)
 
 
 _BASE: dict = {}
