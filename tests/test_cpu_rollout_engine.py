@@ -175,3 +175,22 @@ def test_load_weights_takes_verls_per_expert_moe_layout():
     served = engine.model.state_dict()
     assert served.keys() == trained.state_dict().keys()
     assert all(torch.equal(served[name], tensor) for name, tensor in trained.state_dict().items())
+
+
+def test_verl_sampling_params_are_translated_or_refused_by_name():
+    from true_on_policy.verl_adapter.cpu_rollout import sampling_params_from_request
+
+    params = sampling_params_from_request(
+        {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "logprobs": True, "seed": 3, "max_tokens": 5}, 16
+    )
+    assert params == SamplingParams(max_new_tokens=5, temperature=0.7, seed=3)
+    assert sampling_params_from_request({}, 16).max_new_tokens == 16
+    for bad, name in [
+        ({"top_p": 0.9}, "top_p"),
+        ({"top_k": 50}, "top_k"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"ignore_eos": True}, "ignore_eos"),
+        ({"min_p": 0.1}, "min_p"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            sampling_params_from_request(bad, 16)

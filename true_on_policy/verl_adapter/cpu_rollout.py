@@ -71,7 +71,8 @@ def sampling_params_from_request(params: dict[str, Any], default_max_tokens: int
     temperature = float(params.pop("temperature", 1.0))
     seed = params.pop("seed", None)
     params.pop("logprobs", None)  # log-probs are always returned
-    params.pop("ignore_eos", None)
+    if params.pop("ignore_eos", False):
+        raise ValueError("ignore_eos=True is not supported by the CPU rollout (EOS always ends a request)")
     if params:
         raise ValueError(f"sampling parameters not supported by the CPU rollout: {sorted(params)}")
     return SamplingParams(max_new_tokens=int(max_tokens), temperature=temperature, seed=seed)
