@@ -87,16 +87,16 @@ class CPUServer:
 
         from true_on_policy.cpu_rollout_engine import RolloutEngine
 
-        self.config = omega_conf_to_dataclass(config)
+        self.config = config = omega_conf_to_dataclass(config)
         self.model_config = model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
         self.rollout_mode = rollout_mode
         self.replica_rank = replica_rank
         self.global_steps = None
         model = load_serving_model(model_config.local_path, config.dtype)
-        tokenizer_eos = getattr(model_config, "tokenizer", None)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        if eos is None and tokenizer_eos is not None:
-            eos = tokenizer_eos.eos_token_id
+        tokenizer = getattr(model_config, "tokenizer", None)
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
         self.engine = RolloutEngine(
             model,
             eos_token_id=eos,
@@ -254,9 +254,6 @@ class CPUReplica(RolloutReplica):
         self._server_handle = server
         address, port = await server.get_server_address.remote()
         self._server_address = f"{address}:{port}"
-
-    async def sleep(self):
-        await asyncio.gather(*[server.sleep.remote() for server in self.servers])
 
 
 class CPUServerAdapter(rollout_base.BaseRollout):
