@@ -3,7 +3,7 @@
 What it measures: trajectories per second delivered to the learner, async / sync, in one run.
 
 The workload: every trajectory is an agent of ``--turns`` turns. A turn is one generation of up to
-``--tokens`` tokens by the real CPU rollout engine (:class:`true_on_policy.cpu_rollout_engine.RolloutEngine`,
+``--tokens`` tokens by the real CPU rollout engine (:class:`true_on_policy.rollout.engine.RolloutEngine`,
 continuous batching over all agents that are generating, tiny Qwen3 with random weights), followed by
 a simulated tool call whose latency is drawn from a Pareto distribution (shape ``--pareto-alpha``,
 minimum ``--tool-ms``): most calls are quick, a few take many times longer, as real environments do.
@@ -18,7 +18,7 @@ Both variants share everything except the sampling policy:
 - **sync**: dispatch B prompts, wait until *all* B trajectories finish (the batch costs its slowest
   member), step, dispatch the next B;
 - **async**: a finished agent's slot takes the next prompt at once, and the learner takes the next B
-  trajectories in completion order through :class:`true_on_policy.prompt_ledger.PromptLedger`, the
+  trajectories in completion order through :class:`true_on_policy.rollout.prompt_ledger.PromptLedger`, the
   accounting the verl sampler (true_on_policy.verl_adapter.async_sampler) uses, with the same lag
   bound as configs/cpu_tiny_async.yaml (``--max-policy-lag``, drop: a trajectory beyond it is
   re-rolled and counted).
@@ -47,9 +47,11 @@ import time
 
 import torch
 
-from true_on_policy import consistent_model, consistent_ops
-from true_on_policy.cpu_rollout_engine import RolloutEngine, SamplingParams, derive_seed
-from true_on_policy.prompt_ledger import PromptLedger, PromptSlot, SlotState, policy_lag
+from true_on_policy.kernels import model as consistent_model
+
+from true_on_policy.kernels import ops as consistent_ops
+from true_on_policy.rollout.engine import RolloutEngine, SamplingParams, derive_seed
+from true_on_policy.rollout.prompt_ledger import PromptLedger, PromptSlot, SlotState, policy_lag
 from true_on_policy.tiny_assets import VOCAB_SIZE, build_model, tiny_model_config
 
 FIRST_REGULAR_TOKEN = 3  # after the tokenizer's special tokens

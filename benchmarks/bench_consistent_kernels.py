@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from true_on_policy import consistent_model as cm
-from true_on_policy import consistent_ops as ops
+from true_on_policy.kernels import model as cm
+from true_on_policy.kernels import ops
 from true_on_policy.tiny_assets import tiny_model_config
 
 

@@ -51,7 +51,7 @@ export PYTHONPATH="${repo}${PYTHONPATH:+:${PYTHONPATH}}"
 if [[ "${dry_run}" == 1 ]]; then
     echo "# dry run: PLATFORM=${PLATFORM} NNODES=${NNODES} NPUS_PER_NODE=${NPUS_PER_NODE} MODEL_PATH=${MODEL_PATH}"
     set +e
-    "${PYTHON}" -m true_on_policy.check_cli --config-path "${config_path}" --config-name "${config_name}" \
+    "${PYTHON}" -m true_on_policy.cli.check --config-path "${config_path}" --config-name "${config_name}" \
         --python "${PYTHON}" --show-config --plan --show-command -- "${overrides[@]+"${overrides[@]}"}"
     rc=$?
     set -e
@@ -64,7 +64,7 @@ fi
 command=()
 while IFS= read -r -d '' part; do
     command+=("${part}")
-done < <("${PYTHON}" -m true_on_policy.check_cli --config-path "${config_path}" --config-name "${config_name}" \
+done < <("${PYTHON}" -m true_on_policy.cli.check --config-path "${config_path}" --config-name "${config_name}" \
     --python "${PYTHON}" --command-args -- "${overrides[@]+"${overrides[@]}"}")
 if [[ ${#command[@]} == 0 ]]; then
     echo "could not build the launch command (see the error above)" >&2

@@ -5,7 +5,9 @@ import contextlib
 import pytest
 import torch
 
-from true_on_policy import consistent_model, consistent_ops
+from true_on_policy.kernels import model as consistent_model
+
+from true_on_policy.kernels import ops as consistent_ops
 
 
 @contextlib.contextmanager

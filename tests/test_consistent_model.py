@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from true_on_policy import consistent_model as cm
-from true_on_policy import consistent_ops as ops
+from true_on_policy.kernels import model as cm
+from true_on_policy.kernels import ops
 from true_on_policy.tiny_assets import build_model, tiny_model_config
 from kernel_helpers import threads, patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from true_on_policy import consistent_ops as ops
+from true_on_policy.kernels import ops
 from kernel_helpers import threads
 
 

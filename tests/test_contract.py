@@ -16,7 +16,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from true_on_policy import check_cli, contract, determinism_env
+from true_on_policy.cli import check as check_cli
+
+from true_on_policy.contract import consistency as contract
+
+from true_on_policy.contract import determinism_plan as determinism_env
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -84,7 +88,7 @@ def test_check_reports_rollout_tp_mismatch():
 
 def test_check_cli_as_subprocess():
     proc = subprocess.run(
-        [sys.executable, "-m", "true_on_policy.check_cli", "--config-path", str(CONFIGS), "--config-name", ASCEND],
+        [sys.executable, "-m", "true_on_policy.cli.check", "--config-path", str(CONFIGS), "--config-name", ASCEND],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -227,7 +231,7 @@ def test_format_table_is_side_by_side(ascend_cfg):
 
 
 def test_contract_module_does_not_import_verl():
-    code = "import sys, true_on_policy.contract, true_on_policy.determinism_env as d; " \
+    code = "import sys, true_on_policy.contract.consistency, true_on_policy.contract.determinism_plan as d; " \
            "d.plan(True, 'ascend', versions={}); d.plan(True, 'cuda', versions={}); " \
            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('verl','torch','torch_npu','vllm','vllm_ascend')))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

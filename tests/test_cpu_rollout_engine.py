@@ -5,8 +5,12 @@ import math
 import pytest
 import torch
 
-from true_on_policy import consistent_model, consistent_ops, tiny_assets
-from true_on_policy.cpu_rollout_engine import RolloutEngine, SamplingParams, sampling_log_probs
+from true_on_policy import tiny_assets
+
+from true_on_policy.kernels import model as consistent_model
+
+from true_on_policy.kernels import ops as consistent_ops
+from true_on_policy.rollout.engine import RolloutEngine, SamplingParams, sampling_log_probs
 
 EOS = tiny_assets.SPECIAL_TOKENS.index("<|im_end|>")
 

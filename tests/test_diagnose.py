@@ -2,7 +2,7 @@
 named with the right layer, op and category; identical models are clean with the flag on and show an
 ``operator`` divergence with the default kernels in bf16.
 
-Categories follow the rules in true_on_policy/diagnose.py: equal inputs and different parameters ->
+Categories follow the rules in true_on_policy/diagnose/core.py: equal inputs and different parameters ->
 weights; equal inputs and parameters but a different module configuration (attributes, attention
 implementation, executed children...) -> implementation; nothing visible differs -> operator.
 """
@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from true_on_policy import consistent_model as cm
-from true_on_policy import consistent_ops as ops
-from true_on_policy import diagnose as dg
+from true_on_policy.kernels import model as cm
+from true_on_policy.kernels import ops
+from true_on_policy.diagnose import core as dg
 from true_on_policy.tiny_assets import build_model
 from kernel_helpers import patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)
 
@@ -222,7 +222,7 @@ def test_classifier_priority_parallel_weights_implementation_operator():
 
 
 def test_cli_writes_json_and_plot_and_rejects_bad_input(tmp_path, capsys):
-    from true_on_policy import diagnose_cli
+    from true_on_policy.cli import diagnose as diagnose_cli
 
     out_json, out_png = tmp_path / "report.json", tmp_path / "report.png"
     argv = ["--inject", "eps", "--prompts", "2", "--new-tokens", "3", "--json", str(out_json), "--plot", str(out_png)]

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from true_on_policy import settings as settings_module
-from true_on_policy.flashreinforce import (
+from true_on_policy.config import settings as settings_module
+from true_on_policy.loss.flashreinforce import (
     entropy_filter,
     flashreinforce_loss,
     flashreinforce_loss_from_advantages,

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from true_on_policy import settings as settings_module
-from true_on_policy.flashreinforce import flashreinforce_loss
+from true_on_policy.config import settings as settings_module
+from true_on_policy.loss.flashreinforce import flashreinforce_loss
 
 F64 = torch.float64
 ROWS, PROMPT_LENGTH, RESPONSE_LENGTH, HIDDEN, VOCAB = 6, 2, 5, 4, 7

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from true_on_policy.flashreinforce import (
+from true_on_policy.loss.flashreinforce import (
     STATS_KEYS,
     flashreinforce_loss,
     flashreinforce_loss_from_advantages,

@@ -13,7 +13,7 @@ import pathlib
 import pytest
 from omegaconf import OmegaConf
 
-from true_on_policy.invariants import INVARIANT_NAMES, MISSING, check_invariants, enforce_invariants
+from true_on_policy.config.invariants import INVARIANT_NAMES, MISSING, check_invariants, enforce_invariants
 
 
 @functools.cache

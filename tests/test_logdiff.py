@@ -31,7 +31,7 @@ def test_logdiff_cli_reports_zero_only_with_the_flag_on():
 
 
 def test_prompt_lengths_span_1_to_200():
-    from true_on_policy.logdiff import prompt_lengths
+    from true_on_policy.cli.logdiff import prompt_lengths
 
     lengths = prompt_lengths(8)
     assert lengths[0] == 1 and lengths[-1] == 200 and len(set(lengths)) == 8

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from true_on_policy.prompt_ledger import (
+from true_on_policy.rollout.prompt_ledger import (
     REQUEUE_FAILURE,
     REQUEUE_POLICY_LAG,
     REQUEUE_TIMEOUT,

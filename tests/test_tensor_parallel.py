@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from true_on_policy import check_cli
-from true_on_policy import contract as contract_mod
-from true_on_policy import tensor_parallel as tp
+from true_on_policy.cli import check as check_cli
+from true_on_policy.contract import consistency as contract_mod
+from true_on_policy.kernels import tensor_parallel as tp
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = 2
@@ -40,8 +40,8 @@ def _rollout(model, prompts, generate, seed):
     """Continuous batching: request i is admitted (prefilled) at step i while the earlier ones
     decode; tokens are sampled per request from the fp32 distribution. Returns per request the
     tokens and the log-probs of tokens 1..L-1 (prompt tokens from the prefill rows)."""
-    from true_on_policy import consistent_model as cm
-    from true_on_policy import consistent_ops as ops
+    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels import ops
 
     n = len(prompts)
     caches = [cm.KVCache() for _ in range(n)]
@@ -80,8 +80,8 @@ def caches_of(caches, active):
 
 def _train(model, sequences, groups):
     """Packed training forwards, one per micro-batch; log-probs of tokens 1..L-1 per sequence."""
-    from true_on_policy import consistent_model as cm
-    from true_on_policy import consistent_ops as ops
+    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels import ops
 
     out = [None] * len(sequences)
     for group in groups:
@@ -97,7 +97,7 @@ def _train(model, sequences, groups):
 
 
 def _model(kind, dtype, tp_size=1, ep_size=1):
-    from true_on_policy import consistent_model as cm
+    from true_on_policy.kernels import model as cm
     from true_on_policy.tiny_assets import build_model
 
     model = build_model(kind, seed=0).to(dtype)
@@ -109,7 +109,7 @@ def _model(kind, dtype, tp_size=1, ep_size=1):
 
 def _grad_check(kind, sequences):
     """fp32 training backward, TP2(/EP2) vs TP1: the sharded gradients are correct (allclose)."""
-    from true_on_policy import consistent_ops as ops
+    from true_on_policy.kernels import ops
 
     full, sharded = _model(kind, torch.float32), _model(kind, torch.float32, 2, 2 if kind == "moe" else 1)
     seqs = [torch.tensor(s) for s in sequences[:2]]
@@ -170,8 +170,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        from true_on_policy import consistent_model as cm
-        from true_on_policy import consistent_ops as ops
+        from true_on_policy.kernels import model as cm
+        from true_on_policy.kernels import ops
 
         cm.patch_transformers()
         g = torch.Generator().manual_seed(7)

@@ -52,9 +52,9 @@ from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-from true_on_policy import settings as settings_module
-from true_on_policy.check_cli import compose_config
-from true_on_policy.flashreinforce import entropy_filter
+from true_on_policy.config import settings as settings_module
+from true_on_policy.cli.check import compose_config
+from true_on_policy.loss.flashreinforce import entropy_filter
 from true_on_policy.verl_adapter import flashreinforce_registration, trainer_hooks
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -25,19 +25,19 @@ def _build_assets(argv: list[str]) -> int:
 
 
 def _check(argv: list[str]) -> int:
-    from true_on_policy import check_cli
+    from true_on_policy.cli import check as check_cli
 
     return check_cli.main(argv)
 
 
 def _logdiff(argv: list[str]) -> int:
-    from true_on_policy import logdiff
+    from true_on_policy.cli import logdiff
 
     return logdiff.main(argv)
 
 
 def _diagnose(argv: list[str]) -> int:
-    from true_on_policy import diagnose_cli
+    from true_on_policy.cli import diagnose as diagnose_cli
 
     return diagnose_cli.main(argv)
 

@@ -20,7 +20,7 @@ The behaviour version used for the lag is the oldest one: every token's importan
 against the log-prob recorded when it was sampled, and the oldest weights are the worst case.
 At learner step ``s`` the weights are version ``s - 1``, so the lag is ``s - 1 - min_global_steps``.
 
-Prompt accounting lives in :class:`true_on_policy.prompt_ledger.PromptLedger`: every prompt is
+Prompt accounting lives in :class:`true_on_policy.rollout.prompt_ledger.PromptLedger`: every prompt is
 rolled out once per epoch and reaches the learner at most once; a failed, aborted, timed-out or
 lag-dropped rollout re-queues the *same* prompt (re-read from the copy verl's async trainers keep in
 TransferQueue) under a fresh uid, and anything the replaced attempt still writes is discarded.
@@ -65,7 +65,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.utils import tensordict_utils as tu
 from verl.utils.skip import SkipManager
 
-from true_on_policy.prompt_ledger import (
+from true_on_policy.rollout.prompt_ledger import (
     LAG_STRATEGIES,
     REQUEUE_FAILURE,
     REQUEUE_REASONS,

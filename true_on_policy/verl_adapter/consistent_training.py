@@ -1,6 +1,6 @@
 """The project's model code on verl's training side (CPU platform).
 
-The model half is :func:`true_on_policy.consistent_model.patch_transformers`: the same module code
+The model half is :func:`true_on_policy.kernels.model.patch_transformers`: the same module code
 the CPU rollout engine runs, registered as ``attn_implementation="true_on_policy"``. It is
 installed whatever the flag, since the CPU configs name that attention; with the flag off it runs
 the default kernels (SDPA, F.linear), with the flag on the consistent ones.
@@ -18,7 +18,7 @@ import functools
 
 def consistent_logprobs_from_logits(logits, labels, inplace_backward=True):
     """verl's ``logprobs_from_logits`` signature on the consistent log-softmax."""
-    from true_on_policy import consistent_ops
+    from true_on_policy.kernels import ops as consistent_ops
 
     return consistent_ops.token_log_probs(logits, labels)
 
@@ -27,7 +27,9 @@ def consistent_logprobs_from_logits(logits, labels, inplace_backward=True):
 def activate(deterministic: bool) -> None:
     from verl.workers.engine.fsdp import transformer_impl
 
-    from true_on_policy import consistent_model, consistent_ops
+    from true_on_policy.kernels import model as consistent_model
+
+    from true_on_policy.kernels import ops as consistent_ops
 
     consistent_model.patch_transformers()
     if deterministic:

@@ -10,7 +10,7 @@ verl needs two registrations for a backend (both done by :func:`register`, both 
   sleep / wake-up calls to the server actor.
 
 The agent loop talks to :class:`CPUServer` token-in-token-out (``generate``), as it does to vLLM.
-The server runs :class:`true_on_policy.cpu_rollout_engine.RolloutEngine`'s loop in a thread, so
+The server runs :class:`true_on_policy.rollout.engine.RolloutEngine`'s loop in a thread, so
 requests keep arriving and leaving while a step runs.
 """
 
@@ -43,7 +43,7 @@ def load_serving_model(model_path: str, dtype: str):
     """The rollout's copy of the model, in the rollout dtype, on the project's module code."""
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy import consistent_model
+    from true_on_policy.kernels import model as consistent_model
 
     if dtype not in _DTYPES:
         raise ValueError(f"rollout.dtype={dtype!r} is not supported by the CPU rollout; use one of {sorted(_DTYPES)}")
@@ -55,7 +55,7 @@ def load_serving_model(model_path: str, dtype: str):
 
 def sampling_params_from_request(params: dict[str, Any], default_max_tokens: int):
     """verl's sampling-params dict -> the engine's; anything the engine cannot honour is an error."""
-    from true_on_policy.cpu_rollout_engine import SamplingParams
+    from true_on_policy.rollout.engine import SamplingParams
 
     params = dict(params)
     top_p = params.pop("top_p", 1.0)
@@ -85,7 +85,7 @@ class CPUServer:
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import HFModelConfig
 
-        from true_on_policy.cpu_rollout_engine import RolloutEngine
+        from true_on_policy.rollout.engine import RolloutEngine
 
         self.config = config = omega_conf_to_dataclass(config)
         self.model_config = model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)

@@ -4,7 +4,7 @@
   A_i = R_i - batch mean, broadcast over the response and multiplied by ``response_mask``;
 * policy loss ``flashreinforce`` (``actor_rollout_ref.actor.policy_loss.loss_mode=flashreinforce``).
 
-Both delegate the math to :mod:`true_on_policy.flashreinforce`; this module only translates verl's
+Both delegate the math to :mod:`true_on_policy.loss.flashreinforce`; this module only translates verl's
 calling conventions. verl calls the policy loss once per micro-batch (workers/utils/losses.py
 ``ppo_loss``), with ``old_log_prob`` = the batch's ``old_log_probs``, which in this project are the
 rollout engine's recorded sampling log-probs: the behaviour log-probs of the gate and the ratio.
@@ -14,7 +14,7 @@ carries no entropies and no rewards; of the per-token fields ``ppo_loss`` forwar
 advantages, rollout_is_weights) only ``rollout_is_weights`` is free: the gate replaces importance
 weighting, so verl's rollout correction is refused anyway (invariant ``no_rollout_correction``).
 The trainer hook (:mod:`true_on_policy.verl_adapter.trainer_hooks`) therefore writes the
-filter's keep decisions, computed in the driver by :func:`true_on_policy.flashreinforce.entropy_filter`
+filter's keep decisions, computed in the driver by :func:`true_on_policy.loss.flashreinforce.entropy_filter`
 from the recompute's token entropies and the sequence rewards, into the batch's
 ``rollout_is_weights`` field, and this loss reads that field as the FILTER MASK, never as weights:
 
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from verl.trainer.ppo.core_algos import register_adv_est, register_policy_loss
 
-from true_on_policy import settings as settings_module
-from true_on_policy.flashreinforce import flashreinforce_loss_from_advantages, kept_token_count, sequence_advantages
+from true_on_policy.config import settings as settings_module
+from true_on_policy.loss.flashreinforce import flashreinforce_loss_from_advantages, kept_token_count, sequence_advantages
 
 NAME = "flashreinforce"
 SAMPLE_MEAN = "seq-mean-token-mean"

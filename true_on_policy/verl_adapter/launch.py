@@ -6,11 +6,11 @@ name when it is imported, after the plugin loaded, so wrapping it here reaches t
 The wrapper does nothing unless the config has a ``true_on_policy:`` section; then, before any
 Ray process exists, :func:`prepare_launch`
 
-1. validates the section (:class:`true_on_policy.settings.Settings`),
-2. enforces the FlashREINFORCE invariants (:mod:`true_on_policy.invariants`),
-3. pins the platform's determinism plan into the config (:mod:`true_on_policy.determinism_env`),
+1. validates the section (:class:`true_on_policy.config.settings.Settings`),
+2. enforces the FlashREINFORCE invariants (:mod:`true_on_policy.config.invariants`),
+3. pins the platform's determinism plan into the config (:mod:`true_on_policy.contract.determinism_plan`),
 4. refuses a launch whose training and rollout sides are not pinned identically
-   (:mod:`true_on_policy.contract`), unless ``true_on_policy.allow_contract_mismatch=true``,
+   (:mod:`true_on_policy.contract.consistency`), unless ``true_on_policy.allow_contract_mismatch=true``,
 5. exports the settings and the plan's worker environment into the driver's environment and into
    ``ray_kwargs.ray_init.runtime_env.env_vars`` (which main_ppo merges into ``ray.init``), so
    every Ray worker sees them before it builds a model.
@@ -27,8 +27,8 @@ import json
 import logging
 import os
 
-from true_on_policy import settings as settings_module
-from true_on_policy.settings import Settings
+from true_on_policy.config import settings as settings_module
+from true_on_policy.config.settings import Settings
 
 logger = logging.getLogger("true_on_policy")
 
@@ -55,7 +55,11 @@ def prepare_launch(config) -> dict[str, str]:
     """
     from omegaconf import OmegaConf, open_dict
 
-    from true_on_policy import contract, determinism_env, invariants
+    from true_on_policy.contract import consistency as contract
+
+    from true_on_policy.contract import determinism_plan as determinism_env
+
+    from true_on_policy.config import invariants
 
     section = recipe_section(config)
     resolved = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
@@ -64,7 +68,7 @@ def prepare_launch(config) -> dict[str, str]:
     if recipe.platform == "cpu" and (recipe.cpu_tensor_parallel_size > 1 or recipe.cpu_expert_parallel_size > 1):
         raise ValueError(
             "true_on_policy.cpu_tensor_parallel_size / cpu_expert_parallel_size > 1: CPU TP/EP is implemented "
-            "at library level (true_on_policy.tensor_parallel) and proven bitwise there, but neither verl's FSDP "
+            "at library level (true_on_policy.kernels.tensor_parallel) and proven bitwise there, but neither verl's FSDP "
             "engine nor the Ray-served CPU rollout shards the model; run CPU jobs with both set to 1"
         )
 
@@ -130,7 +134,7 @@ def activate_from_environment() -> Settings | None:
     recipe = settings_module.current()
     if recipe is None:
         return None
-    from true_on_policy import determinism_env
+    from true_on_policy.contract import determinism_plan as determinism_env
     from true_on_policy.verl_adapter import trainer_hooks
 
     if os.environ.get(IN_PROCESS_ENV):

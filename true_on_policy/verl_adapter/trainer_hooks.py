@@ -30,7 +30,7 @@ task reward on the last response token). After verl's ``_compute_advantage``, th
 writes per-token fields before ``_update_actor``, :func:`write_entropy_filter_mask` computes
 
     failed_i = sum_t rm_scores_it <= true_on_policy.failure_reward_threshold
-    keep = true_on_policy.flashreinforce.entropy_filter(response_mask, entropy, failed, q)
+    keep = true_on_policy.loss.flashreinforce.entropy_filter(response_mask, entropy, failed, q)
 
 and stores ``keep`` (float 0/1) as the field ``rollout_is_weights``. The actor worker fetches every
 field of its samples, and verl's ``ppo_loss`` forwards that field to the policy loss, which reads it
@@ -58,8 +58,8 @@ import functools
 
 import torch
 
-from true_on_policy import settings as settings_module
-from true_on_policy.flashreinforce import entropy_filter
+from true_on_policy.config import settings as settings_module
+from true_on_policy.loss.flashreinforce import entropy_filter
 from true_on_policy.verl_adapter.flashreinforce_registration import FILTER_MASK_FIELD, METRIC_PREFIX
 
 # Driver-side metric: the fraction of the step's trajectories the filter treats as failed.

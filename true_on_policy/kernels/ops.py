@@ -26,7 +26,7 @@ consistent kernel and whose backward uses plain matmuls (gradients need not be b
 the other ops differentiate through their (elementwise) torch ops.
 
 The switch (:func:`enabled`, :func:`enable`, :func:`disable`, :func:`consistent`) is THE one flag:
-:mod:`true_on_policy.consistent_model` routes the model's modules through these ops iff it is on.
+:mod:`true_on_policy.kernels.model` routes the model's modules through these ops iff it is on.
 The ops themselves always compute the consistent way. Pure torch; no verl, no transformers import.
 """
 

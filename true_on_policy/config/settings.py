@@ -34,17 +34,17 @@ class Settings:
     negative_token_fraction: float = 1.0
     # A trajectory counts as failed for the entropy filter iff its sequence reward is <= this.
     failure_reward_threshold: float = 0.0
-    # FlashREINFORCE invariants (true_on_policy.invariants) relaxed on purpose, by name.
+    # FlashREINFORCE invariants (true_on_policy.config.invariants) relaxed on purpose, by name.
     relax_invariants: tuple[str, ...] = ()
     # Launch even when the training and rollout sides are not pinned identically (contract check).
     allow_contract_mismatch: bool = False
-    # Pins for what verl's config has no key for; both sides must resolve to them (true_on_policy.contract).
+    # Pins for what verl's config has no key for; both sides must resolve to them (true_on_policy.contract.consistency).
     attention_backend: str | None = None  # attention family both sides run, e.g. "flash_attn"
     row_parallel_reduction: str | None = None  # "none" | "all_reduce" | "reduce_scatter+all_gather"
     moe_dispatcher: str | None = None  # "local" | "alltoall" | "allgather"
     moe_combine: str | None = None  # MoE combine order, e.g. "expert_major"
     moe_router_dtype: str | None = None  # e.g. "fp32"
-    # CPU backend sharding (true_on_policy.tensor_parallel); the contract compares them with the
+    # CPU backend sharding (true_on_policy.kernels.tensor_parallel); the contract compares them with the
     # rollout's TP/EP. Library-level only: a verl launch with either > 1 is refused.
     cpu_tensor_parallel_size: int = 1
     cpu_expert_parallel_size: int = 1

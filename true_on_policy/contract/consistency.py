@@ -8,7 +8,7 @@ environment. :func:`build_contract` reads each of those, per side, from the real
 where verl has no slot, from the place the project pins it), :func:`compare` lists what differs
 and how to fix it, :func:`format_table` prints both columns side by side.
 
-Pure: imports omegaconf only through :mod:`true_on_policy.determinism_env` helpers, never verl.
+Pure: imports omegaconf only through :mod:`true_on_policy.contract.determinism_plan` helpers, never verl.
 
 Where each field is read from
 -----------------------------
@@ -21,7 +21,7 @@ through verl's ``oc.select`` interpolations):
   {attention_backend (verl default flash), use_flash_attn_npu_batch_invariant, moe_token_dispatcher_type
   (verl default alltoall), moe_router_dtype}``.
 * fsdp / fsdp2: no TP/EP/PP/CP (1) -- except on ``platform: cpu``, where TP and EP are the CPU
-  backend's (:mod:`true_on_policy.tensor_parallel`), read from ``true_on_policy.{cpu_tensor_parallel_size,
+  backend's (:mod:`true_on_policy.kernels.tensor_parallel`), read from ``true_on_policy.{cpu_tensor_parallel_size,
   cpu_expert_parallel_size}`` (default 1); ``actor_rollout_ref.actor.fsdp_config.{mixed_precision.param_dtype
   (compute dtype, verl default bf16), model_dtype (master weights), ulysses_sequence_parallel_size}``;
   attention ``actor_rollout_ref.model.override_config.attn_implementation`` (verl default
@@ -43,7 +43,7 @@ Rollout side (``actor_rollout_ref.rollout.name``):
   enable_sp, additional_config.rl_config.*, additional_config.enable_flashcomm1}``.
 * cpu: the project's CPU engine, the consistent kernels; TP = ``rollout.tensor_model_parallel_size``,
   EP = ``rollout.expert_parallel_size`` (as declared: no vLLM TP*DP rule), sharded by
-  :mod:`true_on_policy.tensor_parallel` (row-parallel combine: all-gather + ordered fp32 fold;
+  :mod:`true_on_policy.kernels.tensor_parallel` (row-parallel combine: all-gather + ordered fp32 fold;
   experts whole on their rank, no token dispatch); DP 1.
 
 Keys verl has no slot for are pinned in the ``true_on_policy:`` section (read with ``.get`` until
@@ -52,7 +52,7 @@ training side's TP/EP), ``attention_backend``, ``row_parallel_reduction``, ``moe
 ``moe_combine``, ``moe_router_dtype`` (a pin, when set, is the value both sides must have) and
 ``stack_versions`` (declared accelerator-stack versions, used where a package is not installed).
 
-Determinism environment: the plan from :mod:`true_on_policy.determinism_env` is applied first
+Determinism environment: the plan from :mod:`true_on_policy.contract.determinism_plan` is applied first
 (idempotent), then the training processes' environment (``ray_kwargs.ray_init.runtime_env.env_vars``)
 is compared with what the rollout engine's processes end up with (the same runtime env plus what
 vLLM / vllm-ascend force under ``VLLM_BATCH_INVARIANT=1``), on the keys that decide a reduction order.
@@ -65,7 +65,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from true_on_policy import determinism_env as denv
+from true_on_policy.contract import determinism_plan as denv
 
 UNVERIFIED = "unverified"  # a side whose value no engine setting determines: never a mismatch, always flagged
 AUTO = "auto"  # engine picks at run time: a mismatch when deterministic
@@ -190,7 +190,7 @@ TOP = "true_on_policy"
 ENV = denv.ENV_PATH
 
 # The CPU backend's training-side TP/EP (verl's FSDP engine has no slot for them) and the names of its
-# collectives; the same strings as true_on_policy.tensor_parallel.{ROW_PARALLEL_REDUCTION, MOE_DISPATCH}.
+# collectives; the same strings as true_on_policy.kernels.tensor_parallel.{ROW_PARALLEL_REDUCTION, MOE_DISPATCH}.
 CPU_TP_KEY = f"{TOP}.cpu_tensor_parallel_size"
 CPU_EP_KEY = f"{TOP}.cpu_expert_parallel_size"
 CPU_ROW_PARALLEL = "all_gather+ordered_fold"
@@ -349,8 +349,8 @@ def _training_layout(cfg: Any, strategy: str, world: int, platform: str = "") ->
     else:  # fsdp, fsdp2, fsdp_turbo and any data-parallel engine
         src = f"{A}.strategy={strategy} (FSDP shards parameters, no model parallelism)"
         layout = _Layout(Side(1, src), Side(1, src), Side(1, src), Side(1, src), Side(1, src), Side(0, ""), extra)
-        if platform == "cpu":  # the CPU backend shards the same model code (true_on_policy.tensor_parallel)
-            layout.tp = Side(_int(_get(cfg, CPU_TP_KEY)), f"{CPU_TP_KEY} (CPU backend, true_on_policy.tensor_parallel)")
+        if platform == "cpu":  # the CPU backend shards the same model code (true_on_policy.kernels.tensor_parallel)
+            layout.tp = Side(_int(_get(cfg, CPU_TP_KEY)), f"{CPU_TP_KEY} (CPU backend, true_on_policy.kernels.tensor_parallel)")
             layout.ep = Side(_int(_get(cfg, CPU_EP_KEY)), f"{CPU_EP_KEY} (CPU backend, experts whole on their rank)")
         extra["ulysses"] = Side(
             _int(_get(cfg, f"{A}.fsdp_config.ulysses_sequence_parallel_size")),
@@ -373,7 +373,7 @@ def _rollout_layout(cfg: Any, name: str, notes: list[str]) -> _Layout:
         ep = _int(_get(cfg, f"{R}.expert_parallel_size"))
         one = Side(1, src)
         return _Layout(
-            Side(tp, f"{R}.tensor_model_parallel_size (cpu engine: true_on_policy.tensor_parallel)"),
+            Side(tp, f"{R}.tensor_model_parallel_size (cpu engine: true_on_policy.kernels.tensor_parallel)"),
             Side(ep, f"{R}.expert_parallel_size (cpu engine: as declared, experts whole on their rank)"),
             one,
             one,
@@ -479,7 +479,7 @@ def _rollout_row_parallel(cfg: Any, name: str, platform: str, tp: int, env: Mapp
     if tp <= 1:
         return Side(denv.ROW_PARALLEL_NONE, f"{R}.tensor_model_parallel_size=1")
     if name == "cpu":
-        return Side(CPU_ROW_PARALLEL, f"{R}.name=cpu, {R}.tensor_model_parallel_size={tp} (true_on_policy.tensor_parallel)")
+        return Side(CPU_ROW_PARALLEL, f"{R}.name=cpu, {R}.tensor_model_parallel_size={tp} (true_on_policy.kernels.tensor_parallel)")
     if name == "vllm" and platform == "ascend":
         key = f"{R}.engine_kwargs.vllm.additional_config.enable_flashcomm1"
         on = _bool(_get(cfg, key, False)) or _bool(env.get("VLLM_ASCEND_ENABLE_FLASHCOMM1", "0"))
@@ -639,7 +639,7 @@ def build_contract(
     cpu_sides = [s for s, on in ((tl, platform == "cpu"), (rl, name == "cpu")) if on]
     if any(_int(side.tp.value) > 1 or _int(side.ep.value) > 1 for side in cpu_sides):
         notes.append(
-            "CPU TP/EP > 1 is true_on_policy.tensor_parallel.shard_model (gloo, all-gather + ordered fp32 fold), "
+            "CPU TP/EP > 1 is true_on_policy.kernels.tensor_parallel.shard_model (gloo, all-gather + ordered fp32 fold), "
             "proven at library level (tests/test_tensor_parallel.py); verl's FSDP trainer and the Ray-served cpu "
             "rollout replica do not shard yet"
         )
@@ -729,7 +729,7 @@ def build_contract(
     )
     t_rp = Side(denv.training_row_parallel(cfg), f"{A}.megatron.sequence_parallel (TP>1: true = reduce-scatter + all-gather)")
     if platform == "cpu" and strategy not in ("megatron", "torchtitan") and _int(tl.tp.value) > 1:
-        t_rp = Side(CPU_ROW_PARALLEL, f"{CPU_TP_KEY}={tl.tp.value} (true_on_policy.tensor_parallel)")
+        t_rp = Side(CPU_ROW_PARALLEL, f"{CPU_TP_KEY}={tl.tp.value} (true_on_policy.kernels.tensor_parallel)")
     r_rp = _rollout_row_parallel(cfg, name, platform, _int(rl.tp.value), env)
     rows.append(
         Row(

@@ -28,7 +28,7 @@ class _BadInput(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     from true_on_policy import tiny_assets
-    from true_on_policy.diagnose import FAULTS
+    from true_on_policy.diagnose.core import FAULTS
 
     p = argparse.ArgumentParser(
         prog="python -m true_on_policy diagnose",
@@ -88,8 +88,10 @@ def _load(path: str, dtype, flag: str):
 def run(args) -> int:
     import torch
 
-    from true_on_policy import consistent_model, tiny_assets
-    from true_on_policy import diagnose as dg
+    from true_on_policy import tiny_assets
+
+    from true_on_policy.kernels import model as consistent_model
+    from true_on_policy.diagnose import core as dg
 
     if args.model is not None and args.checkpoint is not None:
         raise _BadInput("give either --model or --checkpoint, not both")

@@ -80,7 +80,7 @@ _FLAGS = ("--json", "--plan", "--show-config", "--show-command", "--command-args
 
 def launch_command(config_path: str, config_name: str, overrides: Sequence[str], plan: Any, python: str = "python") -> list[str]:
     """The verl launch: the user's overrides, then the determinism plan's ``++`` overrides (which win)."""
-    from true_on_policy import determinism_env
+    from true_on_policy.contract import determinism_plan as determinism_env
 
     return [
         python,
@@ -122,8 +122,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     known, overrides = _split_args(argv)
     args = _parser().parse_args(known)
 
-    from true_on_policy import contract as contract_mod
-    from true_on_policy import determinism_env
+    from true_on_policy.contract import consistency as contract_mod
+    from true_on_policy.contract import determinism_plan as determinism_env
 
     try:
         cfg = compose_config(args.config_path, args.config_name, overrides)

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from true_on_policy import consistent_ops as ops
+from true_on_policy.kernels import ops
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

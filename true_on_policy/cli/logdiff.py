@@ -25,8 +25,12 @@ import sys
 
 import torch
 
-from true_on_policy import consistent_model, consistent_ops, tiny_assets
-from true_on_policy.cpu_rollout_engine import RolloutEngine, SamplingParams
+from true_on_policy import tiny_assets
+
+from true_on_policy.kernels import model as consistent_model
+
+from true_on_policy.kernels import ops as consistent_ops
+from true_on_policy.rollout.engine import RolloutEngine, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -57,8 +57,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from true_on_policy import consistent_model as cm
-from true_on_policy import consistent_ops as ops
+from true_on_policy.kernels import model as cm
+from true_on_policy.kernels import ops
 
 __all__ = [
     "ROW_PARALLEL_REDUCTION",
@@ -74,7 +74,7 @@ __all__ = [
     "layout_of",
 ]
 
-# How the contract names this backend's collectives (true_on_policy.contract reads the same strings).
+# How the contract names this backend's collectives (true_on_policy.contract.consistency reads the same strings).
 ROW_PARALLEL_REDUCTION = "all_gather+ordered_fold"
 MOE_DISPATCH = "replicated"  # EP on CPU: tokens are already on every rank; no dispatch, ordered-fold combine
 

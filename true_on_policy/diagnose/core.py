@@ -62,8 +62,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from true_on_policy import consistent_model as cm
-from true_on_policy import consistent_ops as ops
+from true_on_policy.kernels import model as cm
+from true_on_policy.kernels import ops
 
 __all__ = [
     "CATEGORIES",

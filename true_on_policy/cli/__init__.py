@@ -1,0 +1,1 @@
+"""The `python -m true_on_policy` commands: check, logdiff, diagnose."""

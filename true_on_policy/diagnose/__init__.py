@@ -1,0 +1,1 @@
+"""Residual-logdiff diagnosis: the first op where training and rollout diverge."""

@@ -1,0 +1,1 @@
+"""The FlashREINFORCE objective as a pure function (no verl import)."""

@@ -1,0 +1,1 @@
+"""The CPU reference rollout engine and the async sampler's exactly-once prompt ledger (no verl import)."""
