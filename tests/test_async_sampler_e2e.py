@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from verl_run import run_trainer
+from verl_run import REPO, run_trainer
 
 TESTS = Path(__file__).resolve().parent
 FAIL_ENV_VAR = "TOP_TEST_FAIL_FIRST_ROLLOUTS"
@@ -112,12 +112,15 @@ def test_failed_rollouts_requeue_their_prompts_and_none_is_lost(tmp_path, monkey
 
 
 # ---------------------------------------------------------------------- configuration errors (no Ray)
+def _unstarted_trainer(mode="colocate_async"):
+    """An instance of verl's real v1 trainer class, never ``__init__``-ed: the owner of ``refill_fn``."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    return object.__new__(get_trainer_cls(mode))
+
+
 def _sampler(**overrides):
     from true_on_policy.verl_adapter.async_sampler import SingleRolloutAsyncSampler
-
-    class Trainer:  # stands in for the trainer only as the owner of refill_fn
-        def _add_prompts_to_generate(self, num_prompts):
-            raise AssertionError("not called by the constructor")
 
     arguments = dict(
         trainer_mode="colocate_async",
@@ -125,15 +128,48 @@ def _sampler(**overrides):
         max_off_policy_threshold=None,
         max_off_policy_strategy="drop",
         sampler_kwargs={"max_policy_lag": 2, "lag_strategy": "drop"},
-        refill_fn=Trainer()._add_prompts_to_generate,
+        refill_fn=_unstarted_trainer()._add_prompts_to_generate,
     )
     arguments.update(overrides)
     return SingleRolloutAsyncSampler(**arguments)
 
 
 def test_sampler_accepts_the_shipped_settings():
-    sampler = _sampler()
-    assert (sampler.max_policy_lag, sampler.lag_strategy) == (2, "drop")
+    """The sampler built from the shipped cpu_tiny_async.yaml the way verl's trainer builds it."""
+    from omegaconf import OmegaConf
+
+    from true_on_policy.cli.check import compose_config
+    from true_on_policy.verl_adapter.async_sampler import SingleRolloutAsyncSampler, parse_sampler_kwargs
+
+    config = compose_config(str(REPO / "configs"), CONFIG)
+    v1 = config.trainer.v1
+    sampler_config = v1.sampler
+    assert (sampler_config.custom_sampler.path, sampler_config.custom_sampler.name) == (
+        "pkg://true_on_policy.verl_adapter.async_sampler",
+        SingleRolloutAsyncSampler.__name__,
+    )
+    trainer = _unstarted_trainer(v1.trainer_mode)
+    sampler = SingleRolloutAsyncSampler(
+        trainer_mode=v1.trainer_mode,
+        trainer_config=v1.get(v1.trainer_mode, {}),
+        max_off_policy_threshold=sampler_config.max_off_policy_threshold,
+        max_off_policy_strategy=sampler_config.max_off_policy_strategy,
+        sampler_kwargs=sampler_config.sampler_kwargs,
+        refill_fn=trainer._add_prompts_to_generate,
+    )
+    shipped = OmegaConf.to_container(sampler_config.sampler_kwargs)
+    assert sampler.settings == parse_sampler_kwargs(shipped)
+    assert (sampler.max_policy_lag, sampler.lag_strategy) == (shipped["max_policy_lag"], shipped["lag_strategy"])
+    assert sampler._trainer is trainer
+
+
+def test_a_refill_fn_that_is_not_the_trainers_is_refused():
+    class Stranger:
+        def _add_prompts_to_generate(self, num_prompts):
+            return num_prompts
+
+    with pytest.raises(RuntimeError, match="not the bound _add_prompts_to_generate of a v1 PPOTrainer"):
+        _sampler(refill_fn=Stranger()._add_prompts_to_generate)
 
 
 @pytest.mark.parametrize(

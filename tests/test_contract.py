@@ -410,8 +410,9 @@ def test_apply_in_process_sets_torch_determinism():
 
     p = determinism_env.plan(True, "cuda", versions={}, importer=_no_vllm)
     try:
-        assert determinism_env.apply_in_process(p) == ["torch.use_deterministic_algorithms(True, warn_only=True)"]
+        assert determinism_env.apply_in_process(p) == ["torch.use_deterministic_algorithms(True)"]
         assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # a nondeterministic op raises
     finally:
         torch.use_deterministic_algorithms(False)
     assert determinism_env.apply_in_process(determinism_env.plan(True, "cpu", versions={})) == []

@@ -139,7 +139,7 @@ def entry_point_probe(tmp_path_factory):
 # --- (b) the advantage estimator -----------------------------------------------------------------------
 
 
-def test_advantage_estimator_is_reward_minus_batch_mean_times_mask():
+def test_advantage_estimator_is_reward_minus_batch_mean_times_mask(flashreinforce_settings):
     batch = make_batch()
     advantages = verl_advantages(batch)
     mean = batch["rewards"].mean()
@@ -147,7 +147,7 @@ def test_advantage_estimator_is_reward_minus_batch_mean_times_mask():
     torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-15)
 
 
-def test_advantage_estimator_through_verls_compute_advantage():
+def test_advantage_estimator_through_verls_compute_advantage(flashreinforce_settings):
     import numpy as np
     from verl import DataProto
     from verl.trainer.config import AlgoConfig
@@ -166,7 +166,7 @@ def test_advantage_estimator_through_verls_compute_advantage():
     torch.testing.assert_close(data.batch["returns"], expected, rtol=0, atol=1e-15)
 
 
-def test_advantage_estimator_leaves_verls_padding_rows_out_of_the_mean():
+def test_advantage_estimator_leaves_verls_padding_rows_out_of_the_mean(flashreinforce_settings):
     batch = make_batch()
     rewards = torch.cat([batch["token_level_rewards"], torch.zeros(2, RESPONSE_LENGTH, dtype=F64)])
     mask = torch.cat([batch["mask"], torch.zeros(2, RESPONSE_LENGTH, dtype=torch.bool)])
@@ -337,7 +337,7 @@ def call_policy_loss(batch, *, rows=None, global_batch_size=ROWS, **overrides):
     arguments = dict(
         old_log_prob=batch["behaviour"][rows],
         log_prob=current_log_probs(batch["features"][rows], batch["weight"], batch["tokens"][rows]),
-        advantages=verl_advantages(batch)[rows],
+        advantages=None if "advantages" in overrides else verl_advantages(batch)[rows],
         response_mask=batch["mask"][rows],
         loss_agg_mode="seq-mean-token-mean",
         config=config,
@@ -347,15 +347,18 @@ def call_policy_loss(batch, *, rows=None, global_batch_size=ROWS, **overrides):
     return get_policy_loss_fn("flashreinforce")(**arguments)
 
 
-def test_without_exported_settings_the_defaults_apply(monkeypatch):
-    monkeypatch.delenv(settings_module.ENV_VAR, raising=False)
+def test_without_exported_settings_the_loss_and_the_advantage_refuse(monkeypatch):
     batch = make_batch()
-    _, metrics = call_policy_loss(batch)
-    advantages = batch["rewards"] - batch["rewards"].mean()
-    current = current_log_probs(batch["features"], batch["weight"], batch["tokens"])
-    _, stats = flashreinforce_loss(current, batch["behaviour"], batch["rewards"], batch["mask"])  # delta 3e-3
-    assert stats["advantages"].tolist() == pytest.approx(advantages.tolist())
-    assert metrics["actor/flashreinforce/acceptance_rate"] == pytest.approx(stats["acceptance_rate"].item())
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings().to_json())
+    advantages = verl_advantages(batch)
+    _, metrics = call_policy_loss(batch, advantages=advantages)  # the twin: with the launch's settings it runs
+    assert metrics["actor/flashreinforce/acceptance_rate"] > 0
+
+    monkeypatch.delenv(settings_module.ENV_VAR)  # no launch hook ran in this process
+    with pytest.raises(settings_module.SettingsNotExported, match="adv_estimator=flashreinforce needs"):
+        verl_advantages(batch)
+    with pytest.raises(settings_module.SettingsNotExported, match="loss_mode=flashreinforce needs"):
+        call_policy_loss(batch, advantages=advantages)
 
 
 def test_verls_padding_rows_contribute_nothing(flashreinforce_settings):

@@ -41,6 +41,7 @@ import copy
 import itertools
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -319,9 +320,23 @@ def test_non_finite_entropies_at_response_tokens_are_refused(tq):
         trainer_hooks.write_entropy_filter_mask(batch, tq, 0.5, 0.0)
 
 
-def test_the_field_names_agree_with_the_loss():
-    assert trainer_hooks.FILTER_MASK_FIELD == flashreinforce_registration.FILTER_MASK_FIELD
-    assert trainer_hooks.FAILED_FRACTION_METRIC.startswith(flashreinforce_registration.METRIC_PREFIX)
+def test_the_mask_reaches_the_loss_under_the_field_verls_ppo_loss_forwards(tq):
+    """The hook writes under the one field verl's ``ppo_loss`` hands the policy loss besides old log-probs and
+    advantages (read from verl's source, so a rename on either side fails here), and the driver metric is
+    the documented name."""
+    import inspect
+
+    from verl.workers.utils.losses import ppo_loss
+
+    source = inspect.getsource(ppo_loss)
+    forwarded = set(re.findall(r'data\.get\("(\w+)", None\)', source))
+    assert "rollout_is_weights=rollout_is_weights" in source
+    batch = step_batch(tq)
+    metrics = {}
+    meta = trainer_hooks.write_entropy_filter_mask(batch, tq, 0.5, 0.0, metrics)
+    written = set(meta.fields) - set(batch.fields)
+    assert written == forwarded == {"rollout_is_weights"}
+    assert set(metrics) == {"actor/flashreinforce/failed_fraction"}  # as README's metric list names it
 
 
 # --- the canonical batch order ----------------------------------------------------------------------------
@@ -411,6 +426,10 @@ def test_the_wrapped_advantage_step(tq, config, monkeypatch, settings, writes_ma
     trainer_hooks.use_rollout_log_probs_as_old(batch, tq)
     trainer = hooked_trainer(tq, config)
     metrics = {}
+    if settings is None:  # no launch exported settings: the hook refuses instead of assuming defaults
+        with pytest.raises(settings_module.SettingsNotExported, match="the entropy filter needs"):
+            trainer._compute_advantage(batch, metrics)
+        return
     result = trainer._compute_advantage(batch, metrics)
 
     # verl's own step ran first: the recipe's estimator wrote the advantages, its metrics are kept

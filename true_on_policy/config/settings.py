@@ -3,7 +3,13 @@
 verl's own config dataclasses (``AlgoConfig``, ``PolicyLossConfig``) reject unknown keys, so the
 recipe's knobs live in one top-level section of the Hydra config. The launch hook validates it in
 the driver before Ray starts and exports it as one JSON environment variable through Ray's
-``runtime_env``; every worker process reads it back with :func:`current`. No verl import here.
+``runtime_env``; every worker process reads it back with :func:`require` (the registered loss and
+advantage refuse to run without it: no silent defaults). No verl import here.
+
+The dataclass is the one schema of the section: ``configs/common/true_on_policy.yaml`` lists every
+key with the default below (tests/test_settings.py holds them equal), so each key is overridable
+on the command line without ``+``. A bad value raises :class:`ConfigError` naming key and value;
+the launch turns it into exit status 2 before Ray starts.
 """
 
 from __future__ import annotations
@@ -18,6 +24,18 @@ from typing import Any
 ENV_VAR = "TRUE_ON_POLICY_SETTINGS"
 
 PLATFORMS = ("cpu", "ascend", "cuda")
+
+
+class ConfigError(ValueError):
+    """A bad value in the user's config (key and value named in the message), not a bug of ours."""
+
+
+class SettingsNotExported(RuntimeError):
+    """This process has no settings validated and exported by the launch hook."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,16 +70,22 @@ class Settings:
     stack_versions: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        try:
+            self._validate()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+    def _validate(self) -> None:
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"true_on_policy.deterministic must be a bool, got {self.deterministic!r}")
         if self.platform not in PLATFORMS:
             raise ValueError(f"true_on_policy.platform must be one of {PLATFORMS}, got {self.platform!r}")
-        if not isinstance(self.delta, (int, float)) or math.isnan(self.delta) or self.delta < 0:
+        if not _is_number(self.delta) or math.isnan(self.delta) or self.delta < 0:
             raise ValueError(f"true_on_policy.delta must be a number >= 0 (inf disables the gate), got {self.delta!r}")
         q = self.negative_token_fraction
-        if not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
+        if not _is_number(q) or not 0.0 <= q <= 1.0:
             raise ValueError(f"true_on_policy.negative_token_fraction must be in [0, 1], got {q!r}")
-        if not isinstance(self.failure_reward_threshold, (int, float)) or not math.isfinite(
+        if not _is_number(self.failure_reward_threshold) or not math.isfinite(
             self.failure_reward_threshold
         ):
             raise ValueError(
@@ -91,14 +115,19 @@ class Settings:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(section) - known)
         if unknown:
-            raise ValueError(f"unknown key(s) in true_on_policy section: {unknown}; known keys: {sorted(known)}")
+            raise ConfigError(f"unknown key(s) in true_on_policy section: {unknown}; known keys: {sorted(known)}")
         if "relax_invariants" in section:
             relax = section["relax_invariants"]
             if isinstance(relax, str) or not all(isinstance(name, str) for name in (relax or ())):
-                raise ValueError(f"true_on_policy.relax_invariants must be a list of names, got {relax!r}")
+                raise ConfigError(f"true_on_policy.relax_invariants must be a list of names, got {relax!r}")
             section["relax_invariants"] = tuple(relax or ())
+        if "stack_versions" in section and section["stack_versions"] is None:
+            section["stack_versions"] = {}  # null in YAML: nothing declared
         if section.get("stack_versions") is not None:
-            section["stack_versions"] = {str(k): str(v) for k, v in dict(section["stack_versions"]).items()}
+            versions = section["stack_versions"]
+            if not isinstance(versions, Mapping):
+                raise ConfigError(f"true_on_policy.stack_versions must map package names to versions, got {versions!r}")
+            section["stack_versions"] = {str(k): str(v) for k, v in dict(versions).items()}
         return cls(**section)
 
     def to_json(self) -> str:
@@ -111,10 +140,31 @@ class Settings:
         return cls.from_mapping(json.loads(text))
 
 
+def defaults() -> dict[str, Any]:
+    """Every key of the section with its default, as plain YAML-able values."""
+    fields = dataclasses.asdict(Settings())
+    fields["relax_invariants"] = list(fields["relax_invariants"])
+    fields["stack_versions"] = dict(fields["stack_versions"])
+    return fields
+
+
 def current() -> Settings | None:
     """The settings exported to this process, or None when no launch configured the recipe."""
     text = os.environ.get(ENV_VAR)
     return Settings.from_json(text) if text else None
+
+
+def require(what: str) -> Settings:
+    """The exported settings; :class:`SettingsNotExported` (naming ``what`` needs them) when absent."""
+    recipe = current()
+    if recipe is None:
+        raise SettingsNotExported(
+            f"true_on_policy: {what} needs the true_on_policy settings validated and exported by the launch "
+            f"hook, and this process has none ({ENV_VAR} is unset). Launch with `python -m "
+            "verl.trainer.main_ppo` and a config that has a true_on_policy: section (e.g. compose "
+            "configs/common/true_on_policy.yaml); refusing to run on default settings."
+        )
+    return recipe
 
 
 def export(settings: Settings, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -804,8 +804,8 @@ def run_in_process_calls(platform: str, calls) -> list[str]:
         import torch_npu  # noqa: F401, PLC0415 - registers the npu backend the call must reach
     for name, kwargs in calls:
         if name == "torch.use_deterministic_algorithms":
-            torch.use_deterministic_algorithms(kwargs["mode"], warn_only=kwargs.get("warn_only", False))
-            done.append(f"{name}({kwargs['mode']}, warn_only={kwargs.get('warn_only', False)})")
+            torch.use_deterministic_algorithms(kwargs["mode"])  # never warn_only: a nondeterministic op must raise
+            done.append(f"{name}({kwargs['mode']})")
         else:
             raise ValueError(f"unknown in-process setting {name!r}")
     return done

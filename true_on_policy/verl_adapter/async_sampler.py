@@ -65,6 +65,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.utils import tensordict_utils as tu
 from verl.utils.skip import SkipManager
 
+from true_on_policy.verl_adapter import patches
 from true_on_policy.rollout.prompt_ledger import (
     LAG_STRATEGIES,
     REQUEUE_FAILURE,
@@ -190,7 +191,7 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
         self.rollout_timeout_s: float | None = self.settings["rollout_timeout_s"]
         self.lag_histogram_buckets: int = self.settings["lag_histogram_buckets"]
         # The trainer instance: its agent loop re-dispatches prompts, its dataset sizes an epoch.
-        self._trainer = refill_fn.__self__
+        self._trainer = patches.trainer_behind_refill_fn(refill_fn)
         self.ledger: PromptLedger | None = None
         self._listing = _Listing({})
         self._requeues_reported: Counter = Counter()

@@ -8,7 +8,8 @@ the default kernels (SDPA, F.linear), with the flag on the consistent ones.
 The other half is the log-prob itself: verl's FSDP engine turns logits into token log-probs with
 ``verl.utils.torch_functional.logprobs_from_logits``, bound by name in
 ``verl.workers.engine.fsdp.transformer_impl``; with the flag on it becomes the project's fp32
-full-vocabulary log-softmax, the one the rollout engine samples from.
+full-vocabulary log-softmax, the one the rollout engine samples from (patched through
+:mod:`true_on_policy.verl_adapter.patches`).
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ def consistent_logprobs_from_logits(logits, labels, inplace_backward=True):
 
 @functools.cache
 def activate(deterministic: bool) -> None:
-    from verl.workers.engine.fsdp import transformer_impl
-
     from true_on_policy.kernels import model as consistent_model
-
     from true_on_policy.kernels import ops as consistent_ops
+    from true_on_policy.verl_adapter import patches
 
     consistent_model.patch_transformers()
     if deterministic:
         consistent_ops.enable()
-        transformer_impl.logprobs_from_logits = consistent_logprobs_from_logits
+        patches.install_logprobs_from_logits(consistent_logprobs_from_logits)

@@ -6,9 +6,11 @@ says ``true_on_policy.platform: cpu``. :func:`activate` applies the fixes in a p
 on that platform:
 
 - the FSDP training engine registers itself only for devices ``cuda``/``npu``: register the same
-  classes for ``cpu`` (``VERL_ENGINE_DEVICE=cpu`` selects them);
+  classes for ``cpu`` through verl's public ``EngineRegistry.register`` (``VERL_ENGINE_DEVICE=cpu``
+  selects them);
 - ``initialize_global_process_group_ray`` builds the backend string ``cpu:gloo,cpu:gloo``, which
-  torch rejects ("Duplicate device type cpu"): on this platform the process group is plain gloo.
+  torch rejects ("Duplicate device type cpu"): on this platform the process group is plain gloo
+  (a patch of verl's internals, in :mod:`true_on_policy.verl_adapter.patches`).
 
 Ray schedules verl's workers on the ``GPU`` resource; a CPU job declares logical GPUs
 (``ray_kwargs.ray_init.num_gpus``) as worker slots. They are slots, not devices.
@@ -132,31 +134,15 @@ class PlatformCPU(PlatformBase):
 
 @functools.cache
 def activate() -> None:
-    """Apply the CPU fixes in this process (idempotent)."""
-    import verl.utils.distributed as verl_distributed
+    """Apply the CPU fixes in this process (once: verl's registry refuses a second registration)."""
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp import transformer_impl
+
+    from true_on_policy.verl_adapter import patches
 
     for model_type, engine_cls in (
         ("language_model", transformer_impl.FSDPEngineWithLMHead),
         ("value_model", transformer_impl.FSDPEngineWithValueHead),
     ):
-        registry = EngineRegistry._engines.get(model_type, {})
-        if all(PLATFORM_NAME not in registry.get(backend, {}) for backend in ("fsdp", "fsdp2")):
-            EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device=PLATFORM_NAME)(
-                engine_cls
-            )
-
-    original = verl_distributed.initialize_global_process_group_ray
-
-    @functools.wraps(original)
-    def initialize_gloo_process_group(timeout_second=None, backend=None):
-        return original(timeout_second=timeout_second, backend=backend or "cpu:gloo")
-
-    verl_distributed.initialize_global_process_group_ray = initialize_gloo_process_group
-    # engine_workers binds the name at import; rebind it there if it is already imported.
-    import sys
-
-    engine_workers = sys.modules.get("verl.workers.engine_workers")
-    if engine_workers is not None:
-        engine_workers.initialize_global_process_group_ray = initialize_gloo_process_group
+        EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device=PLATFORM_NAME)(engine_cls)
+    patches.install_gloo_process_group()

@@ -5,7 +5,8 @@ verl needs two registrations for a backend (both done by :func:`register`, both 
 - a :class:`verl.workers.rollout.replica.RolloutReplica` (driver side, ``RolloutReplicaRegistry``):
   :class:`CPUReplica` starts one :class:`CPUServer` Ray actor per replica, like verl's vLLM replica
   starts its HTTP server actor;
-- a :class:`verl.workers.rollout.base.BaseRollout` (worker side, ``_ROLLOUT_REGISTRY``):
+- a :class:`verl.workers.rollout.base.BaseRollout` (worker side, ``_ROLLOUT_REGISTRY``, which has no
+  register function: :func:`true_on_policy.verl_adapter.patches.register_worker_rollout`):
   :class:`CPUServerAdapter` lives in each training worker and forwards weight updates and
   sleep / wake-up calls to the server actor.
 
@@ -26,6 +27,8 @@ import torch
 
 from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
+
+from true_on_policy.verl_adapter import patches
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +308,7 @@ class CPUServerAdapter(rollout_base.BaseRollout):
 def register() -> None:
     """Make ``rollout.name=cpu`` known to verl (inert until a config selects it)."""
     RolloutReplicaRegistry.register(BACKEND_NAME, lambda: CPUReplica)
-    rollout_base._ROLLOUT_REGISTRY[(BACKEND_NAME, "async")] = f"{__name__}.CPUServerAdapter"
+    patches.register_worker_rollout(BACKEND_NAME, "async", f"{__name__}.CPUServerAdapter")
 
 
 __all__ = ["CPUReplica", "CPUServer", "CPUServerAdapter", "register"]

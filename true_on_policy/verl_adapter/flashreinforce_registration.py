@@ -26,6 +26,8 @@ from the recompute's token entropies and the sequence rewards, into the batch's
   and the trainer hook refuses to write its mask over weights verl already wrote;
 * q = 1: ``rollout_is_weights`` must be absent; real importance weights are refused as before.
 
+Both refuse to run without the settings the launch validated and exported (no defaults).
+
 The denominators stay the ORIGINAL B and T_i (``flashreinforce_loss_from_advantages(kept_tokens=)``).
 """
 
@@ -74,6 +76,7 @@ def compute_flashreinforce_advantage(
             f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask {tuple(response_mask.shape)} "
             "must both be [bs, response_length]"
         )
+    settings_module.require("adv_estimator=flashreinforce")
     with torch.no_grad():
         mask = response_mask.bool()
         # As verl's outcome estimators do: the sequence reward is the sum over the response.
@@ -112,7 +115,7 @@ def compute_flashreinforce_policy_loss(
         )
     if config is None or not hasattr(config, "global_batch_info"):
         raise ValueError("loss_mode=flashreinforce needs verl's actor config (with global_batch_info) as `config`")
-    settings = settings_module.current() or settings_module.Settings()
+    settings = settings_module.require("loss_mode=flashreinforce")
     fraction = settings.negative_token_fraction
     if fraction >= 1.0 and rollout_is_weights is not None:
         raise ValueError(

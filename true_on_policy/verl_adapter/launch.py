@@ -1,10 +1,10 @@
 """The launch hook: what runs in verl's driver before Ray starts, and in each process at import.
 
 ``python -m verl.trainer.main_ppo`` imports verl (which loads this plugin), then calls
-``auto_set_device(config)`` first thing in ``main``, before ``ray.init``. ``main_ppo`` binds that
-name when it is imported, after the plugin loaded, so wrapping it here reaches the real launch.
-The wrapper does nothing unless the config has a ``true_on_policy:`` section; then, before any
-Ray process exists, :func:`prepare_launch`
+``auto_set_device(config)`` first thing in ``main``, before ``ray.init``; the plugin wraps it
+(:func:`true_on_policy.verl_adapter.patches.install_launch_hook`) to run :func:`launch_hook`.
+That does nothing unless the config has a ``true_on_policy:`` section; then, before any Ray
+process exists, :func:`prepare_launch`
 
 1. validates the section (:class:`true_on_policy.config.settings.Settings`),
 2. enforces the FlashREINFORCE invariants (:mod:`true_on_policy.config.invariants`),
@@ -15,6 +15,11 @@ Ray process exists, :func:`prepare_launch`
    ``ray_kwargs.ray_init.runtime_env.env_vars`` (which main_ppo merges into ``ray.init``), so
    every Ray worker sees them before it builds a model.
 
+A bad value exits with status 2 naming key and value; any other failure is reported as an
+internal error. Should the hook not run (verl renamed its target, another entry point), verl's
+trainer refuses to start (:func:`trainer_start_check`), and the registered loss and advantage
+refuse to run without exported settings.
+
 In every process, :func:`activate_from_environment` (called by the plugin at import) switches on
 what the exported settings ask for: the plan's in-process calls, the trainer hooks, and on the
 CPU platform the CPU backend and the project's kernels.
@@ -22,13 +27,13 @@ CPU platform the CPU backend and the project's kernels.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
+import sys
 
 from true_on_policy.config import settings as settings_module
-from true_on_policy.config.settings import Settings
+from true_on_policy.config.settings import ConfigError, Settings
 
 logger = logging.getLogger("true_on_policy")
 
@@ -36,6 +41,8 @@ logger = logging.getLogger("true_on_policy")
 CPU_PLATFORM_ENV = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cpu"}
 # The plan's in-process calls (e.g. torch.use_deterministic_algorithms on torch_npu), as JSON.
 IN_PROCESS_ENV = "TRUE_ON_POLICY_IN_PROCESS"
+# Exit status of a launch refused for a bad config (as `python -m true_on_policy check` uses for a mismatch).
+EXIT_CONFIG_ERROR = 2
 
 
 def recipe_section(config):
@@ -49,30 +56,38 @@ def recipe_section(config):
 def prepare_launch(config) -> dict[str, str]:
     """Check a config that uses the recipe, pin its determinism plan, export its environment.
 
-    Raises ValueError naming every problem found. On success ``config`` carries the plan's values
-    (worker environment, rollout and training engine settings) and the returned environment is in
-    this process's ``os.environ`` too.
+    Raises :class:`ConfigError` (a ValueError) naming the key and value of every problem found; any
+    other exception is a bug of ours. On success ``config`` carries the plan's values (worker
+    environment, rollout and training engine settings) and the returned environment is in this
+    process's ``os.environ`` too.
     """
     from omegaconf import OmegaConf, open_dict
-
-    from true_on_policy.contract import consistency as contract
-
-    from true_on_policy.contract import determinism_plan as determinism_env
+    from omegaconf.errors import OmegaConfBaseException
 
     from true_on_policy.config import invariants
+    from true_on_policy.contract import consistency as contract
+    from true_on_policy.contract import determinism_plan as determinism_env
 
     section = recipe_section(config)
-    resolved = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
+    try:
+        resolved = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"true_on_policy: the section cannot be resolved: {error}") from error
     recipe = Settings.from_mapping(resolved)
     invariants.enforce_invariants(config, relax=recipe.relax_invariants)
     if recipe.platform == "cpu" and (recipe.cpu_tensor_parallel_size > 1 or recipe.cpu_expert_parallel_size > 1):
-        raise ValueError(
-            "true_on_policy.cpu_tensor_parallel_size / cpu_expert_parallel_size > 1: CPU TP/EP is implemented "
+        raise ConfigError(
+            "true_on_policy.cpu_tensor_parallel_size / cpu_expert_parallel_size > 1 "
+            f"(got {recipe.cpu_tensor_parallel_size} / {recipe.cpu_expert_parallel_size}): CPU TP/EP is implemented "
             "at library level (true_on_policy.kernels.tensor_parallel) and proven bitwise there, but neither verl's FSDP "
             "engine nor the Ray-served CPU rollout shards the model; run CPU jobs with both set to 1"
         )
 
     plan = determinism_env.plan_for_config(config)
+    # The plan's provenance (versions detected or declared, what was not emitted and why) goes to the log.
+    logger.info("true_on_policy: %s", determinism_env.describe(plan))
+    for note in plan.notes:
+        logger.warning("true_on_policy: determinism plan note: %s", note)
     env = settings_module.export(recipe, {})
     env.update(plan.worker_env)
     if plan.deterministic and plan.in_process:
@@ -88,7 +103,7 @@ def prepare_launch(config) -> dict[str, str]:
     mismatches = contract.compare(contract.build_contract(config, plan=plan))
     if mismatches and not recipe.allow_contract_mismatch:
         lines = "\n".join(f"  - {mismatch}" for mismatch in mismatches)
-        raise ValueError(
+        raise ConfigError(
             "training and rollout are not pinned identically, so log-probs cannot match bitwise:\n"
             f"{lines}\nFix the config, or launch anyway with true_on_policy.allow_contract_mismatch=true."
         )
@@ -98,24 +113,80 @@ def prepare_launch(config) -> dict[str, str]:
     return env
 
 
-def install_driver_hooks() -> None:
-    """Wrap ``auto_set_device``, the first call ``main_ppo.main`` makes. Inert without the section."""
-    import verl.utils.device as verl_device
+def launch_hook(config) -> None:
+    """What the wrapped ``auto_set_device`` runs first: inert without the section.
 
-    if getattr(verl_device.auto_set_device, "_true_on_policy", False):
+    A bad config (:class:`ConfigError`, or a ValueError the pure core raises for a bad value) exits
+    with status 2 and one message naming key and value, before Ray starts; any other exception is
+    reported as an internal error of true_on_policy and re-raised.
+    """
+    if recipe_section(config) is None:
         return
-    original_auto_set_device = verl_device.auto_set_device
+    try:
+        env = prepare_launch(config)
+    except ValueError as error:
+        sys.stderr.write(f"true_on_policy: invalid config (nothing was started):\n{error}\n")
+        raise SystemExit(EXIT_CONFIG_ERROR) from error
+    except Exception:
+        sys.stderr.write(
+            "true_on_policy: INTERNAL ERROR while preparing the launch (a bug in true_on_policy, not in your "
+            "config); please report it with the traceback below.\n"
+        )
+        raise
+    if env.get("VERL_PLATFORM") == "cpu":
+        _select_cpu_platform()
 
-    @functools.wraps(original_auto_set_device)
-    def auto_set_device(config):
-        if recipe_section(config) is not None:
-            env = prepare_launch(config)
-            if env.get("VERL_PLATFORM") == "cpu":
-                _select_cpu_platform()
-        return original_auto_set_device(config)
 
-    auto_set_device._true_on_policy = True
-    verl_device.auto_set_device = auto_set_device
+# Why the launch hook could not be installed in this process (verl renamed its target), if so.
+launch_hook_error: str | None = None
+
+
+def install_driver_hooks() -> None:
+    """Wrap ``auto_set_device``, the first call ``main_ppo.main`` makes, and arm the trainer-start check.
+
+    A launch hook that cannot be installed (verl renamed or changed ``auto_set_device``) does not
+    stop the plugin from loading: the trainer-start check then fails the run, naming the reason.
+    """
+    global launch_hook_error
+    from true_on_policy.verl_adapter import patches
+
+    try:
+        patches.install_launch_hook(launch_hook)
+    except patches.PatchTargetChanged as error:
+        launch_hook_error = str(error)
+        sys.stderr.write(f"true_on_policy: the launch hook is NOT installed: {error}\n")
+    patches.install_trainer_start_check(trainer_start_check)
+
+
+def uses_recipe(config) -> bool:
+    """The config has a ``true_on_policy:`` section or names the FlashREINFORCE loss or estimator."""
+    if recipe_section(config) is not None:
+        return True
+    from omegaconf import OmegaConf
+
+    from true_on_policy.verl_adapter.flashreinforce_registration import NAME
+
+    return NAME in (
+        OmegaConf.select(config, "algorithm.adv_estimator", default=None),
+        OmegaConf.select(config, "actor_rollout_ref.actor.policy_loss.loss_mode", default=None),
+    )
+
+
+def trainer_start_check(config) -> None:
+    """At verl's trainer start: a config that uses the recipe needs the settings the launch exported."""
+    if settings_module.current() is not None or not uses_recipe(config):
+        return
+    reason = (
+        f"The hook could not be installed: {launch_hook_error}"
+        if launch_hook_error
+        else "Was the run started by an entry point that does not call verl.utils.device.auto_set_device(config) "
+        "before ray.init (as python -m verl.trainer.main_ppo does), or did verl stop calling it?"
+    )
+    raise settings_module.SettingsNotExported(
+        "true_on_policy: the true_on_policy launch hook did not run, so the true_on_policy: section was never "
+        "validated and no invariants, determinism plan or consistency contract were applied; refusing to start "
+        f"the trainer. {reason}"
+    )
 
 
 def _select_cpu_platform() -> None:

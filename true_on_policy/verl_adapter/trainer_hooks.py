@@ -149,37 +149,44 @@ def canonical_order(batch, tq) -> list[int]:
 
 
 def install_on(trainer_cls, tq) -> None:
-    """Wrap ``_balance_batch``, ``_compute_old_log_prob`` and ``_compute_advantage`` of ``trainer_cls``."""
-    balance_batch = trainer_cls._balance_batch
-    recompute_old_log_prob = trainer_cls._compute_old_log_prob
-    compute_advantage = trainer_cls._compute_advantage
+    """Wrap ``_balance_batch``, ``_compute_old_log_prob`` and ``_compute_advantage`` of ``trainer_cls``.
 
-    @functools.wraps(balance_batch)
-    def balance_canonical_batch(self, batch, *args, **kwargs):
-        recipe = settings_module.current()
-        if recipe is not None and recipe.deterministic:
-            batch.reorder(canonical_order(batch, tq))
-        return balance_batch(self, batch, *args, **kwargs)
+    Through :mod:`true_on_policy.verl_adapter.patches`, which checks verl's originals first. The
+    wrappers read the settings the launch exported and refuse to run without them.
+    """
+    from true_on_policy.verl_adapter import patches
 
-    @functools.wraps(recompute_old_log_prob)
-    def compute_old_log_prob(self, batch, metrics):
-        batch = recompute_old_log_prob(self, batch, metrics)
-        use_rollout_log_probs_as_old(batch, tq)
-        return batch
+    def balance(balance_batch):
+        def balance_canonical_batch(self, batch, *args, **kwargs):
+            if settings_module.require("the canonical batch order").deterministic:
+                batch.reorder(canonical_order(batch, tq))
+            return balance_batch(self, batch, *args, **kwargs)
 
-    @functools.wraps(compute_advantage)
-    def compute_advantage_and_filter_mask(self, batch, metrics):
-        batch = compute_advantage(self, batch, metrics)
-        recipe = settings_module.current()
-        if recipe is not None and recipe.negative_token_fraction < 1.0:
-            batch = write_entropy_filter_mask(
-                batch, tq, recipe.negative_token_fraction, recipe.failure_reward_threshold, metrics
-            )
-        return batch
+        return balance_canonical_batch
 
-    trainer_cls._balance_batch = balance_canonical_batch
-    trainer_cls._compute_old_log_prob = compute_old_log_prob
-    trainer_cls._compute_advantage = compute_advantage_and_filter_mask
+    def old_log_prob(recompute_old_log_prob):
+        def compute_old_log_prob(self, batch, metrics):
+            batch = recompute_old_log_prob(self, batch, metrics)
+            use_rollout_log_probs_as_old(batch, tq)
+            return batch
+
+        return compute_old_log_prob
+
+    def advantage(compute_advantage):
+        def compute_advantage_and_filter_mask(self, batch, metrics):
+            recipe = settings_module.require("the entropy filter")
+            batch = compute_advantage(self, batch, metrics)
+            if recipe.negative_token_fraction < 1.0:
+                batch = write_entropy_filter_mask(
+                    batch, tq, recipe.negative_token_fraction, recipe.failure_reward_threshold, metrics
+                )
+            return batch
+
+        return compute_advantage_and_filter_mask
+
+    patches.wrap_trainer_method(trainer_cls, "_balance_batch", balance)
+    patches.wrap_trainer_method(trainer_cls, "_compute_old_log_prob", old_log_prob)
+    patches.wrap_trainer_method(trainer_cls, "_compute_advantage", advantage)
 
 
 @functools.cache

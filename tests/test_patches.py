@@ -1,0 +1,155 @@
+"""verl's patched internals: one list for verl 0.9.1, each target checked when its patch is installed,
+a changed or missing target refused by name, and a run whose launch hook did not run fails at start."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from true_on_policy.config import settings as settings_module
+from true_on_policy.verl_adapter import launch, patches
+from true_on_policy.verl_adapter.patches import PatchTargetChanged
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Every verl symbol true_on_policy patches or reaches into, for verl 0.9.1 (written out here, not
+# read from patches.py, so adding a patch without listing it fails this test).
+PATCHED_IN_VERL_0_9_1 = {
+    "verl.utils.device.auto_set_device",
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer.__init__",
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch",
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._compute_old_log_prob",
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._compute_advantage",
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._add_prompts_to_generate",
+    "verl.utils.distributed.initialize_global_process_group_ray",
+    "verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits",
+    "verl.workers.rollout.base.get_rollout_class",
+    "verl.workers.rollout.base._ROLLOUT_REGISTRY",
+}
+
+
+def test_every_patched_verl_symbol_is_listed_and_matches_verl_0_9_1():
+    assert importlib.metadata.version("verl") == patches.VERL_VERSION == "0.9.1"
+    assert set(patches.TARGETS) == PATCHED_IN_VERL_0_9_1
+    for target in sorted(PATCHED_IN_VERL_0_9_1):
+        patches.check_target(target)  # exists, and its parameters are the ones the patch was written for
+
+
+def test_no_module_outside_patches_reassigns_a_verl_attribute():
+    """The patch sites live in patches.py: elsewhere no ``<verl module>.<name> = ...`` and no registry write."""
+    offenders = []
+    for path in sorted((REPO / "true_on_policy").rglob("*.py")):
+        if path.name == "patches.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if "_ROLLOUT_REGISTRY[" in code or "._engines" in code or ".__self__" in code:
+                offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+            for name in ("auto_set_device", "initialize_global_process_group_ray", "logprobs_from_logits"):
+                if f".{name} =" in code:
+                    offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+def test_a_changed_signature_is_refused_naming_target_and_change():
+    def auto_set_device(config, device_hint):  # what a verl upgrade could do
+        return None
+
+    with pytest.raises(PatchTargetChanged) as refused:
+        patches.check_target("verl.utils.device.auto_set_device", auto_set_device)
+    message = str(refused.value)
+    assert "verl.utils.device.auto_set_device" in message
+    assert "('config',)" in message and "('config', 'device_hint')" in message
+
+
+def test_a_changed_trainer_method_is_refused_and_left_alone():
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    def _compute_advantage(self, batch, metrics, timing_raw):  # a parameter more than in verl 0.9.1
+        return batch
+
+    twin = type("ChangedTrainer", (PPOTrainer,), {"_compute_advantage": _compute_advantage})
+    with pytest.raises(PatchTargetChanged, match=r"PPOTrainer\._compute_advantage: signature changed"):
+        patches.wrap_trainer_method(twin, "_compute_advantage", lambda original: original)
+    assert twin._compute_advantage is _compute_advantage
+    # the twin of the twin: verl's own method is accepted
+    accepted = type("SameTrainer", (PPOTrainer,), {})
+    patches.wrap_trainer_method(accepted, "_compute_advantage", lambda original: original)
+    assert patches.is_patched(accepted._compute_advantage)
+
+
+def test_a_missing_launch_hook_target_is_refused_by_name():
+    renamed = types.ModuleType("verl.utils.device")
+    renamed.auto_set_device_for = lambda config: None  # verl renamed the function
+    with pytest.raises(PatchTargetChanged, match="verl.utils.device has no attribute 'auto_set_device'"):
+        patches.install_launch_hook(lambda config: None, device_module=renamed)
+
+    present = types.ModuleType("verl.utils.device")
+    calls = []
+    present.auto_set_device = lambda config: calls.append(("verl", config))
+    patches.install_launch_hook(lambda config: calls.append(("hook", config)), device_module=present)
+    present.auto_set_device("cfg")
+    assert calls == [("hook", "cfg"), ("verl", "cfg")]
+
+
+def test_the_trainer_start_check_refuses_a_recipe_config_without_exported_settings(monkeypatch):
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({"true_on_policy": {"delta": 0.01}, "algorithm": {"adv_estimator": "gae"}})
+    monkeypatch.delenv(settings_module.ENV_VAR, raising=False)
+    with pytest.raises(settings_module.SettingsNotExported, match="launch hook did not run"):
+        launch.trainer_start_check(config)
+    # a loss named without the section is the recipe too
+    named = OmegaConf.create({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "flashreinforce"}}}})
+    with pytest.raises(settings_module.SettingsNotExported):
+        launch.trainer_start_check(named)
+    # the twins: a plain verl config is none of our business; exported settings pass
+    launch.trainer_start_check(OmegaConf.create({"algorithm": {"adv_estimator": "gae"}}))
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings().to_json())
+    launch.trainer_start_check(config)
+
+
+def test_the_plugin_arms_the_start_check_without_importing_the_trainer():
+    code = (
+        "import sys, verl\n"
+        "assert 'verl.trainer.ppo.v1.trainer_base' not in sys.modules, 'imported at plugin load'\n"
+        "from true_on_policy.verl_adapter import patches\n"
+        "from verl.trainer.ppo.v1.trainer_base import PPOTrainer\n"
+        "assert patches.is_patched(PPOTrainer.__init__)\n"
+        "import verl.utils.device\n"
+        "assert patches.is_patched(verl.utils.device.auto_set_device)\n"
+        "print('armed')\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != settings_module.ENV_VAR}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "armed" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.e2e
+def test_a_run_whose_launch_hook_did_not_run_fails_at_trainer_start():
+    """verl's launch stops calling the hooked ``auto_set_device`` (a rename in verl): Ray starts, and the
+    trainer refuses to start, saying why; with the hook in place the same config trains (other e2e tests)."""
+    code = (
+        "import sys\n"
+        "from verl.trainer import main_ppo\n"
+        "from true_on_policy.verl_adapter import patches\n"
+        "assert patches.is_patched(main_ppo.auto_set_device)\n"
+        "main_ppo.auto_set_device = main_ppo.auto_set_device.__wrapped__  # the launch calls verl's own function\n"
+        f"sys.argv = ['main_ppo', '--config-path={REPO / 'configs'}', '--config-name=cpu_tiny',\n"
+        "            'trainer.total_training_steps=1']\n"
+        "main_ppo.main()\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != settings_module.ENV_VAR}
+    env.update(PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    log = result.stdout + result.stderr
+    assert result.returncode != 0, log[-4000:]
+    assert "the true_on_policy launch hook did not run" in log, log[-4000:]
+    assert "ray init kwargs" in log  # it got as far as Ray: the trainer-start check caught it
+    assert "step:1" not in log  # and not one step ran

@@ -1,0 +1,321 @@
+"""Every patch of verl 0.9.1's internals, in one module; each checks its target when installed.
+
+verl has public registries for most of what the recipe adds (``register_policy_loss``,
+``register_adv_est``, ``PlatformRegistry``, ``EngineRegistry.register``,
+``RolloutReplicaRegistry``, the ``trainer.v1.sampler.custom_sampler`` slot); those are used where
+they are defined. What verl offers no hook for is patched here, and only here:
+
+=================================================================  ==========================================
+target (:data:`TARGETS`)                                            why
+=================================================================  ==========================================
+``verl.utils.device.auto_set_device``                               the launch hook: main_ppo's first call,
+                                                                    before ``ray.init``
+``...v1.trainer_base.PPOTrainer.__init__``                          the trainer-start check: the launch hook ran
+``...PPOTrainer._balance_batch``                                    canonical batch order
+``...PPOTrainer._compute_old_log_prob``                             behaviour log-probs = recorded ones
+``...PPOTrainer._compute_advantage``                                the entropy filter's mask
+``...PPOTrainer._add_prompts_to_generate``                          the async sampler reaches the trainer
+                                                                    through this bound ``refill_fn``
+``verl.utils.distributed.initialize_global_process_group_ray``      plain gloo on the CPU platform
+``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``  the consistent log-softmax (flag on)
+``verl.workers.rollout.base.get_rollout_class`` / ``_ROLLOUT_REGISTRY``  the worker-side CPU rollout
+=================================================================  ==========================================
+
+Before a patch is applied, :func:`check_target` looks the target up and compares its parameter
+names with the ones written down here for verl 0.9.1; a missing target or a changed signature
+raises :class:`PatchTargetChanged` naming the target and what changed, instead of a patch that
+silently no longer applies (or applies to something else).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+VERL_VERSION = "0.9.1"
+_TRAINER = "verl.trainer.ppo.v1.trainer_base.PPOTrainer"
+
+# Every verl symbol patched or reached into, with its parameter names in verl 0.9.1 (None: not a callable).
+TARGETS: dict[str, tuple[str, ...] | None] = {
+    "verl.utils.device.auto_set_device": ("config",),
+    f"{_TRAINER}.__init__": ("self", "config"),
+    f"{_TRAINER}._balance_batch": ("self", "batch", "metrics", "logging_prefix", "keep_minibatch"),
+    f"{_TRAINER}._compute_old_log_prob": ("self", "batch", "metrics"),
+    f"{_TRAINER}._compute_advantage": ("self", "batch", "metrics"),
+    f"{_TRAINER}._add_prompts_to_generate": ("self", "num_prompts"),
+    "verl.utils.distributed.initialize_global_process_group_ray": ("timeout_second", "backend"),
+    "verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits": ("logits", "labels", "inplace_backward"),
+    "verl.workers.rollout.base.get_rollout_class": ("rollout_name", "mode"),
+    "verl.workers.rollout.base._ROLLOUT_REGISTRY": None,
+}
+
+MARK = "_true_on_policy_patch"
+
+
+class PatchTargetChanged(RuntimeError):
+    """A patched verl symbol is missing or its signature changed: the patch would not do what it says."""
+
+
+def _split(target: str) -> tuple[str, list[str]]:
+    """``"a.b.C.m"`` -> (longest importable module, remaining attribute path)."""
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError:
+            continue
+        return module, parts[cut:]
+    raise PatchTargetChanged(f"{target}: no module of it can be imported (verl {VERL_VERSION} has it)")
+
+
+def resolve(target: str) -> Any:
+    """The object ``target`` names, or :class:`PatchTargetChanged` naming what is missing."""
+    module, attributes = _split(target)
+    owner: Any = sys.modules[module]
+    for depth, attribute in enumerate(attributes):
+        if not hasattr(owner, attribute):
+            where = ".".join([module, *attributes[:depth]])
+            raise PatchTargetChanged(
+                f"{target}: {where} has no attribute {attribute!r} (verl {VERL_VERSION} has it; was it renamed or "
+                "removed?). true_on_policy patches it and cannot run safely without it."
+            )
+        owner = inspect.getattr_static(owner, attribute) if isinstance(owner, type) else getattr(owner, attribute)
+        if isinstance(owner, (staticmethod, classmethod)):
+            owner = owner.__func__
+    return owner
+
+
+def check_target(target: str, found: Any = None, expected: tuple[str, ...] | None | str = "registered") -> Any:
+    """Resolve ``target`` (or take ``found``) and check its parameter names; returns the object.
+
+    ``expected`` defaults to :data:`TARGETS`' entry. A wrapper this module installed is checked
+    through the original it wraps.
+    """
+    if expected == "registered":
+        if target not in TARGETS:
+            raise KeyError(f"{target} is not a registered patch target; add it to TARGETS")
+        expected = TARGETS[target]
+    obj = resolve(target) if found is None else found
+    while getattr(obj, MARK, False) and hasattr(obj, "__wrapped__"):
+        obj = obj.__wrapped__
+    if expected is None:
+        return obj
+    if not callable(obj):
+        raise PatchTargetChanged(f"{target}: expected a callable with parameters {expected}, found {type(obj).__name__}")
+    names = tuple(inspect.signature(obj).parameters)
+    if names != tuple(expected):
+        raise PatchTargetChanged(
+            f"{target}: signature changed: verl {VERL_VERSION} has parameters {tuple(expected)}, found {names}. "
+            "true_on_policy's patch of it must be reviewed for this verl version."
+        )
+    return obj
+
+
+def _mark(wrapper: Callable, original: Callable) -> Callable:
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, MARK, True)
+    return wrapper
+
+
+def is_patched(obj: Any) -> bool:
+    return bool(getattr(obj, MARK, False))
+
+
+# --------------------------------------------------------------------------- the launch hook
+
+
+def install_launch_hook(hook: Callable[[Any], None], device_module: Any = None) -> None:
+    """``auto_set_device(config)`` runs ``hook(config)`` first (idempotent).
+
+    ``python -m verl.trainer.main_ppo`` binds ``auto_set_device`` from ``verl.utils.device`` when
+    it is imported, after verl loaded the plugin, so the wrapper reaches the real launch; its call
+    comes before ``ray.init``. ``device_module`` is for tests (default ``verl.utils.device``).
+    """
+    target = "verl.utils.device.auto_set_device"
+    if device_module is None:
+        import verl.utils.device as device_module
+    if not hasattr(device_module, "auto_set_device"):
+        raise PatchTargetChanged(
+            f"{target}: verl.utils.device has no attribute 'auto_set_device' (verl {VERL_VERSION} has it; renamed "
+            "or removed?): the true_on_policy launch hook cannot be installed"
+        )
+    original = device_module.auto_set_device
+    if is_patched(original):
+        return
+    check_target(target, original)
+
+    def auto_set_device(config):
+        hook(config)
+        return original(config)
+
+    device_module.auto_set_device = _mark(auto_set_device, original)
+
+
+# --------------------------------------------------------------------------- the v1 trainer
+
+
+def wrap_trainer_method(trainer_cls: type, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``trainer_cls.<name>`` by ``make_wrapper(original)`` after checking verl's original."""
+    original = getattr(trainer_cls, name, None)
+    target = f"{_TRAINER}.{name}"
+    if original is None:
+        raise PatchTargetChanged(f"{target}: {trainer_cls.__qualname__} has no {name!r} (verl {VERL_VERSION} has it)")
+    check_target(target, original)
+    setattr(trainer_cls, name, _mark(make_wrapper(original), original))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a named module is executed, so a patch of a heavy module does not
+    import it in every process that loads the plugin (the trainer module costs ~1 s to import)."""
+
+    def __init__(self) -> None:
+        self.callbacks: dict[str, list[Callable[[Any], None]]] = {}
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.callbacks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        callbacks = self.callbacks.pop(fullname)
+        exec_module = spec.loader.exec_module
+
+        def exec_module_then_patch(module):
+            exec_module(module)
+            for callback in callbacks:
+                callback(module)
+
+        spec.loader.exec_module = exec_module_then_patch
+        return spec
+
+
+_after_import = _AfterImport()
+
+
+def when_imported(module_name: str, callback: Callable[[Any], None]) -> None:
+    """``callback(module)`` now if ``module_name`` is imported, else right after its import."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        callback(module)
+        return
+    if _after_import not in sys.meta_path:
+        sys.meta_path.insert(0, _after_import)
+    _after_import.callbacks.setdefault(module_name, []).append(callback)
+
+
+def install_trainer_start_check(check: Callable[[Any], None], trainer_cls: type | None = None) -> None:
+    """``PPOTrainer.__init__(self, config)`` runs ``check(config)`` first (idempotent).
+
+    Without ``trainer_cls``, installed on verl's PPOTrainer when ``trainer_base`` is imported.
+    """
+    if trainer_cls is None:
+        when_imported(
+            "verl.trainer.ppo.v1.trainer_base",
+            lambda module: install_trainer_start_check(check, module.PPOTrainer),
+        )
+        return
+    if is_patched(trainer_cls.__init__):
+        return
+
+    def make(original):
+        def __init__(self, config, *args, **kwargs):
+            check(config)
+            original(self, config, *args, **kwargs)
+
+        return __init__
+
+    wrap_trainer_method(trainer_cls, "__init__", make)
+
+
+def trainer_behind_refill_fn(refill_fn: Any) -> Any:
+    """The v1 trainer whose bound ``_add_prompts_to_generate`` verl passed as a sampler's ``refill_fn``.
+
+    verl's custom-sampler constructor contract gives no trainer handle; the async sampler needs the
+    trainer's agent loop (to re-dispatch a prompt) and dataset (to size an epoch).
+    """
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    trainer = getattr(refill_fn, "__self__", None)
+    function = getattr(refill_fn, "__func__", None)
+    if not isinstance(trainer, PPOTrainer) or getattr(function, "__name__", None) != "_add_prompts_to_generate":
+        raise PatchTargetChanged(
+            f"{_TRAINER}._add_prompts_to_generate: the sampler's refill_fn={refill_fn!r} is not the bound "
+            f"_add_prompts_to_generate of a v1 PPOTrainer, as verl {VERL_VERSION} passes it; the single-rollout "
+            "sampler reaches the trainer through it"
+        )
+    check_target(f"{_TRAINER}._add_prompts_to_generate", function)
+    return trainer
+
+
+# --------------------------------------------------------------------------- the CPU backend
+
+
+def install_gloo_process_group() -> None:
+    """On the CPU platform verl's default backend string is ``cpu:gloo,cpu:gloo``, which torch rejects
+    ("Duplicate device type cpu"); the process group becomes plain ``cpu:gloo`` (idempotent)."""
+    import verl.utils.distributed as verl_distributed
+
+    target = "verl.utils.distributed.initialize_global_process_group_ray"
+    original = verl_distributed.initialize_global_process_group_ray
+    if is_patched(original):
+        return
+    check_target(target, original)
+
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        return original(timeout_second=timeout_second, backend=backend or "cpu:gloo")
+
+    patched = _mark(initialize_global_process_group_ray, original)
+    verl_distributed.initialize_global_process_group_ray = patched
+    # engine_workers binds the name at import: rebind it there when it was imported first.
+    engine_workers = sys.modules.get("verl.workers.engine_workers")
+    if engine_workers is not None:
+        if getattr(engine_workers, "initialize_global_process_group_ray", None) is not original:
+            raise PatchTargetChanged(
+                "verl.workers.engine_workers.initialize_global_process_group_ray: expected the name bound from "
+                f"verl.utils.distributed (verl {VERL_VERSION}), found "
+                f"{getattr(engine_workers, 'initialize_global_process_group_ray', None)!r}"
+            )
+        engine_workers.initialize_global_process_group_ray = patched
+
+
+def install_logprobs_from_logits(replacement: Callable) -> None:
+    """verl's FSDP engine turns logits into token log-probs with ``logprobs_from_logits``, bound by
+    name in ``transformer_impl``; ``replacement`` (same signature) takes its place there."""
+    from verl.workers.engine.fsdp import transformer_impl
+
+    target = "verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits"
+    original = transformer_impl.logprobs_from_logits
+    if is_patched(original):
+        return
+    check_target(target, original)
+    check_target(target, replacement)
+    transformer_impl.logprobs_from_logits = _mark(replacement, original)
+
+
+def register_worker_rollout(name: str, mode: str, class_path: str) -> None:
+    """Worker-side rollout class for ``rollout.name=<name>``: verl has no register function for
+    ``_ROLLOUT_REGISTRY``, which ``get_rollout_class(rollout_name, mode)`` reads."""
+    from verl.workers.rollout import base as rollout_base
+
+    check_target("verl.workers.rollout.base.get_rollout_class")
+    registry = check_target("verl.workers.rollout.base._ROLLOUT_REGISTRY")
+    if not isinstance(registry, dict) or ("vllm", "async") not in registry:
+        raise PatchTargetChanged(
+            "verl.workers.rollout.base._ROLLOUT_REGISTRY: expected a dict keyed by (rollout name, mode) as in verl "
+            f"{VERL_VERSION}, found {type(registry).__name__}"
+        )
+    existing = registry.get((name, mode))
+    if existing not in (None, class_path):
+        raise ValueError(f"rollout ({name!r}, {mode!r}) is already registered to {existing}")
+    rollout_base._ROLLOUT_REGISTRY[(name, mode)] = class_path
