@@ -1220,96 +1220,14 @@ def _layer_module(model: nn.Module, layer: int) -> nn.Module:
     return layers[layer]
 
 
-def _variant_attention_kernel(q, k, v, plan, scaling, *, additive_mask=False, softmax_dtype=None, garbage=False):
-    """consistent_ops' attention forward, line for line, with one switch flipped (a planted fault).
-
-    ``garbage``: unwritten KV slots are filled with NaN (an uninitialised cache); ``additive_mask``:
-    scores get ``+ -1e9`` where invisible and values are not zeroed (probability-zero masking instead
-    of selection); ``softmax_dtype``: probabilities, PV partial sums and the running accumulator
-    rounded to that dtype (softmax accumulated in low precision).
-    """
-    S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
-    D = q.shape[-1]
-    R, B = plan.R, plan.B
-    if n_blocks * B != Tk:
-        k, v = F.pad(k, (0, 0, 0, n_blocks * B - Tk)), F.pad(v, (0, 0, 0, n_blocks * B - Tk))
-    if garbage:
-        slot_ok = plan.kv_valid[:, None, :, None]
-        k = torch.where(slot_ok, k, math.nan)
-        v = torch.where(slot_ok, v, math.nan)
-    pair_t, pair_j = plan.pair_t, plan.pair_j
-    n_pairs = pair_t.numel()
-    k_blocks = k.to(torch.float32).unflatten(2, (n_blocks, B)).transpose(-1, -2)
-    if additive_mask:
-        v32 = v.to(torch.float32)
-    else:
-        v32 = torch.where(plan.kv_valid[:, None, :, None], v.to(torch.float32), 0.0)
-    v_blocks = torch.cat([v32, v32.new_ones(S, Hkv, n_blocks * B, 1)], dim=-1).view(S, Hkv, n_blocks, B, D + 1)
-    q_tiles = ops._heads_to_tiles(q.to(torch.float32) * scaling, plan, R)
-
-    def flat(x):
-        return x.reshape(S * Hkv * n_pairs, *x.shape[-2:])
-
-    def pairs_of_tiles(x):
-        if plan.dense:
-            return x[:, :, :, None].expand(S, Hkv, tiles, n_used, *x.shape[3:])
-        return x.index_select(2, pair_t)
-
-    def pairs_of_blocks(x):
-        if plan.dense:
-            return x[:, :, None, :n_used].expand(S, Hkv, tiles, n_used, *x.shape[3:])
-        return x.index_select(2, pair_j)
-
-    def rounded(x):
-        return x if softmax_dtype is None else x.to(softmax_dtype).to(torch.float32)
-
-    scores = ops.matmul_tiles(flat(pairs_of_tiles(q_tiles)), flat(pairs_of_blocks(k_blocks)))
-    scores = scores.view(S, Hkv, n_pairs, R, B)[:, :, :, :live]
-    if additive_mask:
-        scores = scores + torch.where(plan.visible[:, None], 0.0, -1e9)
-    else:
-        scores = torch.where(plan.visible[:, None], scores, -math.inf)
-    m_run = torch.cummax(ops._scatter_pairs(scores.amax(dim=-1), plan, -math.inf), dim=3).values
-    m_ref = torch.where(m_run == -math.inf, 0.0, m_run)
-    alpha = torch.exp(m_run[:, :, :, :-1] - m_ref[:, :, :, 1:])
-    m_pairs = m_ref.view(S, Hkv, -1, live) if plan.dense else m_ref[:, :, pair_t, pair_j]
-    p = rounded(torch.exp(scores - m_pairs[..., None]))
-    p_tiles = p if live == R else F.pad(p, (0, 0, 0, R - live))
-    pv = ops.matmul_tiles(flat(p_tiles), flat(pairs_of_blocks(v_blocks)))
-    pv = rounded(ops._scatter_pairs(pv.view(S, Hkv, n_pairs, R, D + 1)[:, :, :, :live], plan, 0.0))
-    pv_j, alpha_j = pv.unbind(3), alpha[..., None].unbind(3)
-    acc = pv_j[0]
-    for j in range(1, n_used):
-        acc = rounded(acc * alpha_j[j - 1] + pv_j[j])
-    l = acc[..., D:]
-    if additive_mask:  # a plain softmax normalisation: nothing selects rows away
-        out_tiles = acc[..., :D] / l
-    else:
-        has_keys = l > 0
-        out_tiles = torch.where(has_keys, acc[..., :D] / torch.where(has_keys, l, 1.0), 0.0)
-    return ops._tiles_to_heads(out_tiles, plan).to(q.dtype)
-
-
-def _install_attention_variant(model: nn.Module, layer: int, variant: str, **switches) -> str:
-    """Give layer ``layer``'s attention its own config whose ``_attn_implementation`` names a variant
-    of the consistent attention (registered in transformers' AttentionInterface)."""
+def _install_attention_variant(model: nn.Module, layer: int, variant: str, fault: ops.Fault) -> str:
+    """Give layer ``layer``'s attention its own config whose ``_attn_implementation`` names the
+    consistent attention run with ``fault``'s switches on (registered in transformers' AttentionInterface)."""
     from transformers import AttentionInterface
 
-    def kernel(q, k, v, q_positions, kv_valid, scaling, plan=None):
-        if plan is None:
-            plan = ops.attention_plan(q_positions, kv_valid, q.shape[1], k.shape[1])
-        return _variant_attention_kernel(q, k, v, plan, scaling, **switches)
-
-    def interface(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
-        original = ops.attention
-        ops.attention = kernel  # consistent_model reads ops.attention at call time
-        try:
-            return cm._attention_interface(
-                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                sliding_window=sliding_window, **kwargs,
-            )
-        finally:
-            ops.attention = original
+    def interface(module, query, key, value, attention_mask, **kwargs):
+        with ops.injected(fault):  # the real kernel, with the fault's switches on for this call only
+            return cm._attention_interface(module, query, key, value, attention_mask, **kwargs)
 
     name = f"{cm.ATTN_IMPLEMENTATION}+{variant}"
     interface.__name__ = interface.__qualname__ = f"attention_{variant.replace('-', '_')}"
@@ -1321,19 +1239,6 @@ def _install_attention_variant(model: nn.Module, layer: int, variant: str, **swi
     config._attn_implementation_internal = name
     attn.config = config
     return name
-
-
-def _moe_route_reversed_ties(router_logits, top_k, norm_topk_prob):
-    """consistent_ops.moe_route with ties broken towards the HIGHER expert index."""
-    x = router_logits.to(torch.float32)
-    e = torch.exp(x - x.amax(dim=-1, keepdim=True))
-    probs = e / ops.fixed_sum(e)
-    n = probs.shape[-1]
-    values, indices = torch.sort(probs.flip(-1), dim=-1, descending=True, stable=True)
-    weights, experts = values[..., :top_k], (n - 1) - indices[..., :top_k]
-    if norm_topk_prob:
-        weights = weights / ops.fixed_sum(weights)
-    return weights, experts
 
 
 def make_router_ties(model: nn.Module, layer: int = -1, experts: tuple[int, int] = (0, 1)) -> None:
@@ -1368,16 +1273,18 @@ def inject_fault(model: nn.Module, fault: str, layer: int = -1) -> str:
             after = float(w[0, 0])
         return f"weight: {prefix}.self_attn.v_proj.weight[0, 0] {before:.6g} -> {after:.6g}"
     if fault == "bf16-softmax":
-        name = _install_attention_variant(model, layer_idx, "bf16_softmax", softmax_dtype=torch.bfloat16)
+        name = _install_attention_variant(model, layer_idx, "bf16_softmax", ops.Fault(softmax_dtype=torch.bfloat16))
         return f"bf16-softmax: {prefix}.self_attn uses attention implementation {name!r} (softmax accumulated in bf16)"
     if fault == "additive-mask":
-        name = _install_attention_variant(model, layer_idx, "additive_mask", additive_mask=True, garbage=True)
+        name = _install_attention_variant(
+            model, layer_idx, "additive_mask", ops.Fault(additive_mask=True, kv_garbage=True)
+        )
         return (
             f"additive-mask: {prefix}.self_attn uses {name!r} (additive -1e9 mask, values not selected, unwritten KV "
             "slots hold NaN garbage)"
         )
     if fault == "kv-garbage":
-        name = _install_attention_variant(model, layer_idx, "kv_garbage", garbage=True)
+        name = _install_attention_variant(model, layer_idx, "kv_garbage", ops.Fault(kv_garbage=True))
         return (
             f"kv-garbage (control): {prefix}.self_attn uses {name!r} (NaN garbage in unwritten KV slots, "
             "selection mask)"
@@ -1389,13 +1296,12 @@ def inject_fault(model: nn.Module, fault: str, layer: int = -1) -> str:
             raise ValueError(f"{prefix}.mlp has no MoE router (mlp.gate): a dense model?")
         state = {}
 
-        def swap_in(module, args):
-            state["original"] = ops.moe_route
-            ops.moe_route = _moe_route_reversed_ties
+        def swap_in(module, args):  # the real top-k kernel, its tie-break switch flipped for this gate
+            state["previous"] = ops.set_fault(ops.Fault(router_ties_to_higher=True))
 
         def swap_out(module, args, output):
-            if "original" in state:
-                ops.moe_route = state.pop("original")
+            if "previous" in state:
+                ops.set_fault(state.pop("previous"))
 
         gate.register_forward_pre_hook(swap_in)
         gate.register_forward_hook(swap_out, always_call=True)  # restored even if the forward raises

@@ -27,12 +27,15 @@ the other ops differentiate through their (elementwise) torch ops.
 
 The switch (:func:`enabled`, :func:`enable`, :func:`disable`, :func:`consistent`) is THE one flag:
 :mod:`true_on_policy.kernels.model` routes the model's modules through these ops iff it is on.
-The ops themselves always compute the consistent way. Pure torch; no verl, no transformers import.
+The ops themselves always compute the consistent way, except under :class:`Fault` switches, which
+only the diagnosis tool flips to plant a known inconsistency in the real kernels. Pure torch; no
+verl, no transformers import.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -63,6 +66,8 @@ __all__ = [
     "moe_combine",
     "log_softmax",
     "token_log_probs",
+    "Fault",
+    "injected",
 ]
 
 TILE_ROWS = 64  # rows of one linear-layer tile: a row never sees how many rows its batch has
@@ -105,6 +110,41 @@ def consistent(value: bool = True) -> Iterator[None]:
         yield
     finally:
         set_enabled(previous)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """Switches that break a rule on purpose, for :mod:`true_on_policy.diagnose`'s fault injection only.
+
+    They act on the real kernels below (never on copies, which would drift from them), forward only;
+    all off (the default) leaves every op and every bit unchanged.
+    """
+
+    softmax_dtype: torch.dtype | None = None  # rule 4 broken: attention's softmax accumulated in this dtype
+    additive_mask: bool = False  # rule 1 broken: invisible keys get + -1e9 instead of being selected away
+    kv_garbage: bool = False  # unwritten KV slots hold NaN, like an uninitialised paged cache
+    router_ties_to_higher: bool = False  # MoE top-k ties broken towards the HIGHER expert index
+
+
+NO_FAULT = Fault()
+_FAULT = NO_FAULT
+
+
+def set_fault(fault: Fault) -> Fault:
+    """Set the fault switches; return the previous ones."""
+    global _FAULT
+    previous, _FAULT = _FAULT, fault
+    return previous
+
+
+@contextlib.contextmanager
+def injected(fault: Fault) -> Iterator[None]:
+    """Context manager: ``fault`` switched on inside, the previous switches restored on exit."""
+    previous = set_fault(fault)
+    try:
+        yield
+    finally:
+        set_fault(previous)
 
 
 def _no_autocast(device: torch.device):
@@ -405,19 +445,38 @@ def _scatter_pairs(values, plan: AttentionPlan, fill: float):
     return out
 
 
+def _identity(x):
+    return x
+
+
 def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_backward: bool = False):
-    """The forward of :func:`attention`: (out [S, Hq, Tq, D] in q's dtype, saved state or None)."""
+    """The forward of :func:`attention`: (out [S, Hq, Tq, D] in q's dtype, saved state or None).
+
+    Reads the :class:`Fault` switches (all off outside fault injection).
+    """
+    fault = _FAULT
+    if fault != NO_FAULT and keep_for_backward:
+        raise RuntimeError(f"attention fault switches are forward-only (diagnosis), got {fault}")
+    additive = fault.additive_mask
+    if fault.softmax_dtype is None:
+        rounded = _identity
+    else:
+        def rounded(x):  # the softmax's intermediate values held in the fault's dtype
+            return x.to(fault.softmax_dtype).to(torch.float32)
     S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
     D = q.shape[-1]
     R, B = plan.R, plan.B
     if n_blocks * B != Tk:
         k, v = F.pad(k, (0, 0, 0, n_blocks * B - Tk)), F.pad(v, (0, 0, 0, n_blocks * B - Tk))
+    if fault.kv_garbage:
+        slot_ok = plan.kv_valid[:, None, :, None]
+        k, v = torch.where(slot_ok, k, math.nan), torch.where(slot_ok, v, math.nan)
     pair_t, pair_j = plan.pair_t, plan.pair_j
     n_pairs = pair_t.numel()
     # keys as [S, Hkv, block, D, B]; values of invisible slots zeroed (0 * NaN would leak) and a
     # ones column appended, so the PV product also accumulates the softmax denominator l.
     k_blocks = k.to(torch.float32).unflatten(2, (n_blocks, B)).transpose(-1, -2)  # a view
-    v32 = torch.where(plan.kv_valid[:, None, :, None], v.to(torch.float32), 0.0)
+    v32 = v.to(torch.float32) if additive else torch.where(plan.kv_valid[:, None, :, None], v.to(torch.float32), 0.0)
     v_blocks = torch.cat([v32, v32.new_ones(S, Hkv, n_blocks * B, 1)], dim=-1).view(S, Hkv, n_blocks, B, D + 1)
     q_tiles = _heads_to_tiles(q.to(torch.float32) * scaling, plan, R)
 
@@ -435,27 +494,34 @@ def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_bac
         return x.index_select(2, pair_j)
 
     scores = matmul_tiles(flat(pairs_of_tiles(q_tiles)), flat(pairs_of_blocks(k_blocks)))
-    scores = torch.where(plan.visible[:, None], scores.view(S, Hkv, n_pairs, R, B)[:, :, :, :live], -math.inf)
+    scores = scores.view(S, Hkv, n_pairs, R, B)[:, :, :, :live]
+    if additive:
+        scores = scores + torch.where(plan.visible[:, None], 0.0, -1e9)
+    else:
+        scores = torch.where(plan.visible[:, None], scores, -math.inf)
 
     # running max after each block, per row: the same maximum() chain a block loop computes
     m_run = torch.cummax(_scatter_pairs(scores.amax(dim=-1), plan, -math.inf), dim=3).values
     m_ref = torch.where(m_run == -math.inf, 0.0, m_run)
     alpha = torch.exp(m_run[:, :, :, :-1] - m_ref[:, :, :, 1:])  # rescale of acc entering block j >= 1
     m_pairs = m_ref.view(S, Hkv, -1, live) if plan.dense else m_ref[:, :, pair_t, pair_j]
-    p = torch.exp(scores - m_pairs[..., None])
+    p = rounded(torch.exp(scores - m_pairs[..., None]))
     p_tiles = p if live == R else F.pad(p, (0, 0, 0, R - live))
     pv = matmul_tiles(flat(p_tiles), flat(pairs_of_blocks(v_blocks)))
-    pv = _scatter_pairs(pv.view(S, Hkv, n_pairs, R, D + 1)[:, :, :, :live], plan, 0.0)
+    pv = rounded(_scatter_pairs(pv.view(S, Hkv, n_pairs, R, D + 1)[:, :, :, :live], plan, 0.0))
 
     # online-softmax accumulation in block order: acc_j = acc_{j-1} * alpha_j + pv_j
     pv_j, alpha_j = pv.unbind(3), alpha[..., None].unbind(3)
     acc = pv_j[0]
     for j in range(1, n_used):
-        acc = acc * alpha_j[j - 1] + pv_j[j]
+        acc = rounded(acc * alpha_j[j - 1] + pv_j[j])
 
     l = acc[..., D:]
-    has_keys = l > 0
-    out_tiles = torch.where(has_keys, acc[..., :D] / torch.where(has_keys, l, 1.0), 0.0)
+    if additive:  # a plain softmax normalisation: nothing selects rows away
+        out_tiles = acc[..., :D] / l
+    else:
+        has_keys = l > 0
+        out_tiles = torch.where(has_keys, acc[..., :D] / torch.where(has_keys, l, 1.0), 0.0)
     out = _tiles_to_heads(out_tiles, plan).to(q.dtype)
     if not keep_for_backward:
         return out, None
@@ -560,7 +626,11 @@ def moe_route(
     x = router_logits.to(torch.float32)
     e = torch.exp(x - x.amax(dim=-1, keepdim=True))
     probs = e / fixed_sum(e)
-    values, indices = torch.sort(probs, dim=-1, descending=True, stable=True)
+    if _FAULT.router_ties_to_higher:  # a planted fault (diagnosis only): the tie order reversed
+        values, indices = torch.sort(probs.flip(-1), dim=-1, descending=True, stable=True)
+        indices = (probs.shape[-1] - 1) - indices
+    else:
+        values, indices = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, experts = values[..., :top_k], indices[..., :top_k]
     if norm_topk_prob:
         weights = weights / fixed_sum(weights)
