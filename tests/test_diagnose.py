@@ -2,7 +2,7 @@
 named with the right layer, op and category; identical models are clean with the flag on and show an
 ``operator`` divergence with the default kernels in bf16.
 
-Categories follow the rules in true_on_policy/diagnose/core.py: equal inputs and different parameters ->
+Categories follow the rules in true_on_policy/diagnose/compare.py: equal inputs and different parameters ->
 weights; equal inputs and parameters but a different module configuration (attributes, attention
 implementation, executed children...) -> implementation; nothing visible differs -> operator.
 """
@@ -18,7 +18,8 @@ from torch import nn
 
 from true_on_policy.kernels import model as cm
 from true_on_policy.kernels import ops
-from true_on_policy.diagnose import core as dg
+from true_on_policy import diagnose as dg
+from true_on_policy.diagnose import capture, compare
 from true_on_policy.tiny_assets import build_model
 from kernel_helpers import patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)
 
@@ -101,7 +102,7 @@ def test_identical_bf16_models_with_default_kernels_show_an_operator_divergence(
     first = row(report, d.op)
     assert first.first_diff[1] == d.position
     for r in report.ops:
-        if r.order < first.order and r.first_diff is not None and not dg._is_ancestor(r.op, d.op):
+        if r.order < first.order and r.first_diff is not None and not capture._is_ancestor(r.op, d.op):
             assert r.first_diff[1] >= d.position
 
 
@@ -200,7 +201,7 @@ def test_classifier_priority_parallel_weights_implementation_operator():
         return m
 
     def classify(a, b):
-        return dg._classify("proj", "linear", None, a, b, dg._Side(a, "training"), dg._Side(b, "rollout"))
+        return compare._classify("proj", "linear", None, a, b, capture._Side(a, "training"), capture._Side(b, "rollout"))
 
     a, b = model(), model()
     assert classify(a, b) == ("operator", [])

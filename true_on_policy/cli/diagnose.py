@@ -28,7 +28,7 @@ class _BadInput(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     from true_on_policy import tiny_assets
-    from true_on_policy.diagnose.core import FAULTS
+    from true_on_policy.diagnose import FAULTS
 
     p = argparse.ArgumentParser(
         prog="python -m true_on_policy diagnose",
@@ -91,14 +91,14 @@ def run(args) -> int:
     from true_on_policy import tiny_assets
 
     from true_on_policy.kernels import model as consistent_model
-    from true_on_policy.diagnose import core as dg
+    from true_on_policy import diagnose as dg
 
     if args.model is not None and args.checkpoint is not None:
         raise _BadInput("give either --model or --checkpoint, not both")
     if args.prompts < 1 or args.prompt_len < 1 or args.new_tokens < 0:
         raise _BadInput("--prompts and --prompt-len must be >= 1, --new-tokens >= 0")
     deterministic = not args.no_deterministic
-    if args.inject in dg._NEEDS_CONSISTENT and not deterministic:
+    if args.inject in dg.NEEDS_CONSISTENT_KERNELS and not deterministic:
         raise _BadInput(
             f"--inject {args.inject} acts on the consistent kernels; it cannot be combined with --no-deterministic"
         )
