@@ -384,3 +384,43 @@ def test_token_log_probs_invariant_and_correct(temperature):
     assert ops.token_log_probs(logits.bfloat16(), labels).dtype == torch.float32
     assert ops.token_log_probs(logits.view(4, 10, 1000), labels.view(4, 10)).shape == (4, 10)
     assert math.isfinite(float(ops.token_log_probs(logits, labels).sum()))
+
+
+# --- the diagnosis tool's fault switches act on these kernels, and only when switched on ------------------
+
+
+def test_fault_switches_change_the_real_kernels_and_are_off_by_default():
+    torch.manual_seed(0)
+    S, Hq, Hkv, T, D = 2, 4, 2, 100, 16
+    q, k, v = torch.randn(S, Hq, T, D), torch.randn(S, Hkv, T, D), torch.randn(S, Hkv, T, D)
+    positions = torch.arange(T).expand(S, T).clone()
+    kv_valid = torch.ones(S, T, dtype=torch.bool)
+    kv_valid[1, 70:] = False  # a shorter second sequence: unwritten slots
+    positions[1, 70:] = -1
+
+    def run(fault=None):
+        if fault is None:
+            return ops.attention(q, k, v, positions, kv_valid, 0.25)
+        with ops.injected(fault):
+            return ops.attention(q, k, v, positions, kv_valid, 0.25)
+
+    reference = run()
+    assert torch.equal(run(ops.Fault()), reference)  # all switches off: every bit unchanged
+    assert torch.equal(run(ops.Fault(kv_garbage=True)), reference)  # selection keeps NaN garbage out (rule 1)
+    assert not torch.equal(run(ops.Fault(softmax_dtype=torch.bfloat16)), reference)  # rule 4 broken
+    assert not bool(torch.isfinite(run(ops.Fault(additive_mask=True, kv_garbage=True))).all())  # rule 1 broken
+    assert torch.equal(run(), reference)  # the context restored the switches
+
+    logits = torch.tensor([[0.0, 0.0, -1.0, 2.0]])  # experts 0 and 1 tie behind expert 3
+    _, experts = ops.moe_route(logits, 2, True)
+    with ops.injected(ops.Fault(router_ties_to_higher=True)):
+        _, reversed_experts = ops.moe_route(logits, 2, True)
+    assert experts.tolist() == [[3, 0]] and reversed_experts.tolist() == [[3, 1]]
+
+
+def test_fault_switches_refuse_the_training_path():
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    positions, kv_valid = torch.arange(8)[None], torch.ones(1, 8, dtype=torch.bool)
+    with ops.injected(ops.Fault(softmax_dtype=torch.bfloat16)), pytest.raises(RuntimeError, match="forward-only"):
+        ops.attention(q, k, v, positions, kv_valid, 0.5)

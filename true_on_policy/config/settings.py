@@ -42,7 +42,7 @@ def _is_number(value: Any) -> bool:
 class Settings:
     """Every key of the ``true_on_policy:`` section, with its default."""
 
-    # One switch for the consistent (batch-invariant, order-fixed) kernels on both engines.
+    # The one flag: the consistent kernels (order-fixed, rule by rule) on both engines.
     deterministic: bool = True
     # Where the job runs; selects the determinism environment and, for "cpu", the CPU backend.
     platform: str = "cpu"

@@ -90,7 +90,7 @@ def diagnose(
     sequence i are prefilled, the rest decoded one token per call (teacher forced). Both models must
     be transformers Qwen3 / Qwen3-MoE causal LMs (or of the same structure) with the same
     architecture; they may be the same object. Side effects: ``patch_transformers()`` is called,
-    both models are switched to ``attn_implementation="true_on_policy"`` and, when
+    both models are switched to ``attn_implementation="consistent"`` and, when
     ``deterministic``, their linears are converted (:func:`consistent_model.convert_model`).
     Captures are held on the CPU: memory is about one padded training batch of activations for
     every op (keep sequences few and short for a large model).

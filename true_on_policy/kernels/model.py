@@ -14,10 +14,10 @@ Training side (verl's FSDP engine): :func:`patch_transformers` patches the model
   the patched ``__init__`` of the decoder layers and causal LMs when :func:`patch_transformers`
   ran before the model was built, else on the causal LM's first forward with the flag on (or by
   :func:`convert_model`).
-* attention: an implementation named :data:`ATTN_IMPLEMENTATION` (``"true_on_policy"``) is
+* attention: an implementation named :data:`ATTN_IMPLEMENTATION` (``"consistent"``) is
   registered in transformers' ``AttentionInterface`` with a matching ``AttentionMaskInterface``
   entry that hands the 2D padding mask through (HF builds no additive mask). Build the model with
-  ``attn_implementation="true_on_policy"``. It reads the packing/padding layout from
+  ``attn_implementation="consistent"``. It reads the packing/padding layout from
   ``position_ids`` (a new sequence wherever a position is not its predecessor + 1, as HF does) and
   the 2D mask, scatters every sequence's tokens to their absolute positions and runs
   :func:`consistent_ops.attention`.
@@ -33,6 +33,10 @@ Rollout side: :func:`forward_packed` runs the SAME model (same modules, same hoo
 continuous batch over per-request :class:`KVCache` objects; the cache travels to the attention
 function as a keyword argument that transformers forwards from ``model(...)`` to the attention
 interface. The same :func:`consistent_ops.attention` serves training rows and decode rows.
+
+Why one module of ~750 lines: the training side's patched classes and the rollout side's
+:func:`forward_packed` must be the same module code (that is the point), and the attention
+interface, mask interface and KV cache are the one layout contract between them.
 """
 
 from __future__ import annotations
@@ -60,12 +64,12 @@ __all__ = [
     "unpatch_transformers",
 ]
 
-ATTN_IMPLEMENTATION = "true_on_policy"
+ATTN_IMPLEMENTATION = "consistent"
 ROLLOUT_KWARG = "true_on_policy_rollout"  # model(..., true_on_policy_rollout=<_RolloutBatch>)
 
 
 def attn_implementation() -> str:
-    """The ``attn_implementation`` to build models with: ``"true_on_policy"`` (see patch_transformers)."""
+    """The ``attn_implementation`` to build models with: ``"consistent"`` (see patch_transformers)."""
     return ATTN_IMPLEMENTATION
 
 
@@ -430,7 +434,7 @@ def _default_training_attention(query, key, value, seg, pos, valid, scaling, dro
 def _attention_interface(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
 ):
-    """transformers attention function ``"true_on_policy"``: [B, H, T, D] in, ([B, T, H, D], None) out."""
+    """transformers attention function ``"consistent"``: [B, H, T, D] in, ([B, T, H, D], None) out."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if ops.enabled():
@@ -493,7 +497,7 @@ def is_patched() -> bool:
 
 
 def patch_transformers() -> None:
-    """Patch transformers' Qwen3 / Qwen3-MoE classes and register the attention ``"true_on_policy"``.
+    """Patch transformers' Qwen3 / Qwen3-MoE classes and register the attention ``"consistent"``.
 
     Idempotent; class-level, so it covers every model built afterwards in this process (call it in
     each worker process before the model is built). Behaviour changes only while the flag is on.
@@ -718,7 +722,7 @@ def forward_packed(
     forward: ``model(input_ids=[1, N], position_ids=[1, N])``, the packed layout of verl's FSDP
     engine (use_remove_padding=True), so with the flag off it shows the trainer's numerics.
     Returns logits [N or len(logits_rows), V] (fp32 when the flag is on). The model's attention
-    implementation is set to ``"true_on_policy"`` if it is not (it is what carries the caches).
+    implementation is set to ``"consistent"`` if it is not (it is what carries the caches).
     """
     if not is_patched():
         raise RuntimeError("forward_packed: call consistent_model.patch_transformers() first")

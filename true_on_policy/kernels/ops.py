@@ -1,4 +1,4 @@
-"""Consistent (batch-invariant, order-fixed) ops: one implementation per op, used by both engines.
+"""The consistent kernels: one order-fixed implementation per op, used by both engines.
 
 True on-policy needs the training engine and the rollout engine to produce *bitwise* identical token
 log-probs for the same weights and tokens. Floating-point addition is not associative, so every
@@ -30,6 +30,10 @@ The switch (:func:`enabled`, :func:`enable`, :func:`disable`, :func:`consistent`
 The ops themselves always compute the consistent way, except under :class:`Fault` switches, which
 only the diagnosis tool flips to plant a known inconsistency in the real kernels. Pure torch; no
 verl, no transformers import.
+
+Why one module of ~700 lines: it is the specification of the four rules, op by op; the ops share
+the switch, the tile constants and the reduction helpers (:func:`fixed_sum`, :func:`matmul_tiles`),
+and reading them side by side is how one checks that training and decode do the same arithmetic.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The project's model code on verl's training side (CPU platform).
 
 The model half is :func:`true_on_policy.kernels.model.patch_transformers`: the same module code
-the CPU rollout engine runs, registered as ``attn_implementation="true_on_policy"``. It is
+the CPU rollout engine runs, registered as ``attn_implementation="consistent"``. It is
 installed whatever the flag, since the CPU configs name that attention; with the flag off it runs
 the default kernels (SDPA, F.linear), with the flag on the consistent ones.
 
