@@ -281,7 +281,7 @@ def test_release_vllm_ascend_attention_is_a_mismatch(ascend_cfg):
     ("override", "key"),
     [
         ("true_on_policy.stack_versions.vllm-ascend=0.25.1rc1", "rl_config"),
-        (f"++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_ASCEND_ENABLE_FLASHCOMM1='1'", "VLLM_ASCEND_ENABLE_FLASHCOMM1"),
+        ("++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_ASCEND_ENABLE_FLASHCOMM1='1'", "VLLM_ASCEND_ENABLE_FLASHCOMM1"),
         (f"++{R}.engine_kwargs.vllm.additional_config.enable_flashcomm1=true", "enable_flashcomm1"),
     ],
 )
