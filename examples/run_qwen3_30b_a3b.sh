@@ -16,8 +16,9 @@
 #
 # --dry-run prints the resolved config (YAML, with the determinism plan applied), the
 # training/rollout contract table and the exact launch command, and starts nothing; it runs on a
-# machine without accelerators. Without --dry-run the script execs that launch command; verl's
-# driver then runs the contract check again before Ray starts.
+# machine without accelerators; it exits like `check` (0 verified, 2 mismatch, 3 unverified rows).
+# Without --dry-run the script execs that launch command; verl's driver then applies the same
+# verdict before Ray starts.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -57,6 +58,8 @@ if [[ "${dry_run}" == 1 ]]; then
     set -e
     if [[ ${rc} == 2 ]]; then
         echo "# the contract has mismatches (listed above); the launch would stop unless true_on_policy.allow_contract_mismatch=true" >&2
+    elif [[ ${rc} == 3 ]]; then
+        echo "# some contract rows cannot be verified (listed above); the launch would stop unless each is named in true_on_policy.accept_unverified" >&2
     fi
     exit "${rc}"
 fi

@@ -6,6 +6,7 @@ paths are exercised by feeding versions in and checking what would be set.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import subprocess
@@ -21,6 +22,7 @@ from true_on_policy.cli import check as check_cli
 from true_on_policy.contract import consistency as contract
 
 from true_on_policy.contract import determinism_plan as determinism_env
+from true_on_policy.contract import kernel_families
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -60,165 +62,235 @@ def _run_check(argv):
 
 
 # --------------------------------------------------------------------------------------------
-# check CLI
+# check CLI: 0 verified, 2 mismatch or bad value, 3 unverified rows, 1 internal / compose error
 # --------------------------------------------------------------------------------------------
 
-
-def test_check_ascend_config_is_consistent(ascend_cfg):
-    code, out, err = _run_check(["--config-path", str(CONFIGS), "--config-name", ASCEND])
-    assert code == 0, err
-    assert "true-on-policy contract" in out and "TP (tensor parallel)" in out
-    assert "consistent: no mismatch" in out
-    assert err == ""
+R = "actor_rollout_ref.rollout"
+MG = "actor_rollout_ref.actor.megatron"
+TC = determinism_env.MEGATRON_TC
 
 
-def test_check_reports_rollout_tp_mismatch():
-    code, out, err = _run_check(
-        ["--config-path", str(CONFIGS), "--config-name", ASCEND, "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
-    )
-    assert code == 2
-    lines = err.strip().splitlines()
-    assert lines and all(line for line in lines)
-    tp_lines = [line for line in lines if line.startswith("TP (tensor parallel) [tp]")]
+def _check_args(name, *overrides):
+    return ["--config-path", str(CONFIGS), "--config-name", name, *overrides]
+
+
+def _unverified_fields(stderr):
+    return {line.split("[", 1)[1].split("]", 1)[0] for line in stderr.splitlines() if line.startswith("UNVERIFIED ")}
+
+
+@pytest.mark.parametrize("name", [ASCEND, CUDA])
+def test_shipped_config_exits_3_naming_every_unverified_row(name, ascend_cfg, cuda_cfg):
+    code, out, err = _run_check(_check_args(name))
+    expected = {row.field for row, _ in contract.unverified(_contract(ascend_cfg if name == ASCEND else cuda_cfg))}
+    assert code == check_cli.EXIT_UNVERIFIED, err
+    assert expected and _unverified_fields(err) == expected
+    assert "MISMATCH" not in out and "consistent where visible" in out
+    assert "consistent and verified" not in out
+
+
+@pytest.mark.parametrize("name", [ASCEND, CUDA])
+def test_accepting_every_unverified_row_exits_0(name):
+    _, _, err = _run_check(_check_args(name))
+    rows = sorted(_unverified_fields(err))
+    flags = [part for row in rows for part in ("--accept-unverified", row)]
+    code, out, err2 = _run_check(_check_args(name, *flags))
+    assert code == check_cli.EXIT_OK, err2
+    assert all(f"accepted unverified: {row}:" in out for row in rows)
+    # twin: leave one out and it is the only row named
+    code, _, err3 = _run_check(_check_args(name, *flags[2:]))
+    assert code == check_cli.EXIT_UNVERIFIED and _unverified_fields(err3) == {rows[0]}
+
+
+def test_accept_unverified_from_the_config_section():
+    _, _, err = _run_check(_check_args(CUDA))
+    rows = ",".join(sorted(_unverified_fields(err)))
+    code, _, err2 = _run_check(_check_args(CUDA, f"true_on_policy.accept_unverified=[{rows}]"))
+    assert code == check_cli.EXIT_OK, err2
+
+
+def test_accepting_a_row_that_does_not_exist_is_a_bad_value():
+    code, _, err = _run_check(_check_args(CUDA, "--accept-unverified", "no_such_row"))
+    assert code == check_cli.EXIT_MISMATCH and "no_such_row" in err and "not contract rows" in err
+
+
+def test_cpu_config_is_consistent_and_verified():
+    code, out, err = _run_check(_check_args("cpu_tiny_moe"))
+    assert code == check_cli.EXIT_OK, err
+    assert "consistent and verified" in out and err == ""
+
+
+def test_check_reports_tp_mismatch():
+    code, out, err = _run_check(_check_args(ASCEND, f"{MG}.tensor_model_parallel_size=2"))
+    assert code == check_cli.EXIT_MISMATCH
+    tp_lines = [line for line in err.splitlines() if line.startswith("TP (tensor parallel) [tp]")]
     assert len(tp_lines) == 1
-    assert "training=4" in tp_lines[0] and "rollout=1" in tp_lines[0]
-    assert "actor_rollout_ref.rollout.tensor_model_parallel_size=4" in tp_lines[0]  # the fix
+    assert "training=2" in tp_lines[0] and "rollout=1" in tp_lines[0]
+    assert f"{R}.tensor_model_parallel_size=2" in tp_lines[0]  # the fix
     assert "MISMATCH" in out
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [
+        (f"{R}.tensor_model_parallel_size=abc", f"{R}.tensor_model_parallel_size", "abc"),
+        (f"{R}.tensor_model_parallel_size=0", f"{R}.tensor_model_parallel_size", "0"),
+        (f"{MG}.sequence_parallel=maybe", f"{MG}.sequence_parallel", "maybe"),
+        (f"{R}.top_p=abc", f"{R}.top_p", "abc"),
+        ("true_on_policy.deterministic=maybe", "deterministic", "maybe"),
+        (f"{R}.data_parallel_size=${{no.such.key}}", "no.such.key", "data_parallel_size"),
+    ],
+)
+def test_bad_value_exits_2_naming_key_and_value(override, key, value):
+    code, out, err = _run_check(_check_args(ASCEND, override))
+    assert code == check_cli.EXIT_MISMATCH, err
+    assert "bad config value" in err and key in err and value in err
+    assert "TP (tensor parallel)" not in out  # no table with invented numbers
+
+
+def test_internal_error_is_reported_as_such(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(contract, "build_contract", broken)
+    code, _, err = _run_check(_check_args(ASCEND))
+    assert code == check_cli.EXIT_ERROR and "internal error" in err and "boom" in err
+
+
+def test_check_unreadable_config_exits_1(tmp_path):
+    code, _, err = _run_check(["--config-path", str(tmp_path), "--config-name", "missing"])
+    assert code == check_cli.EXIT_ERROR and "cannot compose" in err
 
 
 def test_check_cli_as_subprocess():
     proc = subprocess.run(
-        [sys.executable, "-m", "true_on_policy.cli.check", "--config-path", str(CONFIGS), "--config-name", ASCEND],
+        [sys.executable, "-m", "true_on_policy", "check", *_check_args(ASCEND)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr
-    assert "consistent: no mismatch" in proc.stdout
-
-
-def test_check_subcommand_dispatch_in_process():
-    from true_on_policy import __main__ as cli
-
-    code = cli.main(
-        ["check", "--config-path", str(CONFIGS), "--config-name", ASCEND, "actor_rollout_ref.rollout.dtype=float16"]
-    )
-    assert code == 2
-
-
-def test_check_unreadable_config_exits_1(tmp_path):
-    code, _, err = _run_check(["--config-path", str(tmp_path), "--config-name", "missing"])
-    assert code == 1 and "cannot compose" in err
-
-
-def test_cuda_twin_is_consistent(cuda_cfg):
-    result = _contract(cuda_cfg)
-    assert contract.compare(result) == []
-    assert result.row("tp").training.value == result.row("tp").rollout.value == 1
-    assert result.row("ep").training.value == result.row("ep").rollout.value == 8
-    env = result.row("determinism_env")
-    assert env.training.value["NCCL_ALGO"] == env.rollout.value["NCCL_ALGO"] == "allreduce:tree"
+    assert proc.returncode == 3, proc.stderr
+    assert "UNVERIFIED" in proc.stderr and "consistent where visible" in proc.stdout
 
 
 # --------------------------------------------------------------------------------------------
-# every contract field
+# rows: real comparisons, derived from the config
 # --------------------------------------------------------------------------------------------
 
-R = "actor_rollout_ref.rollout"
-MG = "actor_rollout_ref.actor.megatron"
 
-CONFIG_MISMATCHES = [
-    ("tp", ASCEND, {f"{R}.tensor_model_parallel_size": 2, f"{R}.expert_parallel_size": 8}),
-    ("ep", ASCEND, {f"{MG}.expert_model_parallel_size": 8}),
-    ("etp", ASCEND, {f"{MG}.expert_tensor_parallel_size": None}),
-    ("pp", ASCEND, {f"{MG}.pipeline_model_parallel_size": 2}),
-    ("cp", ASCEND, {f"{MG}.context_parallel_size": 2}),
-    ("compute_dtype", ASCEND, {f"{R}.dtype": "float16"}),
-    ("attention", ASCEND, {f"{MG}.override_transformer_config.attention_backend": "fused"}),
-    ("attention", CUDA, {f"{R}.name": "sglang"}),
-    ("row_parallel", ASCEND, {f"{R}.name": "sglang"}),
-    ("row_parallel", ASCEND, {f"{MG}.sequence_parallel": False}),  # against the pin
-    ("moe_dispatcher", CUDA, {f"{R}.engine_kwargs.vllm.all2all_backend": "deepep_low_latency"}),
-    ("moe_dispatcher", CUDA, {"true_on_policy.moe_dispatcher": "alltoall"}),  # against the pin
-    ("moe_router_dtype", CUDA, {"true_on_policy.moe_router_dtype": None,
-                                f"{MG}.override_transformer_config.moe_router_dtype": "fp64",
-                                "actor_rollout_ref.rollout.name": "cpu"}),
-    ("logprobs", ASCEND, {f"{R}.logprobs_mode": "raw_logits"}),
-    ("logprobs", ASCEND, {f"{R}.calculate_log_probs": False}),
-    ("sampling", ASCEND, {f"{R}.top_p": 0.9}),
-    ("sampling", ASCEND, {f"{R}.top_k": 20}),
-]
+@pytest.mark.parametrize("name", [ASCEND, CUDA])
+def test_router_dtype_compares_training_with_the_vllm_gate(name, ascend_cfg, cuda_cfg):
+    base = ascend_cfg if name == ASCEND else cuda_cfg
+    served = contract.canonical_dtype(OmegaConf.select(base, f"{R}.dtype"))
+    shipped = _contract(base).row("moe_router_dtype")
+    assert shipped.rollout.value == served  # vLLM's Qwen3-MoE gate runs in the served dtype
+    assert contract.status(_contract(base), shipped) == "ok"
+    # twin: the project's fp32 pin reaches Megatron, and vLLM has no fp32 gate -> a mismatch
+    fp32 = _contract(_with(base, **{"true_on_policy.moe_router_dtype": "fp32"}))
+    row = fp32.row("moe_router_dtype")
+    assert row.training.value == "float32" and row.rollout.value == served != "float32"
+    assert "moe_router_dtype" in {m.field for m in contract.compare(fp32)}
 
 
-@pytest.mark.parametrize(("field", "config_name", "updates"), CONFIG_MISMATCHES)
-def test_config_mismatch_is_detected(field, config_name, updates, ascend_cfg, cuda_cfg):
-    base = ascend_cfg if config_name == ASCEND else cuda_cfg
-    result = _contract(_with(base, **updates))
-    found = {m.field: m for m in contract.compare(result)}
-    assert field in found, contract.format_table(result)
-    m = found[field]
-    assert m.fix and m.training_source and m.rollout_source
-    assert field in m.line() and "fix:" in m.line()
+def test_router_dtype_pin_is_honoured_by_the_project_engine(cuda_cfg):
+    cfg = _with(cuda_cfg, **{"true_on_policy.moe_router_dtype": "fp32", f"{R}.name": "cpu"})
+    row = _contract(cfg).row("moe_router_dtype")
+    assert row.training.value == row.rollout.value == "float32"
 
 
-ROW_MISMATCHES = [
-    ("moe_combine", {"training": "expert_major", "rollout": "token_major"}),
-    ("batch_invariant", {"training": "off"}),
-    ("determinism_env", {"training": {"HCCL_DETERMINISTIC": "true"}}),
-    ("kv_block_size", {"rollout": 64}),
-    ("moe_router_dtype", {"training": "float32", "rollout": "bfloat16"}),
-]
+@pytest.mark.parametrize("name", [ASCEND, CUDA])
+def test_kernel_rows_name_an_implementation_per_side(name, ascend_cfg, cuda_cfg):
+    result = _contract(ascend_cfg if name == ASCEND else cuda_cfg)
+    for field in (*kernel_families.OPS, "attention"):
+        row = result.row(field)
+        assert row.training.show() and row.rollout.show() and row.training.source and row.rollout.source
+        state, reason = contract._check(result, row)
+        assert state == "unverified" and reason, field  # nothing on a device stack is "ok" unrun
 
 
-@pytest.mark.parametrize(("field", "changes"), ROW_MISMATCHES)
-def test_row_mismatch_is_detected(field, changes, ascend_cfg):
-    result = _contract(ascend_cfg)
-    assert contract.compare(result) == []
-    broken = result.replace_row(field, **changes)
-    assert [m.field for m in contract.compare(broken)] == [field]
+def _without_training_keys(cfg, *keys):
+    p = determinism_env.plan_for_config(cfg, detected={})
+    kept = {k: v for k, v in p.training_config.items() if k.rsplit(".", 1)[1] not in keys}
+    assert len(kept) < len(p.training_config)
+    return contract.build_contract(cfg, plan=dataclasses.replace(p, training_config=kept), detected={})
 
 
-def test_every_strict_row_is_covered():
-    covered = {f for f, _, _ in CONFIG_MISMATCHES} | {f for f, _ in ROW_MISMATCHES}
-    info_rows = {"engine", "dp", "param_dtype", "ulysses"}
-    strict = {"tp", "ep", "etp", "pp", "cp", "compute_dtype", "attention", "row_parallel", "moe_dispatcher",
-              "moe_combine", "moe_router_dtype", "logprobs", "sampling", "batch_invariant", "determinism_env",
-              "kv_block_size"}
-    assert strict <= covered
-    assert not info_rows & covered
+def test_ascend_gemm_same_op_is_unverified_and_unpinned_training_is_a_mismatch(ascend_cfg):
+    cfg = _with(ascend_cfg, **{"true_on_policy.stack_versions.ops-batchinvariant": "1.0.0"})
+    row = _contract(cfg).row("gemm")
+    assert row.training.value == row.rollout.value  # both: batch_invariant_ops.npu_mm_batch_invariant
+    assert contract.status(_contract(cfg), row) == "unverified"
+    broken = _without_training_keys(cfg, "use_batch_invariant_ops", "batch_invariant_mode")
+    assert "gemm" in {m.field for m in contract.compare(broken)}
+
+
+def test_cuda_gemm_without_megatron_batch_invariant_mode_is_a_mismatch(cuda_cfg):
+    shipped = _contract(cuda_cfg)
+    assert contract.status(shipped, shipped.row("gemm")) == "unverified"
+    broken = _without_training_keys(cuda_cfg, "batch_invariant_mode")
+    assert "gemm" in {m.field for m in contract.compare(broken)}
+
+
+def test_cpu_kernel_rows_hold_and_a_vllm_rollout_on_cpu_does_not():
+    cfg = check_cli.compose_config(str(CONFIGS), "cpu_tiny_moe")
+    result = _contract(cfg)
+    for field in kernel_families.OPS:
+        assert contract.status(result, result.row(field)) == "ok"
+    other = _contract(_with(cfg, **{f"{R}.name": "vllm"}))
+    assert set(kernel_families.OPS) <= {m.field for m in contract.compare(other)}
+
+
+def test_every_row_can_fail(ascend_cfg, cuda_cfg):
+    """Every non-info row of the shipped contracts turns into a mismatch when one side changes."""
+    for base in (ascend_cfg, cuda_cfg):
+        result = _contract(base)
+        for row in result.rows:
+            if row.kind == contract.INFO:
+                continue
+            dicts = isinstance(row.rollout.value, dict)
+            broken = result.replace_row(
+                row.field, training={"X": "1"} if dicts else "__a__", rollout={"X": "2"} if dicts else "__b__", unverified=""
+            )
+            assert row.field in {m.field for m in contract.compare(broken)}, row.field
 
 
 def test_info_rows_never_mismatch(ascend_cfg):
-    result = _contract(_with(ascend_cfg, **{f"{R}.data_parallel_size": 2, f"{R}.expert_parallel_size": 8,
-                                           f"{MG}.expert_model_parallel_size": 8}))
-    assert "dp" not in {m.field for m in contract.compare(result)}
-    assert result.row("dp").kind == contract.INFO and result.row("param_dtype").kind == contract.INFO
-
-
-def test_unverified_is_flagged_not_failed(ascend_cfg):
     result = _contract(ascend_cfg)
-    assert contract.status(result, result.row("moe_dispatcher")) == "unverified"
-    assert contract.status(result, result.row("moe_router_dtype")) == "unverified"
-    table = contract.format_table(result)
-    assert "unverified" in table and "consistent: no mismatch" in table
+    for row in result.rows:
+        if row.kind == contract.INFO:
+            broken = result.replace_row(row.field, rollout="__different__")
+            assert row.field not in {m.field for m in contract.compare(broken)}
 
 
 def test_determinism_rows_off_when_not_deterministic(ascend_cfg):
     cfg = _with(ascend_cfg, **{"true_on_policy.deterministic": False,
                                f"{MG}.override_transformer_config.attention_backend": "fused"})
     result = _contract(cfg)
-    fields = {m.field for m in contract.compare(result)}
-    assert "attention" not in fields and "kv_block_size" not in fields
     assert contract.status(result, result.row("attention")) == "off"
+    assert contract.status(result, result.row("gemm")) == "off"
     assert result.plan.worker_env == {}
 
 
-def test_rl_config_missing_on_old_vllm_ascend_is_a_mismatch(ascend_cfg):
-    result = _contract(ascend_cfg, detected={"vllm-ascend": "0.24.0rc1", "cann": "9.0.0"})
-    fields = {m.field for m in contract.compare(result)}
-    assert "attention" in fields  # vllm-ascend picks its own attention without rl_config
-    assert any("installed 0.24.0rc1" in n for n in result.notes)
+def test_release_vllm_ascend_attention_is_a_mismatch(ascend_cfg):
+    cfg = _with(ascend_cfg, **{"true_on_policy.stack_versions.vllm-ascend": "0.25.1rc1"})
+    result = _contract(cfg)
+    assert "attention" in {m.field for m in contract.compare(result)}  # no FA3 without rl_config
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("true_on_policy.stack_versions.vllm-ascend=0.25.1rc1", "rl_config"),
+        ("++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_ASCEND_ENABLE_FLASHCOMM1='1'", "VLLM_ASCEND_ENABLE_FLASHCOMM1"),
+        (f"++{R}.engine_kwargs.vllm.additional_config.enable_flashcomm1=true", "enable_flashcomm1"),
+    ],
+)
+def test_a_key_the_chosen_vllm_ascend_ignores_is_an_error(override, key):
+    extra = [f"++{R}.engine_kwargs.vllm.additional_config.rl_config.enabled=true"] if key == "rl_config" else []
+    code, _, err = _run_check(_check_args(ASCEND, override, *extra))
+    assert code == check_cli.EXIT_MISMATCH and key in err and "ignore" in err
+    # twin: the shipped config sets none of them
+    assert _run_check(_check_args(ASCEND))[0] == check_cli.EXIT_UNVERIFIED
 
 
 def test_format_table_is_side_by_side(ascend_cfg):
@@ -232,11 +304,30 @@ def test_format_table_is_side_by_side(ascend_cfg):
 
 def test_contract_module_does_not_import_verl():
     code = "import sys, true_on_policy.contract.consistency, true_on_policy.contract.determinism_plan as d; " \
-           "d.plan(True, 'ascend', versions={}); d.plan(True, 'cuda', versions={}); " \
+           "v = {'vllm-ascend': 'main', 'mindspeed': '0.16.0', 'vllm': '0.24.0', 'megatron-core': '0.16.0'}; " \
+           "d.plan(True, 'ascend', versions=v); d.plan(True, 'cuda', versions=v, importer=lambda n: 1/0); " \
            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('verl','torch','torch_npu','vllm','vllm_ascend')))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_launch_applies_the_same_verdict_before_ray(ascend_cfg, monkeypatch, caplog):
+    from true_on_policy.verl_adapter import launch
+
+    for key in list(os.environ):
+        monkeypatch.setenv(key, os.environ[key])  # prepare_launch exports into os.environ: restore it after
+    expected = {row.field for row, _ in contract.unverified(_contract(ascend_cfg))}
+    cfg = _with(ascend_cfg)
+    with pytest.raises(ValueError, match="cannot be verified") as info:
+        launch.prepare_launch(cfg)
+    assert all(f"  - {field}:" in str(info.value) for field in expected)
+    accepted = _with(ascend_cfg, **{"true_on_policy.accept_unverified": sorted(expected)})
+    with caplog.at_level("INFO", logger="true_on_policy"):
+        env = launch.prepare_launch(accepted)
+    assert env["VLLM_BATCH_INVARIANT"] == "1"
+    plan_logs = [r for r in caplog.records if "determinism plan: platform=ascend" in r.getMessage()]
+    assert len(plan_logs) == 1 and "not emitted:" in plan_logs[0].getMessage()
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,55 +352,80 @@ def test_cpu_selects_consistent_kernels_only():
     assert any("consistent kernels" in op for op in p.ops)
 
 
-def test_ascend_environment():
-    p = determinism_env.plan(
-        True, "ascend", versions={"vllm-ascend": "0.26.0rc1", "cann": "9.0.0"}, training_strategy="megatron",
-        row_parallel=determinism_env.ROW_PARALLEL_RS_AG, moe_router_dtype="fp32", moe_dispatcher="alltoall",
-    )
-    assert p.worker_env == {
-        "HCCL_DETERMINISTIC": "strict",
-        "LCCL_DETERMINISTIC": "1",
-        "CLOSE_MATMUL_K_SHIFT": "1",
-        "ATB_MATMUL_SHUFFLE_K_ENABLE": "0",
-        "ATB_LLM_LCOC_ENABLE": "0",
-        "VLLM_ASCEND_ENABLE_NZ": "0",
-        "VLLM_BATCH_INVARIANT": "1",
-        "VLLM_ASCEND_ENABLE_FLASHCOMM1": "1",
-    }
-    rl = f"{determinism_env.ROLLOUT_VLLM}.additional_config.rl_config"
-    assert p.rollout_config == {
-        f"{determinism_env.ROLLOUT_VLLM}.block_size": 128,
-        f"{rl}.enabled": True,
-        f"{rl}.enable_training_consistency": True,
-        f"{rl}.enable_batch_invariant": True,
-    }
-    tc = determinism_env.MEGATRON_TC
-    assert p.training_config == {
-        f"{tc}.use_flash_attn_npu_batch_invariant": True,
-        f"{tc}.moe_router_dtype": "fp32",
-        f"{tc}.moe_token_dispatcher_type": "alltoall",
-    }
-    assert p.in_process == (("torch.use_deterministic_algorithms", {"mode": True, "warn_only": True}),)
-    assert p.rollout_forced_env == {"HCCL_DETERMINISTIC": "strict", "LCCL_DETERMINISTIC": "1"}
-    assert all(s.source for s in p.settings)
+ASCEND_MAIN = {"vllm-ascend": "main@182b75ea8", "mindspeed": "0.16.0", "cann": "9.0.0"}
+CUDA_STACK = {"vllm": "0.24.0", "megatron-core": "0.16.0"}
+DOC = (REPO / "docs" / "parallelism_and_determinism.md").read_text()
+
+
+def test_ascend_plan_pins_training_gemms_and_attention():
+    p = determinism_env.plan(True, "ascend", versions=ASCEND_MAIN, training_strategy="megatron", moe_router_dtype="fp32")
+    keys = {k.rsplit(".", 1)[1] for k in p.training_config}
+    assert {"use_batch_invariant_ops", "batch_invariant_mode", "use_flash_attn_npu_batch_invariant"} <= keys
+    assert p.training_config[f"{TC}.moe_router_dtype"] == "fp32"
+    # the rollout engine's own forced env is part of the training env, so the two reduce alike
+    assert all(p.worker_env[k] == v for k, v in p.rollout_forced_env.items())
+    assert p.in_process == (("torch.use_deterministic_algorithms", {"mode": True, "warn_only": False}),)
+    assert "ATB_MATMUL_SHUFFLE_K_ENABLE" not in p.worker_env  # no source lists it
     assert not any("A3" in n for n in p.notes)  # CANN 9.0 preserves order on A3
 
 
-def test_ascend_without_flashcomm_when_training_all_reduces():
-    p = determinism_env.plan(True, "ascend", versions={}, row_parallel=determinism_env.ROW_PARALLEL_ALL_REDUCE)
-    assert "VLLM_ASCEND_ENABLE_FLASHCOMM1" not in p.worker_env
+@pytest.mark.parametrize("mindspeed", [None, "0.12.1"])
+def test_ascend_plan_refuses_a_mindspeed_without_batch_invariant_ops(mindspeed):
+    with pytest.raises(determinism_env.ConfigError, match="stack_versions.mindspeed"):
+        determinism_env.plan(True, "ascend", versions={**ASCEND_MAIN, "mindspeed": mindspeed}, training_strategy="megatron")
 
 
 @pytest.mark.parametrize(
-    ("version", "has_rl_config"),
-    [("0.26.0rc1", True), ("0.26.0", True), ("0.27.1rc1", True), ("0.24.0rc1", False), ("0.25.1.dev7+gabc", False),
-     ("0.13.0", False), (None, False)],
+    ("version", "line"),
+    [("main", "main"), ("main@182b75ea8", "main"), ("0.19.2.dev1637+g182b75ea8", "main"), ("0.26.0rc1", "release"),
+     ("0.23.0", "release"), (None, None), ("", None)],
 )
-def test_rl_config_only_where_the_installed_vllm_ascend_has_it(version, has_rl_config):
-    p = determinism_env.plan(True, "ascend", versions={"vllm-ascend": version})
-    emitted = any(".rl_config." in key for key in p.rollout_config)
-    assert emitted is has_rl_config
-    assert any("rl_config" in s for s in p.skipped) is (not has_rl_config)
+def test_vllm_ascend_line(version, line):
+    assert determinism_env.vllm_ascend_line(version) == line
+
+
+@pytest.mark.parametrize("version", ["main@182b75ea8", "0.26.0rc1", "0.23.0"])
+def test_rl_config_on_main_builds_flashcomm1_on_releases(version):
+    main = determinism_env.vllm_ascend_line(version) == "main"
+    p = determinism_env.plan(
+        True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": version}, training_strategy="megatron",
+        row_parallel=determinism_env.ROW_PARALLEL_RS_AG,
+    )
+    assert any(".rl_config." in key for key in p.rollout_config) is main
+    assert ("VLLM_ASCEND_ENABLE_FLASHCOMM1" in p.worker_env) is (not main)
+    assert any("FlashComm1" in s for s in p.skipped) is main
+    assert any("rl_config" in s for s in p.skipped) is (not main)
+
+
+@pytest.mark.parametrize("version", [None, "0.11.0"])
+def test_ascend_plan_refuses_an_unknown_or_too_old_vllm_ascend(version):
+    with pytest.raises(determinism_env.ConfigError, match="stack_versions.vllm-ascend"):
+        determinism_env.plan(True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": version})
+
+
+def test_ascend_release_without_flashcomm_when_training_all_reduces():
+    p = determinism_env.plan(True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": "0.25.1rc1"},
+                             row_parallel=determinism_env.ROW_PARALLEL_ALL_REDUCE)
+    assert "VLLM_ASCEND_ENABLE_FLASHCOMM1" not in p.worker_env
+
+
+def _emitted_names(p):
+    names = set(p.worker_env)
+    names |= {path.split("additional_config.")[-1] if "rl_config" in path else path.rsplit(".", 1)[1] for path in p.rollout_config}
+    names |= {path.rsplit(".", 1)[1] for path in p.training_config}
+    return names
+
+
+@pytest.mark.parametrize("name", [ASCEND, CUDA])
+def test_docs_cite_every_emitted_key_with_a_first_version(name, ascend_cfg, cuda_cfg):
+    p = determinism_env.plan_for_config(ascend_cfg if name == ASCEND else cuda_cfg, detected={})
+    table = DOC.split("## Emitted keys", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    for key in _emitted_names(p):
+        cited = [line for line in rows if f"`{key}" in line]
+        assert cited, key
+        cells = cited[0].split("|")
+        assert len(cells) >= 5 and cells[3].strip() and cells[4].strip(), key  # upstream file, first version
 
 
 @pytest.mark.parametrize(
@@ -318,13 +434,13 @@ def test_rl_config_only_where_the_installed_vllm_ascend_has_it(version, has_rl_c
      (None, "strict", True)],
 )
 def test_hccl_value_follows_cann(cann, hccl, a3_note):
-    p = determinism_env.plan(True, "ascend", versions={"cann": cann})
+    p = determinism_env.plan(True, "ascend", versions={**ASCEND_MAIN, "cann": cann})
     assert p.worker_env["HCCL_DETERMINISTIC"] == hccl
     assert any("Atlas A3" in n for n in p.notes) is a3_note
 
 
 def test_cuda_environment_from_table():
-    p = determinism_env.plan(True, "cuda", versions={"nccl": "2.28.9"}, importer=_no_vllm)
+    p = determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "nccl": "2.28.9"}, importer=_no_vllm)
     env = p.worker_env
     assert env["VLLM_BATCH_INVARIANT"] == "1"
     assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
@@ -333,11 +449,11 @@ def test_cuda_environment_from_table():
     assert p.rollout_config == {f"{determinism_env.ROLLOUT_VLLM}.attention_backend": "FLASH_ATTN"}
     assert any(s.startswith("NCCL_ALGO=Ring") for s in p.skipped)
     for key in determinism_env.REDUCTION_ENV_KEYS["cuda"]:
-        assert p.worker_env[key] == p.rollout_process_env()[key]
+        assert p.worker_env.get(key) == p.rollout_process_env().get(key)
 
 
 def test_cuda_nccl_2_31_reenables_other_collectives():
-    p = determinism_env.plan(True, "cuda", versions={"nccl": "2.31.2"}, importer=_no_vllm)
+    p = determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "nccl": "2.31.2"}, importer=_no_vllm)
     assert p.worker_env["NCCL_ALGO"] == "ring,tree;allreduce:tree"
 
 
@@ -349,18 +465,42 @@ def test_cuda_mirrors_the_installed_vllm_and_restores_environ(monkeypatch):
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
 
     fake = types.SimpleNamespace(override_envs_for_invariance=override_envs_for_invariance)
+    imported = []
+
+    def importer(name):  # only the vLLM >= 0.33 layout exists
+        imported.append(name)
+        if name != "vllm.model_executor.determinism.batch_invariant":
+            raise ImportError(name)
+        return fake
+
     before = dict(os.environ)
-    p = determinism_env.plan(True, "cuda", versions={}, importer=lambda name: fake)
+    p = determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "vllm": "0.33.0"}, importer=importer)
     assert dict(os.environ) == before
     assert p.worker_env["NCCL_ALGO"] == p.rollout_forced_env["NCCL_ALGO"] == "future:value"
     assert any("mirrored" in n for n in p.notes)
+    assert imported == ["vllm.model_executor.determinism.batch_invariant"]
+
+
+@pytest.mark.parametrize("vllm", ["0.33.0", "0.34.1", None])
+def test_cuda_refuses_the_stale_table_for_vllm_0_33_on(vllm):
+    with pytest.raises(determinism_env.ConfigError, match="stale"):
+        determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=_no_vllm)
+    # twin: an older vLLM keeps the table
+    assert determinism_env.plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm).worker_env["NCCL_PROTO"] == "Simple"
+
+
+def test_cuda_refuses_a_megatron_core_without_batch_invariant_mode():
+    with pytest.raises(determinism_env.ConfigError, match="stack_versions.megatron-core"):
+        determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "megatron-core": "0.15.0"}, importer=_no_vllm)
+    p = determinism_env.plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
+    assert p.training_config[f"{TC}.batch_invariant_mode"] is True
 
 
 def test_plans_import_no_device_library():
     for name in DEVICE_MODULES:
         sys.modules.pop(name, None)
-    determinism_env.plan(True, "ascend", versions={})
-    determinism_env.plan(True, "cuda", versions={}, importer=_no_vllm)
+    determinism_env.plan(True, "ascend", versions=ASCEND_MAIN)
+    determinism_env.plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
     assert not any(name in sys.modules for name in DEVICE_MODULES)
 
 
@@ -373,10 +513,11 @@ def test_version_detection_reads_metadata_without_importing():
         raise __import__("importlib.metadata").metadata.PackageNotFoundError(dist)
 
     found = determinism_env.detect_versions("ascend", metadata_version=metadata_version, cann_version=lambda: "9.0.0")
-    assert found == {"vllm-ascend": "0.26.0rc1", "vllm": "0.24.0", "torch-npu": "2.10.0.post2", "cann": "9.0.0"}
+    assert found == {"vllm-ascend": "0.26.0rc1", "vllm": "0.24.0", "torch-npu": "2.10.0.post2", "cann": "9.0.0",
+                     "mindspeed": None, "ops-batchinvariant": None}
     assert determinism_env.detect_versions("cpu", metadata_version=metadata_version) == {}
     cuda = determinism_env.detect_versions("cuda", metadata_version=metadata_version)
-    assert cuda["vllm"] == "0.24.0" and cuda["nccl"] is None
+    assert cuda["vllm"] == "0.24.0" and cuda["nccl"] is None and cuda["megatron-core"] is None
 
 
 def test_detected_version_wins_over_declared():
@@ -408,7 +549,7 @@ def test_launch_overrides_compose_to_the_applied_plan(ascend_cfg):
 def test_apply_in_process_sets_torch_determinism():
     import torch
 
-    p = determinism_env.plan(True, "cuda", versions={}, importer=_no_vllm)
+    p = determinism_env.plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
     try:
         assert determinism_env.apply_in_process(p) == ["torch.use_deterministic_algorithms(True)"]
         assert torch.are_deterministic_algorithms_enabled()
@@ -429,10 +570,10 @@ def test_example_dry_run_prints_config_table_and_command(tmp_path):
         ["bash", str(REPO / "examples" / "run_qwen3_30b_a3b.sh"), "--dry-run"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "# resolved config" in out and "tensor_model_parallel_size: 4" in out
-    assert "true-on-policy contract" in out and "consistent: no mismatch" in out
+    assert proc.returncode == 3 and "cannot be verified" in proc.stderr
+    assert "# resolved config" in out and "expert_model_parallel_size: 16" in out
+    assert "true-on-policy contract" in out and "consistent where visible" in out
     command = out.split("# launch command", 1)[1].strip().splitlines()[0]
     assert "-m verl.trainer.main_ppo" in command
     assert f"--config-path={CONFIGS}" in command and f"--config-name={ASCEND}" in command

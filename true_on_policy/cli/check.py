@@ -5,9 +5,12 @@ does (Hydra compose API, the user's directory as the primary config source; verl
 directory enters through the config's own ``hydra: searchpath: [pkg://verl.trainer.config]``),
 resolves it, applies the determinism plan, prints the side-by-side contract table and exits
 
-* 0 when training and rollout are consistent,
-* 2 with one line per mismatch on stderr otherwise,
-* 1 when the config cannot be composed or resolved.
+* 0 when every row is consistent *and* verified for the installed (or declared) stack versions,
+* 2 on a mismatch (one line per mismatch on stderr) or a bad value (the key, the value, what is expected),
+* 3 when every row is consistent where it can be seen but some rows cannot be verified (one line per
+  row on stderr, with the reason); ``--accept-unverified ROW`` (repeatable) or
+  ``true_on_policy.accept_unverified`` accepts a named row, and exit 0 follows when all are accepted,
+* 1 when the config cannot be composed, or on an internal error (reported as such).
 
 Extra flags (before the Hydra overrides): ``--json`` prints the contract as JSON instead of the
 table; ``--plan`` also prints the determinism plan with its sources.
@@ -22,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-EXIT_OK, EXIT_ERROR, EXIT_MISMATCH = 0, 1, 2
+EXIT_OK, EXIT_ERROR, EXIT_MISMATCH, EXIT_UNVERIFIED = 0, 1, 2, 3
 
 
 def compose_config(config_path: str, config_name: str, overrides: Sequence[str] = ()) -> Any:
@@ -38,8 +41,36 @@ def compose_config(config_path: str, config_name: str, overrides: Sequence[str] 
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=config_dir, version_base=None, job_name="true_on_policy_check"):
         cfg = compose(config_name=config_name, overrides=list(overrides))
-    OmegaConf.resolve(cfg)
+    try:
+        OmegaConf.resolve(cfg)
+    except Exception as exc:  # noqa: BLE001 - name the key whose interpolation does not resolve
+        key, raw = _unresolvable(cfg)
+        if key is None:
+            raise
+        from true_on_policy.contract.determinism_plan import ConfigError
+
+        raise ConfigError(key, raw, f"does not resolve ({type(exc).__name__}: {exc})") from exc
     return cfg
+
+
+def _unresolvable(cfg: Any, prefix: str = "") -> tuple[str | None, Any]:
+    """The first key (dotted) whose interpolation fails to resolve, and its raw value."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    items = cfg.items_ex(resolve=False) if isinstance(cfg, DictConfig) else enumerate(cfg) if isinstance(cfg, ListConfig) else []
+    for key, _ in list(items):
+        path = f"{prefix}{key}"
+        node = cfg._get_node(key)  # noqa: SLF001 - the raw node, without resolving it
+        if isinstance(node, (DictConfig, ListConfig)):
+            found = _unresolvable(node, f"{path}.")
+            if found[0] is not None:
+                return found
+        elif OmegaConf.is_interpolation(cfg, key):
+            try:
+                cfg[key]
+            except Exception:  # noqa: BLE001
+                return path, node._value()  # noqa: SLF001
+    return None, None
 
 
 def _describe(exc: BaseException) -> str:
@@ -71,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
         help="print only the launch command's arguments, NUL-separated (for exec from a shell script)",
     )
     parser.add_argument("--python", default="python", help="interpreter named in the launch command")
+    parser.add_argument(
+        "--accept-unverified",
+        action="append",
+        default=[],
+        metavar="ROW",
+        help="accept this unverified contract row (its field name); repeatable",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for verl.trainer.main_ppo")
     return parser
 
@@ -103,10 +141,10 @@ def _split_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         if arg in ("--config-path", "-cp", "--config-name", "-cn"):
             known.append(arg)
             known.append(next(it, ""))
-        elif arg == "--python":
+        elif arg in ("--python", "--accept-unverified"):
             known.append(arg)
-            known.append(next(it, "python"))
-        elif arg.startswith(("--config-path=", "--config-name=", "--python=")) or arg in _FLAGS:
+            known.append(next(it, ""))
+        elif arg.startswith(("--config-path=", "--config-name=", "--python=", "--accept-unverified=")) or arg in _FLAGS:
             known.append(arg)
         else:
             rest.append(arg)
@@ -125,12 +163,32 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     from true_on_policy.contract import consistency as contract_mod
     from true_on_policy.contract import determinism_plan as determinism_env
 
+    from omegaconf.errors import OmegaConfBaseException
+
+    from true_on_policy.contract.determinism_plan import ConfigError
+
     try:
         cfg = compose_config(args.config_path, args.config_name, overrides)
+    except ConfigError as exc:
+        print(f"true_on_policy check: bad config value: {exc}", file=stderr)
+        return EXIT_MISMATCH
+    except OmegaConfBaseException as exc:  # an override or interpolation that cannot resolve names its key
+        key = getattr(exc, "full_key", None)
+        print(f"true_on_policy check: bad config value: {key + ': ' if key else ''}{_describe(exc)}", file=stderr)
+        return EXIT_MISMATCH
+    except Exception as exc:  # noqa: BLE001 - one readable line, the exit code says the rest
+        print(f"true_on_policy check: cannot compose the config: {_describe(exc)}", file=stderr)
+        return EXIT_ERROR
+    try:
+        recipe = determinism_env.recipe_settings(cfg)
         plan = determinism_env.plan_for_config(cfg)
         result = contract_mod.build_contract(cfg, plan=plan)
-    except Exception as exc:  # noqa: BLE001 - one readable line, the exit code says the rest
-        print(f"true_on_policy check: cannot compose/resolve the config: {_describe(exc)}", file=stderr)
+        accepted = verdict_acceptance(result, [*recipe.accept_unverified, *args.accept_unverified])
+    except ValueError as exc:  # ConfigError and Settings validation: key, value, what is expected
+        print(f"true_on_policy check: bad config value: {exc}", file=stderr)
+        return EXIT_MISMATCH
+    except Exception as exc:  # noqa: BLE001 - a bug here, not a config problem: say so
+        print(f"true_on_policy check: internal error: {_describe(exc)}", file=stderr)
         return EXIT_ERROR
     command = launch_command(args.config_path, args.config_name, overrides, plan, args.python)
     if args.command_args:
@@ -158,7 +216,26 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
         for m in mismatches:
             print(m.line(), file=stderr)
         return EXIT_MISMATCH
+    open_rows = [(row, reason) for row, reason in contract_mod.unverified(result) if row.field not in accepted]
+    for row, reason in contract_mod.unverified(result):
+        if row.field in accepted:
+            print(f"accepted unverified: {row.field}: {reason}", file=stdout)
+    if open_rows:
+        for row, reason in open_rows:
+            print(f"UNVERIFIED {row.title} [{row.field}]: {reason}", file=stderr)
+        fields = " ".join(f"--accept-unverified {row.field}" for row, _ in open_rows)
+        print(f"cannot verify {len(open_rows)} row(s); to go on anyway: {fields}", file=stderr)
+        return EXIT_UNVERIFIED
     return EXIT_OK
+
+
+def verdict_acceptance(result: Any, names: Sequence[str]) -> set[str]:
+    """The accepted row names; a name that is no row of the contract is a ValueError naming it."""
+    fields = [row.field for row in result.rows]
+    unknown = sorted(set(names) - set(fields))
+    if unknown:
+        raise ValueError(f"--accept-unverified / true_on_policy.accept_unverified={unknown}: not contract rows; rows are {fields}")
+    return set(names)
 
 
 if __name__ == "__main__":

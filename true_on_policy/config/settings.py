@@ -56,6 +56,8 @@ class Settings:
     relax_invariants: tuple[str, ...] = ()
     # Launch even when the training and rollout sides are not pinned identically (contract check).
     allow_contract_mismatch: bool = False
+    # Contract rows (field names) accepted as unverified: without them the launch refuses such rows.
+    accept_unverified: tuple[str, ...] = ()
     # Pins for what verl's config has no key for; both sides must resolve to them (true_on_policy.contract.consistency).
     attention_backend: str | None = None  # attention family both sides run, e.g. "flash_attn"
     row_parallel_reduction: str | None = None  # "none" | "all_reduce" | "reduce_scatter+all_gather"
@@ -116,11 +118,12 @@ class Settings:
         unknown = sorted(set(section) - known)
         if unknown:
             raise ConfigError(f"unknown key(s) in true_on_policy section: {unknown}; known keys: {sorted(known)}")
-        if "relax_invariants" in section:
-            relax = section["relax_invariants"]
-            if isinstance(relax, str) or not all(isinstance(name, str) for name in (relax or ())):
-                raise ConfigError(f"true_on_policy.relax_invariants must be a list of names, got {relax!r}")
-            section["relax_invariants"] = tuple(relax or ())
+        for key in ("relax_invariants", "accept_unverified"):
+            if key in section:
+                names = section[key]
+                if isinstance(names, str) or not all(isinstance(name, str) for name in (names or ())):
+                    raise ConfigError(f"true_on_policy.{key} must be a list of names, got {names!r}")
+                section[key] = tuple(names or ())
         if "stack_versions" in section and section["stack_versions"] is None:
             section["stack_versions"] = {}  # null in YAML: nothing declared
         if section.get("stack_versions") is not None:

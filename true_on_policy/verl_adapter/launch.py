@@ -11,6 +11,8 @@ process exists, :func:`prepare_launch`
 3. pins the platform's determinism plan into the config (:mod:`true_on_policy.contract.determinism_plan`),
 4. refuses a launch whose training and rollout sides are not pinned identically
    (:mod:`true_on_policy.contract.consistency`), unless ``true_on_policy.allow_contract_mismatch=true``,
+   and one with contract rows that cannot be verified, unless each is named in
+   ``true_on_policy.accept_unverified`` (the same verdict as ``python -m true_on_policy check``),
 5. exports the settings and the plan's worker environment into the driver's environment and into
    ``ray_kwargs.ray_init.runtime_env.env_vars`` (which main_ppo merges into ``ray.init``), so
    every Ray worker sees them before it builds a model.
@@ -100,7 +102,8 @@ def prepare_launch(config) -> dict[str, str]:
         for path, value in updates.items():
             OmegaConf.update(config, path, value, force_add=True)
 
-    mismatches = contract.compare(contract.build_contract(config, plan=plan))
+    result = contract.build_contract(config, plan=plan)
+    mismatches = contract.compare(result)
     if mismatches and not recipe.allow_contract_mismatch:
         lines = "\n".join(f"  - {mismatch}" for mismatch in mismatches)
         raise ConfigError(
@@ -109,8 +112,29 @@ def prepare_launch(config) -> dict[str, str]:
         )
     for mismatch in mismatches:
         logger.warning("true_on_policy: contract mismatch allowed by config: %s", mismatch)
+    refuse_unverified(result, recipe.accept_unverified)
     os.environ.update(env)
     return env
+
+
+def refuse_unverified(result, accepted) -> None:
+    """Raise unless every contract row that cannot be verified is named in ``accept_unverified``."""
+    from true_on_policy.contract import consistency as contract
+
+    fields = {row.field for row in result.rows}
+    unknown = sorted(set(accepted) - fields)
+    if unknown:
+        raise ConfigError(f"true_on_policy.accept_unverified={unknown}: not contract rows; rows are {sorted(fields)}")
+    open_rows = [(row, reason) for row, reason in contract.unverified(result) if row.field not in accepted]
+    if open_rows:
+        lines = "\n".join(f"  - {row.field}: {reason}" for row, reason in open_rows)
+        names = ", ".join(row.field for row, _ in open_rows)
+        raise ConfigError(
+            "contract rows that cannot be verified for this stack (consistent where visible):\n"
+            f"{lines}\nLaunch anyway only by naming them: true_on_policy.accept_unverified=[{names}]."
+        )
+    for row, reason in contract.unverified(result):
+        logger.warning("true_on_policy: unverified contract row accepted by config: %s: %s", row.field, reason)
 
 
 def launch_hook(config) -> None:

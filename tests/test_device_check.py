@@ -1,0 +1,41 @@
+"""The CUDA device check's python part and script, run on CPU (no GPU here): real kernels, real property."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import device_check  # noqa: E402
+
+
+def test_device_check_on_cpu_flag_on_is_bitwise_and_off_is_not(tmp_path):
+    out = tmp_path / "records.json"
+    assert device_check.main(
+        ["--device", "cpu", "--prompts", "4", "--longest", "40", "--new-tokens", "8", "--repeats", "1", "--json", str(out)]
+    ) == 0
+    records = json.loads(out.read_text())
+    logdiff = [r for r in records if r["case"].startswith("logdiff/")]
+    assert {r["case"] for r in logdiff} == {"logdiff/dense/bfloat16", "logdiff/moe/bfloat16"}
+    on = [r for r in logdiff if r["deterministic"]]
+    off = [r for r in logdiff if not r["deterministic"]]
+    assert all(r["max_abs_diff"] == 0.0 and r["frac_equal"] == 1.0 and r["tokens"] == 32 for r in on)
+    assert any(r["max_abs_diff"] > 0.0 for r in off)  # the twin: without the kernels the sides differ
+    overhead = [r for r in records if r["case"].startswith("overhead/")]
+    assert len(overhead) == 4
+    assert all(r["on_ms"] > 0 and r["off_ms"] > 0 and r["ratio"] == r["on_ms"] / r["off_ms"] for r in overhead)
+
+
+def test_device_check_script_writes_json(tmp_path):
+    env = {**os.environ, "DEVICE": "cpu", "PROMPTS": "2", "LONGEST": "8", "NEW_TOKENS": "2", "REPEATS": "1",
+           "MICRO_BATCH": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "device_check_cuda.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads((tmp_path / "device_check_cuda.json").read_text())
+    assert records[0]["case"] == "environment" and "logdiff/moe/bfloat16" in proc.stdout

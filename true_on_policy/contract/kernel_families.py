@@ -1,0 +1,183 @@
+"""Which implementation each side runs for GEMM, RMSNorm, log-softmax and attention.
+
+Switches say "batch-invariant: on"; bitwise-equal log-probs need more: the *same* implementation
+(same kernel, same tiling, same reduction order) on both sides. For every op this module names the
+implementation each side runs, from the settings that select it, and how the two relate:
+
+* ``ok``         - both sides run the same named implementation, each selected by a setting;
+* ``mismatch``   - the implementations differ in kind (e.g. a batch-invariant kernel against one that
+  is not): the values differ and the contract reports it;
+* ``unverified`` - the implementation of a side is not pinned by any setting, or two separate
+  implementations of the same algorithm are paired and their bitwise equality is not established
+  (only a device run can establish it). The reason says which.
+
+Pure: reads the resolved config through :mod:`true_on_policy.contract.determinism_plan` getters.
+Upstream files read for each name: docs/parallelism_and_determinism.md ("Kernel families").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from true_on_policy.contract import determinism_plan as denv
+
+A = "actor_rollout_ref.actor"
+R = "actor_rollout_ref.rollout"
+TC = denv.MEGATRON_TC
+RL = f"{denv.ROLLOUT_VLLM}.additional_config.rl_config"
+PROJECT = "true_on_policy.kernels (order-fixed consistent kernels)"
+
+OPS = ("gemm", "norm", "log_softmax")
+TITLES = {"gemm": "GEMM kernel", "norm": "RMSNorm kernel", "log_softmax": "log-softmax kernel"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    impl: str  # the implementation that runs, e.g. "batch_invariant_ops.npu_mm_batch_invariant (AscendC)"
+    source: str  # the setting (or upstream file) that selects it
+    pinned: bool = True  # False: no setting decides it (the reason is in ``source``)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpFamilies:
+    op: str
+    training: Family
+    rollout: Family
+    unverified: str = ""  # why equal names do not settle it, or why different names are not a proven mismatch
+
+
+def _unpinned(why: str) -> Family:
+    return Family("unpinned", why, pinned=False)
+
+
+def families(
+    cfg: Any,
+    *,
+    platform: str,
+    strategy: str,
+    rollout_name: str,
+    versions: Mapping[str, str | None],
+    rollout_env: Mapping[str, str],
+) -> list[OpFamilies]:
+    """GEMM / RMSNorm / log-softmax implementation per side (call only when deterministic)."""
+    training = _training(cfg, platform, strategy)
+    rollout = _rollout(cfg, platform, rollout_name, versions, rollout_env)
+    return [_relate(op, training[op], rollout[op], platform) for op in OPS]
+
+
+# Pairs of different names that are separate implementations of one algorithm: not a proven mismatch,
+# not a proven match either.
+_SAME_ALGORITHM = {
+    frozenset({"megatron-core batch-invariant GEMM", "vLLM batch-invariant GEMM"}): (
+        "Megatron-core's and vLLM's batch-invariant GEMMs are separate implementations (vLLM tunes tile "
+        "configs per shape, megatron-core uses fixed ones / TE cuBLASLt): equality not established on device"
+    ),
+    frozenset({"TE RMSNorm", "vLLM batch-invariant RMSNorm (Triton)"}): (
+        "per-row RMSNorm in both, but different kernels (TE vs vLLM Triton): equality not established on device"
+    ),
+}
+
+
+def _relate(op: str, t: Family, r: Family, platform: str) -> OpFamilies:
+    if not t.pinned or not r.pinned:
+        side = "training" if not t.pinned else "rollout"
+        return OpFamilies(op, t, r, f"{side} implementation not pinned: {(t if not t.pinned else r).source}")
+    if t.impl == r.impl:
+        if platform != "cpu":
+            # Same name on a device stack this project has not run: say so rather than "ok".
+            return OpFamilies(op, t, r, f"same implementation named on both sides ({t.impl}); not run on {platform} by this project")
+        return OpFamilies(op, t, r)
+    reason = _SAME_ALGORITHM.get(frozenset({t.impl, r.impl}), "")
+    if not reason and op in ("log_softmax",) and platform != "cpu":
+        reason = (
+            f"training {t.impl} vs rollout {r.impl}: two log-softmax implementations, both fp32; equality not "
+            "established (no setting makes one side run the other's)"
+        )
+    return OpFamilies(op, t, r, reason)
+
+
+def _training(cfg: Any, platform: str, strategy: str) -> dict[str, Family]:
+    if platform == "cpu" and strategy != "megatron":
+        src = "true_on_policy.deterministic=true (project kernels patched into transformers)"
+        return {op: Family(PROJECT, src) for op in OPS}
+    log_softmax = Family(
+        "verl log-prob kernel",
+        f"{A}.strategy={strategy}: verl computes training log-probs itself "
+        "(megatron: vocab-parallel log-softmax; fsdp: logprobs_from_logits)",
+    )
+    if strategy == "megatron" and platform == "ascend":
+        bi_ops = denv.get_bool(cfg, f"{TC}.use_batch_invariant_ops") or denv.get_bool(cfg, f"{TC}.batch_invariant_mode")
+        gemm = (
+            Family("batch_invariant_ops.npu_mm_batch_invariant (AscendC)", f"{TC}.use_batch_invariant_ops (MindSpeed)")
+            if bi_ops
+            else Family("torch_npu aclnn matmul (not batch-invariant)", f"{TC}.use_batch_invariant_ops unset")
+        )
+        norm = _unpinned(
+            "MindSpeed picks a fused npu_rms_norm or a torch RMSNorm (use_fused_rmsnorm); verl's config does not pin it"
+        )
+        return {"gemm": gemm, "norm": norm, "log_softmax": log_softmax}
+    if strategy == "megatron":
+        bi = denv.get_bool(cfg, f"{TC}.batch_invariant_mode")
+        gemm = (
+            Family("megatron-core batch-invariant GEMM", f"{TC}.batch_invariant_mode=true")
+            if bi
+            else Family("TE/cuBLAS GEMM (not batch-invariant)", f"{TC}.batch_invariant_mode unset")
+        )
+        return {"gemm": gemm, "norm": Family("TE RMSNorm", f"{A}.megatron (TransformerEngine layer spec)"), "log_softmax": log_softmax}
+    return {
+        "gemm": Family("torch aten mm (vendor BLAS, not batch-invariant)", f"{A}.strategy={strategy} (HF model)"),
+        "norm": Family("transformers RMSNorm (torch ops)", f"{A}.strategy={strategy} (HF model)"),
+        "log_softmax": log_softmax,
+    }
+
+
+def _rollout(cfg: Any, platform: str, name: str, versions: Mapping[str, str | None], env: Mapping[str, str]) -> dict[str, Family]:
+    if name == "cpu":
+        return {op: Family(PROJECT, f"{R}.name=cpu (project CPU engine)") for op in OPS}
+    if name != "vllm":
+        return {op: _unpinned(f"{R}.name={name}: no kernel setting known to this project") for op in OPS}
+    bi = denv.parse_bool(f"{denv.ENV_PATH}.VLLM_BATCH_INVARIANT", env.get("VLLM_BATCH_INVARIANT"))
+    if platform == "ascend":
+        bi = bi or (denv.get_bool(cfg, f"{RL}.enabled") and denv.get_bool(cfg, f"{RL}.enable_batch_invariant"))
+        if not bi:
+            off = Family("vllm-ascend default kernels (not batch-invariant)", f"{denv.ENV_PATH}.VLLM_BATCH_INVARIANT unset")
+            return {op: off for op in OPS}
+        if versions.get("ops-batchinvariant"):
+            gemm = Family(
+                "batch_invariant_ops.npu_mm_batch_invariant (AscendC)",
+                f"vllm_ascend/batch_invariant.py: AscendC ops when batch_invariant_ops is importable "
+                f"(ops-batchinvariant {versions.get('ops-batchinvariant')})",
+            )
+        else:
+            gemm = _unpinned(
+                "vllm-ascend uses the AscendC batch_invariant_ops matmul when that package is importable, else its "
+                "Triton matmul; ops-batchinvariant is neither installed here nor declared in true_on_policy.stack_versions"
+            )
+        return {
+            "gemm": gemm,
+            "norm": Family("torch_npu.npu_rms_norm", "vllm_ascend/batch_invariant.py (add_rms_norm: add, then npu_rms_norm)"),
+            "log_softmax": Family("vLLM sampler log_softmax (torch, fp32)", "vllm/v1/sample/sampler.py (compute_logprobs)"),
+        }
+    if not bi:
+        off = Family("vLLM default kernels (not batch-invariant)", f"{denv.ENV_PATH}.VLLM_BATCH_INVARIANT unset")
+        return {op: off for op in OPS}
+    src = f"{denv.ENV_PATH}.VLLM_BATCH_INVARIANT=1 ({denv.SOURCES['vllm_bi']} / {denv.SOURCES['vllm_bi_033']})"
+    return {
+        "gemm": Family("vLLM batch-invariant GEMM", src),
+        "norm": Family("vLLM batch-invariant RMSNorm (Triton)", src),
+        "log_softmax": Family("vLLM batch-invariant log_softmax (Triton)", src),
+    }
+
+
+def attention_unverified(platform: str, training_impl: str, rollout_impl: str) -> str:
+    """Why two attention sides of the same family still cannot count as verified on a device stack."""
+    if platform == "cpu":
+        return ""
+    if {training_impl, rollout_impl} == {"flash_attn_npu", "flash_attn_npu_v3"}:
+        return (
+            "training flash_attn_npu (MindSpeed batch-invariant) vs rollout flash_attn_npu_v3 (vllm-ascend FA3): "
+            "two packages; that they run the same kernel with the same KV split is not established"
+        )
+    return f"training {training_impl} vs rollout {rollout_impl}: same family, bitwise equality not established on {platform}"
