@@ -427,6 +427,8 @@ def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_bac
     # (In-place writes into fresh buffers below compute the very same elementwise values as
     # out-of-place ops; they only save allocations, which dominate on CPU.)
     k_blocks = k.to(torch.float32).unflatten(2, (n_blocks, B)).transpose(-1, -2)  # a view
+    if not plan.dense:  # gathered per pair below: from a contiguous copy, the same values, 3x faster
+        k_blocks = k_blocks.contiguous()
     v_ext = v.new_empty(S, Hkv, n_blocks * B, D + 1, dtype=torch.float32)
     v_ext[..., :D] = v
     v_ext[..., :D].masked_fill_(plan.kv_invalid[:, None, :, None], 0.0)  # == where(valid, v, 0)
