@@ -6,7 +6,8 @@ rollout (chunked prefill + decode steps over KV caches, then the rollout engine'
 and recorded log-probs) for the tiny dense and MoE models in fp32 and bf16. The inputs and the
 weights come from one ``torch.Generator`` (not from transformers' initialisers), so they depend on
 nothing but this file. ``tests/data/kernel_goldens.pt`` holds what the original kernels computed
-(``python tests/kernel_goldens.py --write``, run once on the kernels before any speed-up);
+(``python tests/kernel_goldens.py --write``, run once on the kernels before any speed-up, commit
+0c2b828), with the torch build and CPU capability they were computed on;
 ``tests/test_kernel_goldens.py`` asserts ``torch.equal`` for every entry.
 """
 
@@ -302,8 +303,27 @@ def main() -> None:
     print(f"{len(goldens)} entries, {size / 1e6:.2f} MB")
     if args.write:
         GOLDEN_PATH.parent.mkdir(exist_ok=True)
-        torch.save(goldens, GOLDEN_PATH)
+        torch.save({"environment": environment(), "tensors": goldens}, GOLDEN_PATH)
         print(f"wrote {GOLDEN_PATH}")
+
+
+def environment() -> dict[str, str]:
+    """What the bits depend on besides the code: the torch build and the CPU kernels it dispatches to."""
+    return {"torch": str(torch.__version__), "cpu_capability": str(torch.backends.cpu.get_cpu_capability())}
+
+
+def load() -> dict[str, torch.Tensor]:
+    """The stored goldens; an error naming the difference if they were made in another environment."""
+    stored = torch.load(GOLDEN_PATH)
+    here = environment()
+    if stored["environment"] != here:
+        raise RuntimeError(
+            f"{GOLDEN_PATH.name} was written with {stored['environment']}, this is {here}: GEMM and exp bits "
+            "depend on both. Regenerate it from the ORIGINAL kernels (commit 0c2b828: "
+            "git archive 0c2b828 true_on_policy | tar -x -C /tmp/orig; cd /tmp && PYTHONPATH=/tmp/orig "
+            "python <repo>/tests/kernel_goldens.py --write), then run the test on the current kernels."
+        )
+    return stored["tensors"]
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from kernel_helpers import threads
 
 @pytest.fixture(scope="module")
 def goldens():
-    return torch.load(kernel_goldens.GOLDEN_PATH)
+    return kernel_goldens.load()
 
 
 def _mismatches(expected: dict, actual: dict) -> list[str]:
