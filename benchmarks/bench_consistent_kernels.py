@@ -14,7 +14,10 @@ Cases (each for the dense and the MoE tiny model, in fp32 and bf16):
 The two variants alternate within a repeat, so load changes hit both; the machine may be shared, so
 each record carries the median and the minimum over the repeats (ms) and ``ratio`` = median on /
 median off (``ratio_min`` from the minima).
-Usage: python benchmarks/bench_consistent_kernels.py [--json] [--repeats N] [--threads N] [--cases SUBSTR ...]
+With ``--threads 1 --clock cpu`` the times are the calling thread's CPU time: on a machine shared with
+other jobs they do not count the time the thread waits for a core.
+Usage: python benchmarks/bench_consistent_kernels.py [--json] [--repeats N] [--threads N] [--clock wall|cpu]
+       [--cases SUBSTR ...]
 """
 
 from __future__ import annotations
@@ -43,16 +46,16 @@ def build(kind: str, attn: str, dtype: torch.dtype):
     return model.to(dtype)
 
 
-def timed(on, off, repeats: int) -> dict:
-    """Median and minimum wall time of each (ms), the two interleaved so that load changes hit both."""
+def timed(on, off, repeats: int, clock=time.perf_counter) -> dict:
+    """Median and minimum time of each (ms), the two interleaved so that load changes hit both."""
     on(), off()  # warm-up
     times = ([], [])
     for i in range(repeats):
         order = ((on, times[0]), (off, times[1])) if i % 2 == 0 else ((off, times[1]), (on, times[0]))
         for fn, bucket in order:
-            start = time.perf_counter()
+            start = clock()
             fn()
-            bucket.append((time.perf_counter() - start) * 1e3)
+            bucket.append((clock() - start) * 1e3)
     on_med, off_med = statistics.median(times[0]), statistics.median(times[1])
     on_min, off_min = min(times[0]), min(times[1])
     return dict(
@@ -149,7 +152,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--cases", nargs="*", default=None, help="run only cases whose name contains one of these")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: the calling thread's CPU time (needs --threads 1); robust to other jobs on a shared machine",
+    )
     args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error(f"--clock cpu measures one thread; it needs --threads 1, got --threads {args.threads}")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
     cm.patch_transformers()
@@ -158,7 +170,7 @@ def main() -> None:
         if args.cases and not any(sub in name for sub in args.cases):
             continue
         on, off, repeats = make()
-        record = dict(case=name, threads=torch.get_num_threads(), **timed(on, off, repeats))
+        record = dict(case=name, threads=torch.get_num_threads(), clock=args.clock, **timed(on, off, repeats, clock))
         records.append(record)
         if args.json:
             print(json.dumps(record), flush=True)
