@@ -1,4 +1,8 @@
-"""Async single-rollout sampling vs a synchronous batch barrier, on an agentic workload (CPU).
+"""SIMULATION: async single-rollout sampling vs a synchronous batch barrier, agentic workload (CPU).
+
+This is a simulation of the sampler's effect, not a measurement of verl's trainer: generation is the
+real CPU rollout engine, but the learner step is a sleep (``--learner-ms``) and the scheduling is
+this script's own (``--trainer simulation``, the only mode so far).
 
 What it measures: trajectories per second delivered to the learner, async / sync, in one run.
 
@@ -28,7 +32,7 @@ then are not counted (async's unfinished work is its cost). The variants alterna
 times, each repeat on a fresh workload (seed + repeat) that both variants share; the ratio is of the
 summed wall times, so load changes on a shared machine hit both.
 
-Usage: python benchmarks/bench_async_sampler.py [--steps 12] [--batch 8] [--repeats 3]
+Usage: python benchmarks/bench_async_sampler.py [--json] [--steps 12] [--batch 8] [--repeats 3]
 Prints one JSON object with the ratio, per-variant numbers and the command.
 """
 
@@ -228,6 +232,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="sync/async pairs, alternated, one workload each")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the engine")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one record per line (case, times, ratio)")
+    parser.add_argument(
+        "--trainer",
+        choices=("simulation",),
+        default="simulation",
+        help="simulation: the CPU engine + a sleep as the learner step (verl's trainer is not measured here)",
+    )
     args = parser.parse_args(argv)
     for name in ("batch", "steps", "turns", "tokens", "prompt_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -292,8 +303,26 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": vars(args),
         "command": " ".join(shlex.quote(part) for part in [sys.executable, *sys.argv]),
     }
-    print(json.dumps(report, indent=2))
+    if args.json:  # one record per repeat and one for all, in the benchmarks' common record shape
+        for i, (a, b) in enumerate(zip(runs["async"], runs["sync"], strict=True)):
+            print(json.dumps(_record(f"async_sampler/simulation/repeat{i}", a, b)))
+        print(json.dumps(_record("async_sampler/simulation", asynchronous, sync)))
+    else:
+        print(json.dumps(report, indent=2))
     return report
+
+
+def _record(case: str, asynchronous: dict, sync: dict) -> dict:
+    """The common record: ``case``, both variants' seconds and trajectories/s, ``ratio`` (async/sync)."""
+    return {
+        "case": case,
+        "simulation": True,  # the learner step is a sleep, not verl's trainer
+        "async_s": round(asynchronous["seconds"], 3),
+        "sync_s": round(sync["seconds"], 3),
+        "async_traj_per_s": round(asynchronous["trajectories_per_second"], 3),
+        "sync_traj_per_s": round(sync["trajectories_per_second"], 3),
+        "ratio": round(asynchronous["trajectories_per_second"] / sync["trajectories_per_second"], 3),
+    }
 
 
 if __name__ == "__main__":

@@ -599,6 +599,12 @@ class KVCache:
         """[length, num_layers, 2, num_kv_heads, head_dim] (a view), None while empty."""
         return None if self.data is None else self.data[: self._length]
 
+    def truncate(self, length: int) -> None:
+        """Forget the entries at positions >= ``length`` (e.g. to decode the same step again)."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"KVCache: cannot truncate a cache of {self._length} entries to {length}")
+        self._length = length
+
     def append(self, kv: torch.Tensor) -> None:
         """Append ``kv`` [n, num_layers, 2, num_kv_heads, head_dim] at positions length .. length+n-1."""
         n = kv.shape[0]
@@ -642,19 +648,16 @@ class _RolloutBatch:
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads
         shape = (config.num_hidden_layers, 2, hkv, dim)
-        filled = []
+        self.grid = torch.zeros(S, self.span, *shape, dtype=dtype, device=device)  # [S, span, L, 2, Hkv, D]
         for i, cache in enumerate(caches):
             data = cache.filled()
             if data is None:
-                filled.append(torch.zeros(0, *shape, dtype=dtype, device=device))
-            elif data.shape[1:] != shape or data.dtype != dtype:
+                continue
+            if data.shape[1:] != shape or data.dtype != dtype:
                 raise ValueError(
                     f"KVCache {i}: entries {tuple(data.shape[1:])} {data.dtype}, this model needs {shape} {dtype}"
                 )
-            else:
-                filled.append(data)
-        grid = torch.nn.utils.rnn.pad_sequence(filled, batch_first=True)  # [S, max prefix, L, 2, Hkv, D]
-        self.grid = F.pad(grid, (0, 0, 0, 0, 0, 0, 0, 0, 0, self.span - grid.shape[1]))
+            self.grid[i, : data.shape[0]] = data
         self.plan = None
         self.default_mask = None
         self.plan_flag = ops.enabled()

@@ -173,9 +173,9 @@ def fixed_sum(x: torch.Tensor) -> torch.Tensor:
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
         x = F.pad(x, (0, width - n))
-    while x.shape[-1] > 1:
-        low, high = x.chunk(2, dim=-1)
-        x = low + high
+    while width > 1:
+        width //= 2
+        x = torch.add(x[..., :width], x[..., width:])
     return x
 
 
@@ -212,9 +212,11 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         if m == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
         tiles = -(-m // TILE_ROWS)
-        a = rows.to(torch.float32)
-        if tiles * TILE_ROWS != m:
-            a = F.pad(a, (0, 0, 0, tiles * TILE_ROWS - m))
+        if tiles * TILE_ROWS != m:  # zero rows appended; one copy does the fp32 cast too
+            a = rows.new_zeros(tiles * TILE_ROWS, k, dtype=torch.float32)
+            a[:m] = rows
+        else:
+            a = rows.to(torch.float32)
         a = a.view(tiles, TILE_ROWS, k)
         w = weight.to(torch.float32)
         if w.is_contiguous():  # W^T repeated for every tile without a copy
@@ -288,8 +290,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     input_dtype = x.dtype
     h = x.to(torch.float32)
-    variance = fixed_sum(h * h) / h.shape[-1]
-    return weight * (h / torch.sqrt(variance + eps)).to(input_dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        variance = fixed_sum(h * h) / h.shape[-1]
+        return weight * (h / torch.sqrt(variance + eps)).to(input_dtype)
+    # inference: the same ops, in place on the fresh intermediates
+    root = fixed_sum(h * h).div_(h.shape[-1]).add_(eps).sqrt_()
+    return weight * torch.div(h, root).to(input_dtype)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -409,7 +415,9 @@ class AttentionPlan:
         self.visible = (key_pos[pair_j][None, :, None, :] <= rpos[:, pair_t, :, None]) & valid_blocks[
             :, pair_j, None, :
         ]
+        self.invisible = ~self.visible  # built once per plan, shared by every layer's call
         self.kv_valid = kv_valid
+        self.kv_invalid = ~kv_valid
         self.pair_t, self.pair_j = pair_t, pair_j
         self.dims = (S, num_heads, Tq, num_kv_heads, Tk, rep, rows, tiles, live, n_blocks, n_used)
 
@@ -465,8 +473,8 @@ def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_bac
     if fault.softmax_dtype is None:
         rounded = _identity
     else:
-        def rounded(x):  # the softmax's intermediate values held in the fault's dtype
-            return x.to(fault.softmax_dtype).to(torch.float32)
+        def rounded(x):  # the softmax's intermediate values held in the fault's dtype (in place: p shares
+            return x.copy_(x.to(fault.softmax_dtype))  # its buffer with the GEMM operand below)
     S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
     D = q.shape[-1]
     R, B = plan.R, plan.B
@@ -479,10 +487,17 @@ def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_bac
     n_pairs = pair_t.numel()
     # keys as [S, Hkv, block, D, B]; values of invisible slots zeroed (0 * NaN would leak) and a
     # ones column appended, so the PV product also accumulates the softmax denominator l.
+    # (In-place writes into fresh buffers below compute the very same elementwise values as
+    # out-of-place ops; they only save allocations, which dominate on CPU.)
     k_blocks = k.to(torch.float32).unflatten(2, (n_blocks, B)).transpose(-1, -2)  # a view
-    v32 = v.to(torch.float32) if additive else torch.where(plan.kv_valid[:, None, :, None], v.to(torch.float32), 0.0)
-    v_blocks = torch.cat([v32, v32.new_ones(S, Hkv, n_blocks * B, 1)], dim=-1).view(S, Hkv, n_blocks, B, D + 1)
-    q_tiles = _heads_to_tiles(q.to(torch.float32) * scaling, plan, R)
+    if not plan.dense:  # gathered per pair below: from a contiguous copy, the same values, 3x faster
+        k_blocks = k_blocks.contiguous()
+    v_ext = v.new_empty(S, Hkv, n_blocks * B, D + 1, dtype=torch.float32)
+    v_ext[..., :D] = v
+    if not additive:  # (the additive-mask fault keeps them: it adds -1e9 instead of selecting)
+        v_ext[..., :D].masked_fill_(plan.kv_invalid[:, None, :, None], 0.0)  # == where(valid, v, 0)
+    v_ext[..., D] = 1.0
+    v_blocks = v_ext.view(S, Hkv, n_blocks, B, D + 1)
 
     def flat(x):  # [S, Hkv, pairs, a, b] -> [S * Hkv * pairs, a, b]
         return x.reshape(S * Hkv * n_pairs, *x.shape[-2:])
@@ -497,20 +512,33 @@ def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_bac
             return x[:, :, None, :n_used].expand(S, Hkv, tiles, n_used, *x.shape[3:])
         return x.index_select(2, pair_j)
 
-    scores = matmul_tiles(flat(pairs_of_tiles(q_tiles)), flat(pairs_of_blocks(k_blocks)))
-    scores = scores.view(S, Hkv, n_pairs, R, B)[:, :, :, :live]
-    if additive:
-        scores = scores + torch.where(plan.visible[:, None], 0.0, -1e9)
+    if plan.dense and tiles == 1 and not keep_for_backward:
+        # decode / short prefill: the scores' left operand written directly -- the tile's rows for
+        # every block, zero rows after them: the same values (and layout) as the general path
+        q_rows = (q.to(torch.float32) * scaling).view(S, Hkv, rep, Tq, D).transpose(2, 3).reshape(S, Hkv, 1, rows, D)
+        q_pairs = q_rows.new_zeros(S, Hkv, n_used, R, D)
+        q_pairs[:, :, :, :rows] = q_rows
+        q_tiles = None
     else:
-        scores = torch.where(plan.visible[:, None], scores, -math.inf)
+        q_tiles = _heads_to_tiles(q.to(torch.float32) * scaling, plan, R)
+        q_pairs = pairs_of_tiles(q_tiles)
+
+    scores_tiles = matmul_tiles(flat(q_pairs), flat(pairs_of_blocks(k_blocks))).view(S, Hkv, n_pairs, R, B)
+    scores = scores_tiles[:, :, :, :live]
+    if additive:
+        scores.add_(torch.where(plan.visible[:, None], 0.0, -1e9))
+    else:
+        scores.masked_fill_(plan.invisible[:, None], -math.inf)  # == torch.where(visible, scores, -inf)
 
     # running max after each block, per row: the same maximum() chain a block loop computes
     m_run = torch.cummax(_scatter_pairs(scores.amax(dim=-1), plan, -math.inf), dim=3).values
     m_ref = torch.where(m_run == -math.inf, 0.0, m_run)
     alpha = torch.exp(m_run[:, :, :, :-1] - m_ref[:, :, :, 1:])  # rescale of acc entering block j >= 1
     m_pairs = m_ref.view(S, Hkv, -1, live) if plan.dense else m_ref[:, :, pair_t, pair_j]
-    p = rounded(torch.exp(scores - m_pairs[..., None]))
-    p_tiles = p if live == R else F.pad(p, (0, 0, 0, R - live))
+    p = rounded(scores.sub_(m_pairs[..., None]).exp_())  # == torch.exp(scores - m), in the scores' buffer
+    # rows >= live of the tiles are padding whose PV rows are dropped; a GEMM row depends only on
+    # its own row, so they keep the scores buffer's content instead of being zeroed
+    p_tiles = scores_tiles
     pv = matmul_tiles(flat(p_tiles), flat(pairs_of_blocks(v_blocks)))
     pv = rounded(_scatter_pairs(pv.view(S, Hkv, n_pairs, R, D + 1)[:, :, :, :live], plan, 0.0))
 
@@ -531,8 +559,8 @@ def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_bac
         return out, None
     lse = m_run[:, :, :, -1] + torch.log(l[..., 0])  # -inf for rows without keys
     lse = torch.where(torch.isfinite(lse), lse, 0.0)
-    # final probabilities of the computed pairs: p_j * exp(m_j - lse) (backward only)
-    probs = p * torch.exp(m_pairs - lse[:, :, pair_t])[..., None]
+    # final probabilities of the computed pairs: p_j * exp(m_j - lse) (backward only; p is dead)
+    probs = p.mul_(torch.exp(m_pairs - lse[:, :, pair_t])[..., None])
     state = dict(q_tiles=q_tiles, k_blocks=k_blocks, v_blocks=v_blocks, probs=probs, out_tiles=out_tiles)
     return out, state
 
@@ -560,7 +588,8 @@ class _Attention(torch.autograd.Function):
             probs = st["probs"]  # [S, Hkv, P, live, B]
             do_p = do.index_select(2, pair_t)
             v_p = st["v_blocks"].index_select(2, pair_j)[..., :D]
-            grad_s = probs * (do_p @ v_p.transpose(-1, -2) - delta[:, :, pair_t][..., None])
+            # == probs * (dP - delta), in dP's buffer (IEEE products commute)
+            grad_s = (do_p @ v_p.transpose(-1, -2)).sub_(delta[:, :, pair_t][..., None]).mul_(probs)
             grad_v = v_p.new_zeros(S, Hkv, n_blocks, B, D).index_add_(2, pair_j, probs.transpose(-1, -2) @ do_p)
             k_p = st["k_blocks"].index_select(2, pair_j)  # [S, Hkv, P, D, B]
             grad_q = do.new_zeros(S, Hkv, tiles, live, D).index_add_(2, pair_t, grad_s @ k_p.transpose(-1, -2))

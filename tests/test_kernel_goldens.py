@@ -1,0 +1,57 @@
+"""Every consistent kernel, a model's training forward/backward and its rollout keep their bits.
+
+``tests/data/kernel_goldens.pt`` was written by ``python tests/kernel_goldens.py --write`` with the
+original (unoptimised) kernels; any speed-up must reproduce every entry with ``torch.equal``.
+Its twin shows the check has teeth: the kernels' own sibling (a different K chunk) changes bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernel_goldens
+from kernel_helpers import threads
+
+
+@pytest.fixture(scope="module")
+def goldens():
+    return kernel_goldens.load()
+
+
+def _mismatches(expected: dict, actual: dict) -> list[str]:
+    bad = sorted(set(expected) ^ set(actual))
+    for name in sorted(set(expected) & set(actual)):
+        a, e = actual[name], expected[name]
+        if a.dtype != e.dtype or a.shape != e.shape or not torch.equal(a, e):
+            bad.append(name)
+    return bad
+
+
+@pytest.mark.parametrize("group", kernel_goldens.GROUPS)
+def test_kernels_reproduce_the_goldens_bitwise(goldens, group):
+    with threads(2):
+        actual = kernel_goldens.compute((group,))
+    expected = {k: v for k, v in goldens.items() if k.startswith(group + "/") or (group == "ops" and not k.startswith("model/"))}
+    assert expected, f"no golden entries for {group}"
+    bad = _mismatches(expected, actual)
+    assert not bad, f"{len(bad)} of {len(expected)} entries changed bits: {bad[:20]}"
+
+
+def test_ops_goldens_hold_with_one_thread(goldens):
+    with threads(1):
+        actual = kernel_goldens.compute(("ops",))
+    expected = {k: v for k, v in goldens.items() if not k.startswith("model/")}
+    assert not _mismatches(expected, actual)
+
+
+def test_twin_a_different_k_chunk_breaks_the_goldens(goldens, monkeypatch):
+    """The problem the check guards against: another reduction order changes bits it would catch."""
+    from true_on_policy.kernels import ops
+
+    monkeypatch.setattr(ops, "K_CHUNK", 64)
+    with threads(2):
+        actual = kernel_goldens.compute(("ops",))
+    expected = {k: v for k, v in goldens.items() if not k.startswith("model/")}
+    bad = _mismatches(expected, actual)
+    assert any(name.startswith("linear/fp32/m") and "k200" in name for name in bad), bad
