@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -192,6 +193,7 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
         # The trainer instance: its agent loop re-dispatches prompts, its dataset sizes an epoch.
         self._trainer = refill_fn.__self__
         self.ledger: PromptLedger | None = None
+        self._clear_delivered_leftovers = False
         self._listing = _Listing({})
         self._requeues_reported: Counter = Counter()
         self._late_reported = 0
@@ -265,6 +267,35 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
                 return completed, {}
             time.sleep(self.settings["poll_interval_s"])
 
+    # ------------------------------------------------------------------ checkpoint (verl_adapter.resume)
+    STATE_VERSION = 1
+
+    def state_dict(self) -> dict:
+        """What a resume needs beyond verl's TransferQueue checkpoint: the ledger and the metric baselines."""
+        return {
+            "version": self.STATE_VERSION,
+            "ledger": None if self.ledger is None else pickle.dumps(self.ledger),
+            "requeues_reported": dict(self._requeues_reported),
+            "late_reported": self._late_reported,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        if state.get("version") != self.STATE_VERSION:
+            raise ValueError(
+                f"sampler checkpoint state version {state.get('version')!r} != {self.STATE_VERSION} "
+                f"({type(self).__name__}); it was written by another version of true_on_policy"
+            )
+        ledger = None if state["ledger"] is None else pickle.loads(state["ledger"])
+        if ledger is not None:
+            # Attempt clocks are the old process's monotonic time: restart them (a timeout counts anew).
+            ledger.restart_clocks(time.monotonic())
+        self.ledger = ledger
+        # verl saves the checkpoint before it clears the step's batch, so the restored TransferQueue
+        # still holds the trajectories of the last delivered batch: cleared at the first listing.
+        self._clear_delivered_leftovers = ledger is not None
+        self._requeues_reported = Counter(state["requeues_reported"])
+        self._late_reported = state["late_reported"]
+
     # ------------------------------------------------------------------ observing the rollout
     def _ensure_ledger(self, global_steps: int) -> PromptLedger:
         if self.ledger is None:
@@ -275,8 +306,10 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
                         f"{type(self).__name__}: the trainer behind refill_fn has no {attribute!r}; "
                         "sample() must be called from verl's v1 trainer after fit() started"
                     )
-            # A fresh run starts at an epoch boundary; a resumed one may not, and then per-epoch
-            # duplicate detection would misfire, so the ledger numbers each prompt's occurrences instead.
+            # A fresh run starts at an epoch boundary. A resumed one gets its ledger from the checkpoint
+            # (load_state_dict); one without (a checkpoint taken before the first sample) may not start
+            # at a boundary, and then per-epoch duplicate detection would misfire, so the ledger numbers
+            # each prompt's occurrences instead.
             fresh_run = global_steps == 1
             prompts_per_epoch = len(trainer.train_dataset) if fresh_run else None
             if not fresh_run:
@@ -295,6 +328,19 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
         now = time.monotonic()
         listing = _Listing.read()
         self._listing = listing
+        if self._clear_delivered_leftovers:
+            self._clear_delivered_leftovers = False
+            delivered = {slot.attempt_id for slot in ledger.slots() if slot.state is SlotState.DELIVERED}
+            leftovers = [
+                key
+                for uid, trajectories in listing.trajectories.items()
+                if uid in delivered and uid not in listing.prompts
+                for key, _ in trajectories
+            ]
+            if leftovers:
+                tq.kv_clear(partition_id=TRAIN, keys=leftovers)
+                listing = _Listing({k: v for k, v in (tq.kv_list(TRAIN) or {}).get(TRAIN, {}).items()})
+                self._listing = listing
 
         fresh = [uid for uid in listing.prompts if not ledger.knows(uid)]
         if fresh:
