@@ -122,3 +122,39 @@ def test_moe_resume_is_bitwise(tmp_path):
     full, resumed, (final, final_resumed) = resume_from_own_checkpoint("cpu_tiny_moe", tmp_path)
     assert not differing(full, resumed, resumed)
     assert all(torch.equal(final[name], final_resumed[name]) for name in final)
+
+
+ASYNC_PROMPTS = 16  # data.train_max_samples: 2 learner steps of 8 per epoch
+
+
+def test_async_exactly_once_per_epoch_across_a_resume(tmp_path):
+    """cpu_tiny_async: 3 steps, stop, resume to 6 steps: 3 epochs of 16 prompts, each prompt once per epoch."""
+    import pickle
+
+    from true_on_policy.verl_adapter.resume import SAMPLER_STATE_FILE
+
+    data = (f"data.train_max_samples={ASYNC_PROMPTS}",)
+    first = run_logged("cpu_tiny_async", tmp_path / "first.jsonl", *checkpointing(tmp_path / "ckpt", STOP_AT), *data)
+    resumed = run_logged(
+        "cpu_tiny_async", tmp_path / "resumed.jsonl", *checkpointing(tmp_path / "ckpt"), "trainer.resume_mode=auto", *data
+    )
+    assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5, 6]
+
+    state = torch.load(tmp_path / "ckpt" / f"global_step_{STEPS}" / SAMPLER_STATE_FILE, weights_only=False)
+    ledger = pickle.loads(state["ledger"])
+    ledger.check_invariants()
+    log = ledger.delivery_log  # (epoch, prompt_id, learner_step, attempt_id), both processes
+    assert [step for _, _, step, _ in log] == sorted(step for _, _, step, _ in log)
+    assert sorted({step for _, _, step, _ in log}) == list(range(1, STEPS + 1))
+    assert len(log) == STEPS * 8
+    per_epoch = {}
+    for epoch, prompt_id, _, _ in log:
+        per_epoch.setdefault(epoch, []).append(prompt_id)
+    for epoch, prompts in per_epoch.items():
+        assert len(prompts) == len(set(prompts)), f"epoch {epoch}: a prompt reached the learner twice"
+    # 48 deliveries of 16 prompts: epochs 0 and 1 complete, across the resume at step 3.
+    assert len(per_epoch[0]) == len(per_epoch[1]) == ASYNC_PROMPTS
+    assert sum(map(len, per_epoch.values())) == STEPS * 8
+    # The sampler's own per-step view (file logger) agrees: what the learner took per step.
+    for step, metrics in {**first, **resumed}.items():
+        assert metrics["flashreinforce/sampler/distinct_prompts"] == 8
