@@ -38,6 +38,9 @@ TransferQueue) under a fresh uid, and anything the replaced attempt still writes
   any time generation was paused for a weight update. The slow attempt's result, if it still
   arrives, is discarded and counted.
 - ``lag_histogram_buckets``: number of histogram buckets (default 4: lag 0, 1, 2, >= 3).
+- ``max_rollout_failures``: int >= 1 (default 3). A prompt whose rollout failed this many times stops
+  the run with :class:`RolloutFailuresError` naming it: a dead rollout server fails every request at
+  once, and re-queuing onto it forever would hang the learner.
 
 Metrics (merged into the step's metrics by the trainer), prefix ``flashreinforce/sampler/``:
 ``policy_lag/{mean,max,min}``, ``policy_lag_hist/lag_<k>`` and ``lag_ge_<K>`` (trajectory counts),
@@ -89,6 +92,7 @@ SAMPLER_KWARGS_DEFAULTS = {
     "poll_interval_s": 0.05,
     "rollout_timeout_s": None,
     "lag_histogram_buckets": 4,
+    "max_rollout_failures": 3,
 }
 
 
@@ -117,10 +121,17 @@ def parse_sampler_kwargs(sampler_kwargs: Mapping | None) -> dict:
     timeout = settings["rollout_timeout_s"]
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
         raise ValueError(f"sampler_kwargs.rollout_timeout_s must be a number > 0 or null, got {timeout!r}")
+    failures = settings["max_rollout_failures"]
+    if not isinstance(failures, int) or isinstance(failures, bool) or failures < 1:
+        raise ValueError(f"sampler_kwargs.max_rollout_failures must be an int >= 1, got {failures!r}")
     buckets = settings["lag_histogram_buckets"]
     if not isinstance(buckets, int) or isinstance(buckets, bool) or buckets < 2:
         raise ValueError(f"sampler_kwargs.lag_histogram_buckets must be an int >= 2, got {buckets!r}")
     return settings
+
+
+class RolloutFailuresError(RuntimeError):
+    """A prompt's rollout failed ``max_rollout_failures`` times: the rollout side is broken, stop."""
 
 
 class _Listing:
@@ -366,12 +377,14 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
                 continue
             if status == "failure":
                 if ledger.failed(uid, REQUEUE_FAILURE) == "requeue":
+                    self._check_failures(uid, "failed")
                     logger.warning("rollout of prompt uid=%s failed; re-queuing the prompt", uid)
                 continue
             trajectories = listing.trajectories.get(uid)
             if not trajectories:
                 # verl's agent loop logs "Empty output" and writes nothing: no trajectory to train on.
                 if ledger.failed(uid, REQUEUE_FAILURE) == "requeue":
+                    self._check_failures(uid, "finished without a trajectory")
                     logger.warning("prompt uid=%s finished without a trajectory; re-queuing the prompt", uid)
                 continue
             min_version, max_version = _behaviour_versions(uid, trajectories)
@@ -387,6 +400,17 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
                     self.rollout_timeout_s,
                 )
         self._requeue(global_steps)
+
+    def _check_failures(self, uid: str, what: str) -> None:
+        slot = self.ledger.live_slot(uid)
+        failures = slot.requeue_reasons.count(REQUEUE_FAILURE)
+        if failures >= self.settings["max_rollout_failures"]:
+            raise RolloutFailuresError(
+                f"the rollout of prompt {slot.prompt_id!r} (epoch {slot.epoch}) {what} {failures} times "
+                f"(trainer.v1.sampler.sampler_kwargs.max_rollout_failures={self.settings['max_rollout_failures']}): "
+                "the rollout side is failing every request (a dead rollout server?); stopping instead of "
+                "re-queuing forever. The last checkpoint is intact: fix the rollout and resume from it."
+            )
 
     def _prompt_ids(self, uids: list[str]) -> list:
         """Dataset identity of each prompt: the ``index`` column RLHFDataset takes from extra_info.index."""
@@ -507,4 +531,4 @@ def _plain(value):
     return value
 
 
-__all__ = ["METRIC_PREFIX", "SAMPLER_KWARGS_DEFAULTS", "SingleRolloutAsyncSampler", "parse_sampler_kwargs"]
+__all__ = ["METRIC_PREFIX", "SAMPLER_KWARGS_DEFAULTS", "RolloutFailuresError", "SingleRolloutAsyncSampler", "parse_sampler_kwargs"]
