@@ -82,6 +82,7 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run_bitwise(tmp_path):
     exit_s = sigterm_after_checkpoint(
         "cpu_tiny", tmp_path / "stopped.jsonl", tmp_path / "stopped", STOP_AT, *checkpointing(tmp_path / "stopped")
     )
+    print(f"SIGTERM: driver exited {exit_s:.1f}s after the signal")
     assert exit_s < SIGTERM_BOUND_S
     # The last completed checkpoint is what the tracker names, complete (a later save never became latest).
     assert latest_checkpoint(tmp_path / "stopped") == STOP_AT
@@ -158,3 +159,23 @@ def test_async_exactly_once_per_epoch_across_a_resume(tmp_path):
     # The sampler's own per-step view (file logger) agrees: what the learner took per step.
     for step, metrics in {**first, **resumed}.items():
         assert metrics["flashreinforce/sampler/distinct_prompts"] == 8
+
+
+def test_flag_off_twin_shows_where_determinism_ends(tmp_path):
+    """true_on_policy.deterministic=false: the same resume, without the consistent kernels and canonical order.
+
+    Measured: steps 4-6 differ (31 metrics): at step 4 the same tokens are sampled but the rollout's
+    recorded log-probs and the batch-order-dependent reductions differ in their last bits (the default
+    kernels' results depend on which requests share the rollout's running batch, which depends on
+    arrival timing; the batch is not sorted), so verl's rollout_probs_diff_*/ppl and the trust-region
+    KL differ; by step 6 the sampled tokens, rewards and loss differ, and the final weights are not equal.
+    """
+    full, resumed, (final, final_resumed) = resume_from_own_checkpoint(
+        "cpu_tiny", tmp_path, "true_on_policy.deterministic=false"
+    )
+    diff = differing(full, resumed, resumed)
+    print("flag off, steps 4-6 differing metrics:", {s: sorted(d) for s, d in diff.items()})
+    print("flag off, final weights equal:", all(torch.equal(final[n], final_resumed[n]) for n in final))
+    assert diff, "without the flag the resumed run matched bitwise: the twin shows nothing"
+    # The training/rollout gap is non-zero without the flag: the proof of zero logdiff is the flag's.
+    assert all(full[s]["training/rollout_probs_diff_max"] > 0 for s in resumed)
