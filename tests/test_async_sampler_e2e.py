@@ -185,8 +185,26 @@ def test_a_refill_fn_that_is_not_the_trainers_is_refused():
         ({"sampler_kwargs": {"rollout_timeout_s": -5}}, "rollout_timeout_s must be a number > 0"),
         ({"sampler_kwargs": {"lag_histogram_buckets": 1}}, "lag_histogram_buckets must be an int >= 2"),
         ({"sampler_kwargs": {"max_lag": 2}}, r"unknown key\(s\) \['max_lag'\]"),
+        ({"sampler_kwargs": {"max_rollout_failures": 0}}, "max_rollout_failures must be an int >= 1"),
     ],
 )
 def test_bad_sampler_settings_name_the_problem(overrides, message):
     with pytest.raises(ValueError, match=message):
         _sampler(**overrides)
+
+
+def test_a_prompt_failing_max_rollout_failures_times_stops_the_run_by_name():
+    """A dead rollout server fails every request at once: re-queuing must not loop forever."""
+    from true_on_policy.rollout.prompt_ledger import PromptLedger
+    from true_on_policy.verl_adapter.async_sampler import RolloutFailuresError
+
+    sampler = _sampler(sampler_kwargs={"max_rollout_failures": 3})
+    sampler.ledger = ledger = PromptLedger(prompts_per_epoch=4)
+    ledger.dispatched("a0", prompt_id=7, dispatch_step=1, now=0.0)
+    for attempt in range(2):  # failures 1 and 2 re-queue the prompt
+        assert ledger.failed(f"a{attempt}") == "requeue"
+        sampler._check_failures(f"a{attempt}", "failed")
+        ledger.requeued(f"a{attempt}", f"a{attempt + 1}", dispatch_step=1, now=0.0)
+    assert ledger.failed("a2") == "requeue"
+    with pytest.raises(RolloutFailuresError, match=r"prompt 7 \(epoch 0\) failed 3 times.*max_rollout_failures=3"):
+        sampler._check_failures("a2", "failed")

@@ -198,3 +198,23 @@ def test_verl_sampling_params_are_translated_or_refused_by_name():
     ]:
         with pytest.raises(ValueError, match=name):
             sampling_params_from_request(bad, 16)
+
+
+def _sample_after_loads(model, versions):
+    """A fresh engine (a restarted server) loads the same weights len(versions) times, then samples."""
+    engine = RolloutEngine(model, eos_token_id=EOS, seed=5)
+    weights = [(name, tensor.detach().clone()) for name, tensor in model.named_parameters()]
+    for version in versions:
+        engine.load_weights(weights, version)
+    engine.add_request("r", prompt(9), SamplingParams(max_new_tokens=12))
+    return engine.run_until_done()["r"].token_ids
+
+
+def test_seeds_follow_the_policy_version_so_a_restarted_server_samples_the_same(dense_model, consistent):
+    # Uninterrupted: loads at steps 0..3. Resumed from the step-3 checkpoint: one load, version 3.
+    assert _sample_after_loads(dense_model, [0, 1, 2, 3]) == _sample_after_loads(dense_model, [3])
+
+
+def test_twin_seeds_counted_by_loads_differ_after_a_restart(dense_model, consistent):
+    # Without the policy version (the engine counts loads): the resumed server seeds requests otherwise.
+    assert _sample_after_loads(dense_model, [None] * 4) != _sample_after_loads(dense_model, [None])

@@ -27,6 +27,8 @@ PATCHED_IN_VERL_0_9_1 = {
     "verl.trainer.ppo.v1.trainer_base.PPOTrainer._compute_old_log_prob",
     "verl.trainer.ppo.v1.trainer_base.PPOTrainer._compute_advantage",
     "verl.trainer.ppo.v1.trainer_base.PPOTrainer._add_prompts_to_generate",
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._save_checkpoint",
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._load_checkpoint",
     "verl.utils.distributed.initialize_global_process_group_ray",
     "verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits",
     "verl.workers.rollout.base.get_rollout_class",

@@ -462,3 +462,17 @@ def test_the_wrapped_step_refuses_the_weights_verl_computed(tq, config, monkeypa
     # read as a mask that keeps every token (no row failed)
     weights = rows(tq, batch, "rollout_is_weights")
     assert [weights[key].tolist() for key in KEYS] == [[1.0] * n for n in LENGTHS[:4]]
+
+
+def test_a_batch_missing_failed_rollouts_is_refused_by_name():
+    from transfer_queue import KVBatchMeta
+
+    keys = [f"uid{i}_0_0" for i in range(8)]
+    full = KVBatchMeta(partition_id="train", keys=keys, tags=[{} for _ in keys])
+    trainer_hooks.require_full_batch(full, 8)
+    # Two prompts' rollouts failed: verl would pad the batch; the hook refuses it, naming the count and the key.
+    short = KVBatchMeta(
+        partition_id="train", keys=keys[:6] + ["pad_0_0"], tags=[{} for _ in keys[:6]] + [{"is_padding": True}]
+    )
+    with pytest.raises(trainer_hooks.ShortBatchError, match=r"6 prompts, expected 8.*sync_refill_failed_groups"):
+        trainer_hooks.require_full_batch(short, 8)

@@ -120,7 +120,10 @@ class RolloutEngine:
         eos_token_id: ends a request (besides its own stop tokens and its length budget).
         max_num_seqs: most requests in the running batch; the rest wait in arrival order.
         max_model_len: prompt + response budget of one request.
-        seed: the engine seed; a request without its own seed gets one derived from it.
+        seed: the engine seed; a request without its own seed gets one derived from it, the
+            policy version of the loaded weights and its prompt tokens - never from how many
+            loads this process has seen, so a resumed server samples what an uninterrupted one
+            would (see :meth:`load_weights`).
     """
 
     def __init__(
@@ -183,8 +186,12 @@ class RolloutEngine:
 
     # ----------------------------------------------------------------- weights
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         """Copy trainer weights in by name (cast to the serving dtype); drops every KV cache.
+
+        ``version`` is the policy version of the weights (the trainer's global step): it enters the
+        per-request seeds, so a server started after a resume seeds requests as an uninterrupted one.
+        Without it (offline use) the version counts loads.
 
         MoE experts may arrive one per expert (``...mlp.experts.3.gate_proj.weight``, the checkpoint
         layout verl streams to rollout engines) and land in transformers' packed expert tensors.
@@ -201,7 +208,7 @@ class RolloutEngine:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != rollout {tuple(target.shape)}")
             target.copy_(tensor.to(dtype=target.dtype, device=target.device))
             loaded += 1
-        self.weight_version += 1
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
         return loaded
 
     # ----------------------------------------------------------------- serving loop

@@ -337,6 +337,11 @@ class PromptLedger:
             self.delivery_log.append((slot.epoch, slot.prompt_id, learner_step, slot.attempt_id))
         return BatchDecision(tuple(batch), tuple(dropped), None)
 
+    def restart_clocks(self, now: float) -> None:
+        """After a restore in another process: every live attempt counts its time in flight from ``now``."""
+        for slot in self._live.values():
+            slot.dispatched_at = now
+
     # ------------------------------------------------------------------ accounting
     def slots(self) -> Sequence[PromptSlot]:
         return tuple(self._slots)

@@ -38,6 +38,9 @@ TransferQueue) under a fresh uid, and anything the replaced attempt still writes
   any time generation was paused for a weight update. The slow attempt's result, if it still
   arrives, is discarded and counted.
 - ``lag_histogram_buckets``: number of histogram buckets (default 4: lag 0, 1, 2, >= 3).
+- ``max_rollout_failures``: int >= 1 (default 3). A prompt whose rollout failed this many times stops
+  the run with :class:`RolloutFailuresError` naming it: a dead rollout server fails every request at
+  once, and re-queuing onto it forever would hang the learner.
 
 Metrics (merged into the step's metrics by the trainer), prefix ``flashreinforce/sampler/``:
 ``policy_lag/{mean,max,min}``, ``policy_lag_hist/lag_<k>`` and ``lag_ge_<K>`` (trajectory counts),
@@ -52,6 +55,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -89,6 +93,7 @@ SAMPLER_KWARGS_DEFAULTS = {
     "poll_interval_s": 0.05,
     "rollout_timeout_s": None,
     "lag_histogram_buckets": 4,
+    "max_rollout_failures": 3,
 }
 
 
@@ -117,10 +122,17 @@ def parse_sampler_kwargs(sampler_kwargs: Mapping | None) -> dict:
     timeout = settings["rollout_timeout_s"]
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
         raise ValueError(f"sampler_kwargs.rollout_timeout_s must be a number > 0 or null, got {timeout!r}")
+    failures = settings["max_rollout_failures"]
+    if not isinstance(failures, int) or isinstance(failures, bool) or failures < 1:
+        raise ValueError(f"sampler_kwargs.max_rollout_failures must be an int >= 1, got {failures!r}")
     buckets = settings["lag_histogram_buckets"]
     if not isinstance(buckets, int) or isinstance(buckets, bool) or buckets < 2:
         raise ValueError(f"sampler_kwargs.lag_histogram_buckets must be an int >= 2, got {buckets!r}")
     return settings
+
+
+class RolloutFailuresError(RuntimeError):
+    """A prompt's rollout failed ``max_rollout_failures`` times: the rollout side is broken, stop."""
 
 
 class _Listing:
@@ -193,6 +205,7 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
         # The trainer instance: its agent loop re-dispatches prompts, its dataset sizes an epoch.
         self._trainer = patches.trainer_behind_refill_fn(refill_fn)
         self.ledger: PromptLedger | None = None
+        self._clear_delivered_leftovers = False
         self._listing = _Listing({})
         self._requeues_reported: Counter = Counter()
         self._late_reported = 0
@@ -266,6 +279,35 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
                 return completed, {}
             time.sleep(self.settings["poll_interval_s"])
 
+    # ------------------------------------------------------------------ checkpoint (verl_adapter.resume)
+    STATE_VERSION = 1
+
+    def state_dict(self) -> dict:
+        """What a resume needs beyond verl's TransferQueue checkpoint: the ledger and the metric baselines."""
+        return {
+            "version": self.STATE_VERSION,
+            "ledger": None if self.ledger is None else pickle.dumps(self.ledger),
+            "requeues_reported": dict(self._requeues_reported),
+            "late_reported": self._late_reported,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        if state.get("version") != self.STATE_VERSION:
+            raise ValueError(
+                f"sampler checkpoint state version {state.get('version')!r} != {self.STATE_VERSION} "
+                f"({type(self).__name__}); it was written by another version of true_on_policy"
+            )
+        ledger = None if state["ledger"] is None else pickle.loads(state["ledger"])
+        if ledger is not None:
+            # Attempt clocks are the old process's monotonic time: restart them (a timeout counts anew).
+            ledger.restart_clocks(time.monotonic())
+        self.ledger = ledger
+        # verl saves the checkpoint before it clears the step's batch, so the restored TransferQueue
+        # still holds the trajectories of the last delivered batch: cleared at the first listing.
+        self._clear_delivered_leftovers = ledger is not None
+        self._requeues_reported = Counter(state["requeues_reported"])
+        self._late_reported = state["late_reported"]
+
     # ------------------------------------------------------------------ observing the rollout
     def _ensure_ledger(self, global_steps: int) -> PromptLedger:
         if self.ledger is None:
@@ -276,8 +318,10 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
                         f"{type(self).__name__}: the trainer behind refill_fn has no {attribute!r}; "
                         "sample() must be called from verl's v1 trainer after fit() started"
                     )
-            # A fresh run starts at an epoch boundary; a resumed one may not, and then per-epoch
-            # duplicate detection would misfire, so the ledger numbers each prompt's occurrences instead.
+            # A fresh run starts at an epoch boundary. A resumed one gets its ledger from the checkpoint
+            # (load_state_dict); one without (a checkpoint taken before the first sample) may not start
+            # at a boundary, and then per-epoch duplicate detection would misfire, so the ledger numbers
+            # each prompt's occurrences instead.
             fresh_run = global_steps == 1
             prompts_per_epoch = len(trainer.train_dataset) if fresh_run else None
             if not fresh_run:
@@ -296,6 +340,19 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
         now = time.monotonic()
         listing = _Listing.read()
         self._listing = listing
+        if self._clear_delivered_leftovers:
+            self._clear_delivered_leftovers = False
+            delivered = {slot.attempt_id for slot in ledger.slots() if slot.state is SlotState.DELIVERED}
+            leftovers = [
+                key
+                for uid, trajectories in listing.trajectories.items()
+                if uid in delivered and uid not in listing.prompts
+                for key, _ in trajectories
+            ]
+            if leftovers:
+                tq.kv_clear(partition_id=TRAIN, keys=leftovers)
+                listing = _Listing({k: v for k, v in (tq.kv_list(TRAIN) or {}).get(TRAIN, {}).items()})
+                self._listing = listing
 
         fresh = [uid for uid in listing.prompts if not ledger.knows(uid)]
         if fresh:
@@ -321,12 +378,14 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
                 continue
             if status == "failure":
                 if ledger.failed(uid, REQUEUE_FAILURE) == "requeue":
+                    self._check_failures(uid, "failed")
                     logger.warning("rollout of prompt uid=%s failed; re-queuing the prompt", uid)
                 continue
             trajectories = listing.trajectories.get(uid)
             if not trajectories:
                 # verl's agent loop logs "Empty output" and writes nothing: no trajectory to train on.
                 if ledger.failed(uid, REQUEUE_FAILURE) == "requeue":
+                    self._check_failures(uid, "finished without a trajectory")
                     logger.warning("prompt uid=%s finished without a trajectory; re-queuing the prompt", uid)
                 continue
             min_version, max_version = _behaviour_versions(uid, trajectories)
@@ -342,6 +401,17 @@ class SingleRolloutAsyncSampler(ReplayBufferAsync):
                     self.rollout_timeout_s,
                 )
         self._requeue(global_steps)
+
+    def _check_failures(self, uid: str, what: str) -> None:
+        slot = self.ledger.live_slot(uid)
+        failures = slot.requeue_reasons.count(REQUEUE_FAILURE)
+        if failures >= self.settings["max_rollout_failures"]:
+            raise RolloutFailuresError(
+                f"the rollout of prompt {slot.prompt_id!r} (epoch {slot.epoch}) {what} {failures} times "
+                f"(trainer.v1.sampler.sampler_kwargs.max_rollout_failures={self.settings['max_rollout_failures']}): "
+                "the rollout side is failing every request (a dead rollout server?); stopping instead of "
+                "re-queuing forever. The last checkpoint is intact: fix the rollout and resume from it."
+            )
 
     def _prompt_ids(self, uids: list[str]) -> list:
         """Dataset identity of each prompt: the ``index`` column RLHFDataset takes from extra_info.index."""
@@ -462,4 +532,4 @@ def _plain(value):
     return value
 
 
-__all__ = ["METRIC_PREFIX", "SAMPLER_KWARGS_DEFAULTS", "SingleRolloutAsyncSampler", "parse_sampler_kwargs"]
+__all__ = ["METRIC_PREFIX", "SAMPLER_KWARGS_DEFAULTS", "RolloutFailuresError", "SingleRolloutAsyncSampler", "parse_sampler_kwargs"]

@@ -170,11 +170,12 @@ class CPUServer:
     # ------------------------------------------------------------------ control (called by verl)
     async def update_weights(self, named_tensors_ref, global_steps=None):
         named_tensors = named_tensors_ref if isinstance(named_tensors_ref, list) else ray.get(named_tensors_ref)
-        async with self._lock:
-            loaded = await asyncio.to_thread(self.engine.load_weights, named_tensors)
         if global_steps is not None:
             self.global_steps = global_steps
-        return loaded
+        # The trainer's step, not a count of loads, versions the per-request seeds: a server started
+        # on a resumed checkpoint must sample what the uninterrupted run's server sampled.
+        async with self._lock:
+            return await asyncio.to_thread(self.engine.load_weights, named_tensors, self.global_steps)
 
     async def abort_all_requests(self, reject_request: bool = False, **_):
         self._admission_open.clear()

@@ -230,11 +230,12 @@ def activate_from_environment() -> Settings | None:
     if recipe is None:
         return None
     from true_on_policy.contract import determinism_plan as determinism_env
-    from true_on_policy.verl_adapter import trainer_hooks
+    from true_on_policy.verl_adapter import resume, trainer_hooks
 
     if os.environ.get(IN_PROCESS_ENV):
         determinism_env.run_in_process_calls(recipe.platform, json.loads(os.environ[IN_PROCESS_ENV]))
     trainer_hooks.install()
+    resume.install()
     if recipe.platform == "cpu":
         # The project's kernels are the CPU reference path; on Ascend and CUDA the determinism
         # plan's vendor settings (exported above) pin the engines' own kernels instead.

@@ -16,6 +16,8 @@ target (:data:`TARGETS`)                                            why
 ``...PPOTrainer._compute_advantage``                                the entropy filter's mask
 ``...PPOTrainer._add_prompts_to_generate``                          the async sampler reaches the trainer
                                                                     through this bound ``refill_fn``
+``...PPOTrainer._save_checkpoint`` / ``_load_checkpoint``           the sampler's prompt ledger rides along
+                                                                    in verl's checkpoint (resume.py)
 ``verl.utils.distributed.initialize_global_process_group_ray``      plain gloo on the CPU platform
 ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``  the consistent log-softmax (flag on)
 ``verl.workers.rollout.base.get_rollout_class`` / ``_ROLLOUT_REGISTRY``  the worker-side CPU rollout
@@ -48,6 +50,8 @@ TARGETS: dict[str, tuple[str, ...] | None] = {
     f"{_TRAINER}._compute_old_log_prob": ("self", "batch", "metrics"),
     f"{_TRAINER}._compute_advantage": ("self", "batch", "metrics"),
     f"{_TRAINER}._add_prompts_to_generate": ("self", "num_prompts"),
+    f"{_TRAINER}._save_checkpoint": ("self",),
+    f"{_TRAINER}._load_checkpoint": ("self",),
     "verl.utils.distributed.initialize_global_process_group_ray": ("timeout_second", "backend"),
     "verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits": ("logits", "labels", "inplace_backward"),
     "verl.workers.rollout.base.get_rollout_class": ("rollout_name", "mode"),

@@ -49,6 +49,15 @@ then adds the same numbers in a different order. Before verl balances the batch,
 its token sequences, so the same trajectories always meet the optimizer in the same order: the
 batch dimension gets the fixed reduction order the kernels give every other dimension.
 
+4. A full batch, or an error (always).
+
+A prompt whose rollout failed (e.g. its rollout server died mid-step) leaves verl's sync sampler a
+terminal group without a trajectory, and verl 0.9.1 trains on the rest, padding the batch
+(``trainer.v1.sampler.sync_refill_failed_groups`` is off by default). FlashREINFORCE's sample mean
+would then silently divide by fewer trajectories than the step sampled: before the batch is balanced,
+:func:`require_full_batch` refuses a batch with fewer prompts than ``train_batch_size /
+parameter_sync_step``, naming how many are missing and verl's key that re-rolls them.
+
 All hooks are installed only in a process whose launch configured the recipe.
 """
 
@@ -148,6 +157,25 @@ def canonical_order(batch, tq) -> list[int]:
     return sorted(range(len(sequences)), key=sequences.__getitem__)
 
 
+class ShortBatchError(RuntimeError):
+    """The learner was handed fewer trajectories than the step sampled."""
+
+
+def require_full_batch(batch, expected_prompts: int) -> None:
+    """Raise :class:`ShortBatchError` unless ``batch`` holds trajectories of ``expected_prompts`` prompts.
+
+    Keys are verl's ``{uid}_{session}_{index}``; padding rows (tag ``is_padding``) do not count.
+    """
+    prompts = {key.split("_", 1)[0] for key, tag in zip(batch.keys, batch.tags) if not tag.get("is_padding", False)}
+    if len(prompts) < expected_prompts:
+        raise ShortBatchError(
+            f"the learner got trajectories of {len(prompts)} prompts, expected {expected_prompts} "
+            f"(data.train_batch_size / parameter_sync_step): {expected_prompts - len(prompts)} rollout(s) failed "
+            "(a dead or failing rollout server?). Refusing to train on a silently shorter batch; set "
+            "trainer.v1.sampler.sync_refill_failed_groups=true to have verl roll failed prompts out again."
+        )
+
+
 def install_on(trainer_cls, tq) -> None:
     """Wrap ``_balance_batch``, ``_compute_old_log_prob`` and ``_compute_advantage`` of ``trainer_cls``.
 
@@ -158,6 +186,8 @@ def install_on(trainer_cls, tq) -> None:
 
     def balance(balance_batch):
         def balance_canonical_batch(self, batch, *args, **kwargs):
+            # verl 0.9.1 balances only the training batch, right after sampling it.
+            require_full_batch(batch, self.config.data.train_batch_size // self.parameter_sync_step)
             if settings_module.require("the canonical batch order").deterministic:
                 batch.reorder(canonical_order(batch, tq))
             return balance_batch(self, batch, *args, **kwargs)
