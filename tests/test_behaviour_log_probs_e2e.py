@@ -40,7 +40,7 @@ OVERRIDES = (
     f"actor_rollout_ref.rollout.agent.agent_loop_config_path={SUPPORT / 'perturbing_agent_loop.yaml'}",
     "actor_rollout_ref.rollout.agent.default_agent_loop=perturbing_agent",
     "true_on_policy.negative_token_fraction=0.5",
-    "++true_on_policy.failure_reward_threshold=1.0",
+    "true_on_policy.failure_reward_threshold=1.0",
 )
 
 

@@ -311,7 +311,7 @@ def test_contract_refuses_rollout_tp2_against_training_tp1():
     assert "[row_parallel]" in err
     code, err = _check(
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-        f"+{contract_mod.CPU_TP_KEY}=2",
+        f"{contract_mod.CPU_TP_KEY}=2",
         "trainer.n_gpus_per_node=2",
     )
     assert code == check_cli.EXIT_OK, err
@@ -321,6 +321,6 @@ def test_contract_refuses_mismatched_ep_on_cpu():
     code, err = _check("actor_rollout_ref.rollout.expert_parallel_size=2", config="cpu_tiny_moe")
     assert code == check_cli.EXIT_MISMATCH and "[ep]" in err and "[moe_dispatcher]" in err
     code, err = _check(
-        "actor_rollout_ref.rollout.expert_parallel_size=2", f"+{contract_mod.CPU_EP_KEY}=2", config="cpu_tiny_moe"
+        "actor_rollout_ref.rollout.expert_parallel_size=2", f"{contract_mod.CPU_EP_KEY}=2", config="cpu_tiny_moe"
     )
     assert code == check_cli.EXIT_OK, err
