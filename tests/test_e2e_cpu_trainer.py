@@ -23,6 +23,8 @@ def test_trainer_runs_flashreinforce_with_zero_logdiff(config_name):
         assert metrics["actor/flashreinforce/acceptance_rate"] == 1.0
         assert 0.0 <= metrics["critic/score/mean"] <= 1.0
         assert "actor/pg_loss" in metrics
+        # No fixed wait in generation: verl's built-in sync replay buffer sleeps 2 s per poll (twin below).
+        assert metrics["timing_s/gen"] < 2.0, (step, metrics["timing_s/gen"])
 
 
 def test_flag_off_twin_shows_the_logdiff():
@@ -31,3 +33,14 @@ def test_flag_off_twin_shows_the_logdiff():
         "cpu_tiny", "trainer.total_training_steps=1", "true_on_policy.deterministic=false"
     )
     assert steps[1]["training/rollout_probs_diff_max"] > 0.0
+
+
+def test_builtin_replay_buffer_twin_shows_the_2s_floor():
+    """verl's own sync replay buffer (no custom sampler) waits one fixed 2 s poll per step."""
+    _, steps = run_trainer(
+        "cpu_tiny",
+        "trainer.total_training_steps=1",
+        "trainer.v1.sampler.custom_sampler=null",
+        "trainer.v1.sampler.sampler_kwargs={}",
+    )
+    assert steps[1]["timing_s/gen"] >= 2.0
