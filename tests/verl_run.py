@@ -7,34 +7,17 @@ written to ``$VERL_FILE_LOGGER_PATH``. Console text is kept only for failure mes
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from true_on_policy.cli.plot_metrics import read_step_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 FILE_LOGGER_PATH_ENV = "VERL_FILE_LOGGER_PATH"  # read by verl.utils.tracking.FileLogger
 LOGGER_OVERRIDE = "trainer.logger=[console,file]"
-
-
-def read_step_metrics(path: Path) -> dict[int, dict[str, float]]:
-    """``{step: {metric: value}}`` from a verl file-logger JSONL; non-numeric values are left out."""
-    steps: dict[int, dict[str, float]] = {}
-    with open(path, encoding="utf-8") as lines:
-        for line in lines:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            metrics = steps.setdefault(int(record["step"]), {})
-            for key, value in record["data"].items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    metrics[key] = float(value)
-                elif value is None:
-                    metrics[key] = math.nan
-    return steps
 
 
 def run_trainer(
