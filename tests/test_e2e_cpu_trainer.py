@@ -23,8 +23,6 @@ def test_trainer_runs_flashreinforce_with_zero_logdiff(config_name):
         assert metrics["actor/flashreinforce/acceptance_rate"] == 1.0
         assert 0.0 <= metrics["critic/score/mean"] <= 1.0
         assert "actor/pg_loss" in metrics
-        # No fixed wait in generation: verl's built-in sync replay buffer sleeps 2 s per poll (twin below).
-        assert metrics["timing_s/gen"] < 2.0, (step, metrics["timing_s/gen"])
 
 
 def test_flag_off_twin_shows_the_logdiff():
@@ -36,7 +34,12 @@ def test_flag_off_twin_shows_the_logdiff():
 
 
 def test_builtin_replay_buffer_twin_shows_the_2s_floor():
-    """verl's own sync replay buffer (no custom sampler) waits one fixed 2 s poll per step."""
+    """verl's own sync replay buffer (no custom sampler) waits one fixed 2 s poll per step.
+
+    A lower bound, so it holds under any machine load. The fix is asserted where load cannot blur it:
+    tests/test_sync_sampler.py checks that verl's own builder makes the recipe's buffer with a 0.02 s
+    poll; the measured effect (2.01 s -> 0.12-0.35 s) is in the README.
+    """
     _, steps = run_trainer(
         "cpu_tiny",
         "trainer.total_training_steps=1",
