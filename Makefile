@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STEPS ?= 10
+STEPS ?= 30
 CONFIG ?= cpu_tiny
 
 .PHONY: install demo test logdiff bench check clean
@@ -18,10 +18,17 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+DEMO_OUT ?= outputs/demo
+
+# verl's file logger writes the step metrics to $(DEMO_OUT)/metrics.jsonl; plot-metrics draws them.
 demo: install
 	$(PY) -m true_on_policy build-assets
+	mkdir -p $(DEMO_OUT)
+	VERL_FILE_LOGGER_PATH=$(CURDIR)/$(DEMO_OUT)/metrics.jsonl \
 	$(PY) -m verl.trainer.main_ppo --config-path=$(CURDIR)/configs --config-name=$(CONFIG) \
-		trainer.total_training_steps=$(STEPS)
+		trainer.total_training_steps=$(STEPS) 'trainer.logger=[console,file]'
+	$(PY) -m true_on_policy plot-metrics $(DEMO_OUT)/metrics.jsonl --out $(DEMO_OUT)/metrics.png \
+		--title "make demo: $(CONFIG), $(STEPS) steps"
 
 test: install
 	$(PY) -m true_on_policy build-assets

@@ -2,7 +2,7 @@
 
 The e2e tests run ``python -m verl.trainer.main_ppo --config-name=cpu_tiny_async`` in a subprocess
 (Ray, the FSDP engine on gloo, the CPU rollout engine, TransferQueue) and read the per-step metrics
-from verl's console log. The unmarked tests at the end check the sampler's configuration errors
+from verl's file logger (tests/verl_run.py). The unmarked tests at the end check the sampler's configuration errors
 without starting anything.
 """
 

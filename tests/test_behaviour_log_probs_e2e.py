@@ -1,14 +1,14 @@
 """End to end, in verl's real trainer on CPU: what the FlashREINFORCE loss sees of the behaviour policy.
 
 1. The gate and the ratio use the rollout engine's RECORDED sampling log-probs, not verl's recompute.
-   Two one-step runs on the same first batch (``data.shuffle=false``: dataset indices 0-7), both with
+   Two one-step runs on the same first batch (``data.shuffle=false``: dataset indices 0-31), both with
    the test agent loop of tests/support/perturbing_agent_loop.py. In the control run it changes
    nothing. In the perturbed run it rewrites, after sampling, the recorded log-probs of the trajectory
    with dataset index 0 to the far end of [0, 1], and lowers those of index 1 by 1e-3. Tokens, rewards
    and the policy are the same in both runs (asserted); only the record differs. verl's recompute,
    and so any "old" log-prob it derives, is the same in both runs, so a gate reading the recompute
    would admit every row in both. Observed: the control admits every row, the perturbed run rejects
-   exactly the one trajectory (acceptance 7/8), and the small shift shows up in the ratio deviation.
+   exactly the one trajectory (acceptance 31/32), and the small shift shows up in the ratio deviation.
 
 2. The entropy filter runs inside verl. Both runs use ``negative_token_fraction=0.5`` with
    ``failure_reward_threshold=1.0``, so every trajectory counts as failed (rewards lie in [0, 1]) and
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.e2e
 SUPPORT = Path(__file__).resolve().parent / "support"
 PERTURB_ENV_VAR = "TOP_TEST_PERTURB_ROLLOUT_LOG_PROBS"  # perturbing_agent_loop.PERTURB_ENV_VAR (not importable here)
 FAR_INDEX, SHIFTED_INDEX, SHIFT = 0, 1, 1e-3
-BATCH_SIZE = 8  # configs/common/cpu_tiny.yaml data.train_batch_size
+BATCH_SIZE = 32  # configs/cpu_tiny.yaml data.train_batch_size
 PREFIX = "actor/flashreinforce/"
 
 OVERRIDES = (
@@ -81,8 +81,8 @@ def test_the_gate_and_the_ratio_read_the_recorded_log_probs(control, perturbed):
     # perturbed: verl's own monitor (|p_recorded - p_recomputed|) sees the tampered record: pushing a
     # probability to the far end of [0, 1] moves it by at least 1/2 ...
     assert perturbed["training/rollout_probs_diff_max"] > 0.49
-    # ... and the gate rejects exactly the far-perturbed trajectory: one row of eight (verl averages the
-    # per-micro-batch rates of two equal micro-batches of four, which is again 7/8)
+    # ... and the gate rejects exactly the far-perturbed trajectory: one row of 32 (verl averages the
+    # per-micro-batch rates of two equal micro-batches of 16, which is again 31/32)
     assert perturbed[PREFIX + "acceptance_rate"] < 1.0
     assert perturbed[PREFIX + "acceptance_rate"] == pytest.approx(1 - 1 / BATCH_SIZE, abs=1e-9)
     assert perturbed[PREFIX + "sequence_kl_mean"] > control[PREFIX + "sequence_kl_mean"]

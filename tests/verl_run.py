@@ -1,54 +1,44 @@
 """Run verl's real trainer (``python -m verl.trainer.main_ppo``) in a subprocess and read its metrics.
 
-verl's console logger prints one line per step: ``step:N - key:value - key:value ...``.
+Metrics come from verl's file logger (``trainer.logger=[console,file]``, verl/utils/tracking.py
+``FileLogger``): one JSON object per ``Tracking.log`` call, ``{"step": N, "data": {metric: value}}``,
+written to ``$VERL_FILE_LOGGER_PATH``. Console text is kept only for failure messages.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+from true_on_policy.cli.plot_metrics import read_step_metrics
+
 REPO = Path(__file__).resolve().parents[1]
-_STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
-_NUMBER = re.compile(r"^(?:np\.\w+\()?(-?[0-9.]+(?:e[-+]?\d+)?|nan|inf|-inf)\)?$")
+FILE_LOGGER_PATH_ENV = "VERL_FILE_LOGGER_PATH"  # read by verl.utils.tracking.FileLogger
+LOGGER_OVERRIDE = "trainer.logger=[console,file]"
 
 
-def parse_step_metrics(log: str) -> dict[int, dict[str, float]]:
-    """``{step: {metric: value}}`` from verl's console lines (non-numeric values are skipped)."""
-    steps: dict[int, dict[str, float]] = {}
-    for line in log.splitlines():
-        match = _STEP_LINE.search(line)
-        if not match:
-            continue
-        metrics = steps.setdefault(int(match.group(1)), {})
-        for item in match.group(2).split(" - "):
-            key, _, value = item.rpartition(":")
-            number = _NUMBER.match(value.strip())
-            if key and number:
-                metrics[key.strip()] = float(number.group(1))
-    return steps
+def run_trainer(
+    config_name: str, *overrides: str, timeout: int = 900, metrics_path: Path | None = None
+) -> tuple[str, dict[int, dict[str, float]]]:
+    """Run the trainer to completion and return (console log, per-step metrics from the JSONL file).
 
-
-def run_trainer(config_name: str, *overrides: str, timeout: int = 900) -> tuple[str, dict[int, dict[str, float]]]:
-    """Run the trainer to completion; fail with the log's tail if it does not exit cleanly."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "verl.trainer.main_ppo",
-        f"--config-path={REPO / 'configs'}",
-        f"--config-name={config_name}",
-        *overrides,
-    ]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    log = result.stdout + result.stderr
-    if result.returncode != 0:
-        raise AssertionError(f"trainer exited {result.returncode}; command: {' '.join(command)}\n{log[-6000:]}")
-    return log, parse_step_metrics(log)
+    Fails with the log's tail if the trainer does not exit cleanly or wrote no metrics file.
+    """
+    with tempfile.TemporaryDirectory(prefix="verl_run_") as scratch:
+        path = Path(metrics_path) if metrics_path is not None else Path(scratch) / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        command = trainer_command(config_name, *overrides)
+        result = subprocess.run(command, cwd=REPO, env=trainer_env(path), capture_output=True, text=True, timeout=timeout)
+        log = result.stdout + result.stderr
+        if result.returncode != 0:
+            raise AssertionError(f"trainer exited {result.returncode}; command: {' '.join(command)}\n{log[-6000:]}")
+        if not path.exists():
+            raise AssertionError(f"trainer wrote no metrics file at {path}; command: {' '.join(command)}\n{log[-3000:]}")
+        return log, read_step_metrics(path)
 
 
 # ---------------------------------------------------------------- verl's file logger (JSONL), checkpoints
@@ -59,14 +49,14 @@ def trainer_command(config_name: str, *overrides: str) -> list[str]:
         "verl.trainer.main_ppo",
         f"--config-path={REPO / 'configs'}",
         f"--config-name={config_name}",
-        "trainer.logger=[console,file]",
+        LOGGER_OVERRIDE,
         *overrides,
     ]
 
 
 def trainer_env(metrics_path: Path) -> dict[str, str]:
     """The environment of a run whose file logger writes to ``metrics_path`` (verl/utils/tracking.py)."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", "VERL_FILE_LOGGER_PATH": str(metrics_path)}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", FILE_LOGGER_PATH_ENV: str(metrics_path)}
 
 
 def read_file_logger(path: Path) -> dict[int, dict]:

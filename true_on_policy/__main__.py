@@ -4,6 +4,7 @@
   check          the training/rollout consistency contract of a Hydra config (exit 0 / 2)
   logdiff        measure training-vs-rollout log-prob differences (dense/MoE x fp32/bf16 x flag)
   diagnose       find the first op where training and rollout diverge
+  plot-metrics   plot a run's verl file-logger JSONL (reward, acceptance, sequence KL, logdiff, step time)
 """
 
 from __future__ import annotations
@@ -42,7 +43,19 @@ def _diagnose(argv: list[str]) -> int:
     return diagnose_cli.main(argv)
 
 
-COMMANDS = {"build-assets": _build_assets, "check": _check, "logdiff": _logdiff, "diagnose": _diagnose}
+def _plot_metrics(argv: list[str]) -> int:
+    from true_on_policy.cli import plot_metrics
+
+    return plot_metrics.main(argv)
+
+
+COMMANDS = {
+    "build-assets": _build_assets,
+    "check": _check,
+    "logdiff": _logdiff,
+    "diagnose": _diagnose,
+    "plot-metrics": _plot_metrics,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

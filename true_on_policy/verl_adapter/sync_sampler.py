@@ -1,0 +1,75 @@
+"""verl's synchronous replay buffer without its fixed 2-second poll.
+
+verl 0.9.1's sync v1 trainer times ``replay_buffer.sample`` as ``timing_s/gen``. The built-in
+``ReplayBuffer`` lists TransferQueue, and while the batch is not complete it sleeps ``poll_interval``
+before listing again; ``_build_replay_buffer`` never passes that argument, so it is the constructor
+default, 2.0 s, and no config key reaches it. The first listing comes right after dispatch, before
+any rollout can have finished, so every step waits at least one full 2 s sleep, whatever the rollout
+backend: measured here, ``timing_s/gen`` was 2.01 s at response lengths 4 and 48 alike.
+
+:class:`SyncReplayBuffer` is that same ``ReplayBuffer`` (same sampling, eviction and refill code)
+with the interval taken from ``trainer.v1.sampler.sampler_kwargs.poll_interval_s``. It is plugged
+in through verl's public hook ``trainer.v1.sampler.custom_sampler``; nothing of verl is patched.
+verl hands a custom sampler no DAPO group-filter settings, so this one is for runs without
+``algorithm.filter_groups`` (FlashREINFORCE has none: one rollout per prompt, no groups).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+SAMPLER_KWARGS_DEFAULTS = {"poll_interval_s": 0.02}
+
+
+def parse_sampler_kwargs(sampler_kwargs: Mapping | None) -> dict:
+    """Validated ``trainer.v1.sampler.sampler_kwargs``; an unknown key or a bad value is an error."""
+    given = dict(sampler_kwargs or {})
+    unknown = sorted(set(given) - set(SAMPLER_KWARGS_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"trainer.v1.sampler.sampler_kwargs has unknown key(s) {unknown} for {SyncReplayBuffer.__name__}; "
+            f"known: {sorted(SAMPLER_KWARGS_DEFAULTS)}"
+        )
+    settings = {**SAMPLER_KWARGS_DEFAULTS, **given}
+    poll = settings["poll_interval_s"]
+    if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not poll > 0:
+        raise ValueError(f"trainer.v1.sampler.sampler_kwargs.poll_interval_s must be a number > 0, got {poll!r}")
+    return settings
+
+
+class SyncReplayBuffer(ReplayBuffer):
+    """verl's sync ``ReplayBuffer``, polling TransferQueue every ``poll_interval_s`` (see the module doc)."""
+
+    def __init__(
+        self,
+        trainer_mode: str,
+        trainer_config,
+        max_off_policy_threshold: int | None,
+        max_off_policy_strategy: str,
+        sampler_kwargs,
+        refill_fn=None,
+        **kwargs,
+    ):
+        if trainer_mode != "sync":
+            raise ValueError(
+                f"{type(self).__name__} is the sync trainer's replay buffer; trainer.v1.trainer_mode={trainer_mode!r} "
+                "needs an async sampler (true_on_policy.verl_adapter.async_sampler.SingleRolloutAsyncSampler)"
+            )
+        if "poll_interval" in kwargs:
+            raise ValueError("pass the poll interval as trainer.v1.sampler.sampler_kwargs.poll_interval_s")
+        self.settings = parse_sampler_kwargs(sampler_kwargs)
+        super().__init__(
+            trainer_mode=trainer_mode,
+            trainer_config=trainer_config,
+            max_off_policy_threshold=max_off_policy_threshold,
+            max_off_policy_strategy=max_off_policy_strategy,
+            sampler_kwargs=sampler_kwargs,
+            poll_interval=float(self.settings["poll_interval_s"]),
+            refill_fn=refill_fn,
+            **kwargs,
+        )
+
+
+__all__ = ["SyncReplayBuffer", "parse_sampler_kwargs"]
