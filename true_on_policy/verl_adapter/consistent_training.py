@@ -14,6 +14,11 @@ full-vocabulary log-softmax, the one the rollout engine samples from.
 from __future__ import annotations
 
 import functools
+import os
+
+# Set by the launch for rollout.name=vllm: len(tokenizer). verl's vLLM rollout sets the logits of
+# ids >= len(tokenizer) to -inf before sampling; the training log-prob applies the same mask.
+ROLLOUT_VOCAB_ENV = "TRUE_ON_POLICY_ROLLOUT_VOCAB"
 
 
 def consistent_logprobs_from_logits(logits, labels, inplace_backward=True):
@@ -21,6 +26,18 @@ def consistent_logprobs_from_logits(logits, labels, inplace_backward=True):
     from true_on_policy.kernels import ops as consistent_ops
 
     return consistent_ops.token_log_probs(logits, labels)
+
+
+def mask_out_of_vocabulary(logprobs_from_logits, vocab: int):
+    """``logprobs_from_logits`` on logits whose ids >= ``vocab`` are -inf (selected, not added)."""
+    import torch
+
+    @functools.wraps(logprobs_from_logits)
+    def masked(logits, labels, inplace_backward=True):
+        keep = torch.arange(logits.shape[-1], device=logits.device) < vocab
+        return logprobs_from_logits(torch.where(keep, logits, float("-inf")), labels, inplace_backward)
+
+    return masked
 
 
 @functools.cache
@@ -35,3 +52,6 @@ def activate(deterministic: bool) -> None:
     if deterministic:
         consistent_ops.enable()
         transformer_impl.logprobs_from_logits = consistent_logprobs_from_logits
+    vocab = os.environ.get(ROLLOUT_VOCAB_ENV)
+    if vocab:
+        transformer_impl.logprobs_from_logits = mask_out_of_vocabulary(transformer_impl.logprobs_from_logits, int(vocab))
