@@ -8,6 +8,8 @@ log-probs are compared with ``torch.equal`` to the training forward's (packed, o
 composition). Each case with the flag on has its flag-off twin (stock vLLM-CPU kernels) that differs.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -69,3 +71,43 @@ def test_weight_reload(served):
     prompts = make_prompts(4, model.config.vocab_size, seed=5)
     samples = engine.generate(llm, prompts, 16)
     _check(flag, prompts, samples, model, 1.0)
+
+
+def _other_shapes_checkpoint(directory):
+    """A Qwen3-MoE checkpoint of other shapes than the shipped tiny ones: head_dim 32, GQA 6/2,
+    3 layers with a dense one (mlp_only_layers), 8 experts top-3, vocabulary 160, bf16 on disk."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=160, hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=32, intermediate_size=160, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
+        mlp_only_layers=[1], norm_topk_prob=False, max_position_embeddings=512, rope_theta=1e6,
+        tie_word_embeddings=False, eos_token_id=2, pad_token_id=0, bos_token_id=None,
+    )
+    torch.manual_seed(11)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    tiny_assets.build_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+def test_logdiff_cli_on_a_checkpoint_directory(tmp_path, capsys):
+    from true_on_policy.cli import logdiff
+
+    path = _other_shapes_checkpoint(tmp_path / "ckpt")
+    argv = ["--engine", "vllm", "--model", path, "--dtype", "bfloat16", "--prompts", "4", "--new-tokens", "8", "--json"]
+    assert logdiff.main(argv) == 0
+    out = capsys.readouterr().out  # vLLM's logger shares stdout: the JSON list is the last thing printed
+    records = {r["deterministic"]: r for r in json.loads(out[out.rindex("[\n {") :])}
+    assert records[True]["max_abs_diff"] == 0.0 and records[True]["frac_equal"] == 1.0
+    assert records[False]["max_abs_diff"] > 0.0
+
+
+def test_uncovered_feature_is_refused_by_name(capfd):
+    """Flag on, compiled mode (enforce_eager=False): the engine refuses to start and names it;
+    the twin is every served case above, which starts with enforce_eager=True."""
+    path = str(tiny_assets.ensure_assets() / tiny_assets.MODEL_DIRS["dense"])
+    with pytest.raises(Exception):
+        engine.start(path, "float32", True, enforce_eager=False)
+    captured = capfd.readouterr()
+    text = captured.out + captured.err
+    assert "UnsupportedFeatureError" in text and "enforce_eager=False" in text

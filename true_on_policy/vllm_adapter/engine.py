@@ -10,7 +10,6 @@ packed layout verl's FSDP engine uses), with the OOV-logit mask verl applies in 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 import torch
@@ -167,6 +166,3 @@ def score(model, prompts, samples, deterministic: bool, vocab_limit: int | None,
 def recorded(samples) -> torch.Tensor:
     return torch.cat([lps for per_prompt in samples for _, lps in per_prompt])
 
-
-def settings_json(deterministic: bool) -> str:
-    return json.dumps({"deterministic": deterministic, "platform": "cpu"})

@@ -113,13 +113,12 @@ def linear_apply(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> to
             f"true_on_policy (vLLM): {type(layer).__name__} partitions {sizes} do not cover its weight "
             f"{tuple(weight.shape)}"
         )
-    out_dtype = torch.float32 if getattr(layer, "true_on_policy_fp32_out", False) else x.dtype
     if len(sizes) == 1:
-        return ops.linear(x, weight, bias, out_dtype=out_dtype)
+        return ops.linear(x, weight, bias)
     outs, start = [], 0
     for size in sizes:
         b = None if bias is None else bias[start : start + size]
-        outs.append(ops.linear(x, weight[start : start + size], b, out_dtype=out_dtype))
+        outs.append(ops.linear(x, weight[start : start + size], b))
         start += size
     return torch.cat(outs, dim=-1)
 
