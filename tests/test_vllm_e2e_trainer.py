@@ -23,7 +23,8 @@ def _file_metrics(tmp_path, config_name, *overrides):
     os.environ["VERL_FILE_LOGGER_PATH"] = str(path)
     try:
         run_trainer(
-            config_name, f"trainer.total_training_steps={STEPS}", "trainer.logger=[console,file]", *overrides
+            config_name, f"trainer.total_training_steps={STEPS}", "trainer.logger=[console,file]", *overrides,
+            timeout=1800,  # one vLLM engine start and two steps; generous for a loaded machine
         )
     finally:
         os.environ.pop("VERL_FILE_LOGGER_PATH", None)
