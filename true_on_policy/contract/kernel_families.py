@@ -134,8 +134,8 @@ def _training(cfg: Any, platform: str, strategy: str) -> dict[str, Family]:
 
 
 def _rollout(cfg: Any, platform: str, name: str, versions: Mapping[str, str | None], env: Mapping[str, str]) -> dict[str, Family]:
-    if name == "cpu":
-        return {op: Family(PROJECT, f"{R}.name=cpu (project CPU engine)") for op in OPS}
+    if denv.project_rollout(name, platform):
+        return {op: Family(PROJECT, f"{R}.name={name} on cpu (project kernels)") for op in OPS}
     if name != "vllm":
         return {op: _unpinned(f"{R}.name={name}: no kernel setting known to this project") for op in OPS}
     bi = denv.parse_bool(f"{denv.ENV_PATH}.VLLM_BATCH_INVARIANT", env.get("VLLM_BATCH_INVARIANT"))

@@ -308,7 +308,7 @@ def _training_attention(cfg: Any, strategy: str, platform: str, deterministic: b
 
 
 def _rollout_attention(cfg: Any, name: str, platform: str, deterministic: bool) -> Side:
-    if name == "cpu":
+    if denv.project_rollout(name, platform):
         if deterministic:
             return Side("consistent", f"{R}.name=cpu + {TOP}.deterministic=true")
         return Side(AUTO, f"{R}.name=cpu")
@@ -370,7 +370,7 @@ def _training_dispatcher(cfg: Any, strategy: str, ep: int, platform: str, determ
 
 
 def _rollout_dispatcher(cfg: Any, name: str, ep: int, platform: str, deterministic: bool, pin: Any) -> Side:
-    if name == "cpu":
+    if denv.project_rollout(name, platform):
         return Side(pin or ("local" if ep <= 1 else CPU_MOE_DISPATCH), f"{TOP}.moe_dispatcher (project CPU engine)")
     if ep <= 1:
         return Side("local", f"{R}.expert_parallel_size<=1 (experts TP-split, no dispatch)")
@@ -394,8 +394,8 @@ def _training_router_dtype(cfg: Any, strategy: str, compute: str, platform: str,
     return Side(compute, f"{A}.strategy={strategy} (HF gate runs in the compute dtype)")
 
 
-def _rollout_router_dtype(name: str, compute: str, deterministic: bool, pin: Any) -> Side:
-    if name == "cpu":
+def _rollout_router_dtype(name: str, compute: str, deterministic: bool, pin: Any, platform: str) -> Side:
+    if denv.project_rollout(name, platform):
         return Side(canonical_dtype(pin) if pin else compute, f"{TOP}.moe_router_dtype (project CPU engine)")
     if name == "vllm":
         # vLLM's Qwen3-MoE gate is a ReplicatedLinear with no params_dtype: it runs in the served dtype
@@ -425,7 +425,7 @@ def _training_batch_invariant(cfg: Any, strategy: str, platform: str, determinis
 
 
 def _rollout_batch_invariant(cfg: Any, name: str, platform: str, deterministic: bool, env: Mapping[str, str]) -> Side:
-    if name == "cpu":
+    if denv.project_rollout(name, platform):
         return Side("on" if deterministic else "off", f"{R}.name=cpu + {TOP}.deterministic")
     rl = f"{R}.engine_kwargs.vllm.additional_config.rl_config"
     rl_on = denv.get_bool(cfg, f"{rl}.enabled", False) and denv.get_bool(cfg, f"{rl}.enable_batch_invariant", False)

@@ -15,6 +15,11 @@ full-vocabulary log-softmax, the one the rollout engine samples from (patched th
 from __future__ import annotations
 
 import functools
+import os
+
+# Set by the launch for rollout.name=vllm: len(tokenizer). verl's vLLM rollout sets the logits of
+# ids >= len(tokenizer) to -inf before sampling; the training log-prob applies the same mask.
+ROLLOUT_VOCAB_ENV = "TRUE_ON_POLICY_ROLLOUT_VOCAB"
 
 
 def consistent_logprobs_from_logits(logits, labels, inplace_backward=True):
@@ -24,6 +29,18 @@ def consistent_logprobs_from_logits(logits, labels, inplace_backward=True):
     return consistent_ops.token_log_probs(logits, labels)
 
 
+def mask_out_of_vocabulary(logprobs_from_logits, vocab: int):
+    """``logprobs_from_logits`` on logits whose ids >= ``vocab`` are -inf (selected, not added)."""
+    import torch
+
+    @functools.wraps(logprobs_from_logits)
+    def masked(logits, labels, inplace_backward=True):
+        keep = torch.arange(logits.shape[-1], device=logits.device) < vocab
+        return logprobs_from_logits(torch.where(keep, logits, float("-inf")), labels, inplace_backward)
+
+    return masked
+
+
 @functools.cache
 def activate(deterministic: bool) -> None:
     from true_on_policy.kernels import model as consistent_model
@@ -31,6 +48,13 @@ def activate(deterministic: bool) -> None:
     from true_on_policy.verl_adapter import patches
 
     consistent_model.patch_transformers()
+    replacement = None
     if deterministic:
         consistent_ops.enable()
-        patches.install_logprobs_from_logits(consistent_logprobs_from_logits)
+        replacement = consistent_logprobs_from_logits
+    vocab = os.environ.get(ROLLOUT_VOCAB_ENV)
+    if vocab:  # flag on or off: the mask is part of what the rollout samples from
+        base = replacement or patches.check_target("verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits")
+        replacement = mask_out_of_vocabulary(base, int(vocab))
+    if replacement is not None:
+        patches.install_logprobs_from_logits(replacement)

@@ -96,6 +96,8 @@ def prepare_launch(config) -> dict[str, str]:
         env[IN_PROCESS_ENV] = json.dumps([[name, kwargs] for name, kwargs in plan.in_process])
     if recipe.platform == "cpu":
         env.update(CPU_PLATFORM_ENV)
+        if config.actor_rollout_ref.rollout.name == "vllm":
+            env.update(_vllm_cpu_env(config))
     updates = determinism_env.config_updates(plan)
     updates.update({f"{determinism_env.ENV_PATH}.{key}": value for key, value in env.items()})
     with open_dict(config):
@@ -115,6 +117,18 @@ def prepare_launch(config) -> dict[str, str]:
     refuse_unverified(result, recipe.accept_unverified)
     os.environ.update(env)
     return env
+
+
+def _vllm_cpu_env(config) -> dict[str, str]:
+    """rollout.name=vllm on CPU: the training side masks the logits verl's vLLM rollout masks."""
+    from transformers import AutoTokenizer
+
+    from true_on_policy.verl_adapter.consistent_training import ROLLOUT_VOCAB_ENV
+
+    model = config.actor_rollout_ref.model
+    tokenizer = AutoTokenizer.from_pretrained(model.get("tokenizer_path") or model.path)
+    # VLLM_TARGET_DEVICE: vLLM's platform detection, explicit rather than read from a version string.
+    return {ROLLOUT_VOCAB_ENV: str(len(tokenizer)), "VLLM_TARGET_DEVICE": "cpu"}
 
 
 def refuse_unverified(result, accepted) -> None:

