@@ -231,13 +231,26 @@ def test_cuda_gemm_without_megatron_batch_invariant_mode_is_a_mismatch(cuda_cfg)
     assert "gemm" in {m.field for m in contract.compare(broken)}
 
 
-def test_cpu_kernel_rows_hold_and_a_vllm_rollout_on_cpu_does_not():
+def test_cpu_kernel_rows_hold_and_an_engine_without_the_project_kernels_does_not():
     cfg = check_cli.compose_config(str(CONFIGS), "cpu_tiny_moe")
     result = _contract(cfg)
     for field in kernel_families.OPS:
         assert contract.status(result, result.row(field)) == "ok"
-    other = _contract(_with(cfg, **{f"{R}.name": "vllm"}))
-    assert set(kernel_families.OPS) <= {m.field for m in contract.compare(other)}
+    other = _contract(_with(cfg, **{f"{R}.name": "sglang"}))  # no kernel setting known: never "ok"
+    for field in kernel_families.OPS:
+        assert contract.status(other, other.row(field)) != "ok", field
+
+
+def test_vllm_on_cpu_runs_the_project_kernels_but_only_eager_and_without_sleep_mode():
+    cfg = check_cli.compose_config(str(CONFIGS), "cpu_tiny_moe")
+    compiled = _contract(_with(cfg, **{f"{R}.name": "vllm", f"{R}.enforce_eager": False}))
+    mismatched = {m.field for m in contract.compare(compiled)}
+    assert not set(kernel_families.OPS) & mismatched
+    assert "eager" in mismatched
+    eager = _contract(
+        _with(cfg, **{f"{R}.name": "vllm", f"{R}.enforce_eager": True, f"{R}.enable_sleep_mode": False, f"{R}.free_cache_engine": False})
+    )
+    assert not {"eager", "sleep_mode"} & {m.field for m in contract.compare(eager)}
 
 
 def test_every_row_can_fail(ascend_cfg, cuda_cfg):

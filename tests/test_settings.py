@@ -32,6 +32,7 @@ OVERRIDES = {
     "failure_reward_threshold": ("0.25", 0.25),
     "relax_invariants": ("[single_rollout,no_kl]", ["single_rollout", "no_kl"]),
     "allow_contract_mismatch": ("true", True),
+    "accept_unverified": ("[attention,gemm]", ["attention", "gemm"]),
     "attention_backend": ("flash_attn", "flash_attn"),
     "row_parallel_reduction": ("all_reduce", "all_reduce"),
     "moe_dispatcher": ("alltoall", "alltoall"),

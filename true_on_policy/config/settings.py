@@ -147,6 +147,7 @@ def defaults() -> dict[str, Any]:
     """Every key of the section with its default, as plain YAML-able values."""
     fields = dataclasses.asdict(Settings())
     fields["relax_invariants"] = list(fields["relax_invariants"])
+    fields["accept_unverified"] = list(fields["accept_unverified"])
     fields["stack_versions"] = dict(fields["stack_versions"])
     return fields
 
