@@ -70,6 +70,13 @@ def test_a_changed_signature_is_refused_naming_target_and_change():
     assert "('config',)" in message and "('config', 'device_hint')" in message
 
 
+def _passing_through(original):
+    def wrapper(self, batch, metrics):
+        return original(self, batch, metrics)
+
+    return wrapper
+
+
 def test_a_changed_trainer_method_is_refused_and_left_alone():
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
@@ -78,11 +85,11 @@ def test_a_changed_trainer_method_is_refused_and_left_alone():
 
     twin = type("ChangedTrainer", (PPOTrainer,), {"_compute_advantage": _compute_advantage})
     with pytest.raises(PatchTargetChanged, match=r"PPOTrainer\._compute_advantage: signature changed"):
-        patches.wrap_trainer_method(twin, "_compute_advantage", lambda original: original)
+        patches.wrap_trainer_method(twin, "_compute_advantage", _passing_through)
     assert twin._compute_advantage is _compute_advantage
     # the twin of the twin: verl's own method is accepted
     accepted = type("SameTrainer", (PPOTrainer,), {})
-    patches.wrap_trainer_method(accepted, "_compute_advantage", lambda original: original)
+    patches.wrap_trainer_method(accepted, "_compute_advantage", _passing_through)
     assert patches.is_patched(accepted._compute_advantage)
 
 

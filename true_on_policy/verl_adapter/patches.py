@@ -122,6 +122,8 @@ def check_target(target: str, found: Any = None, expected: tuple[str, ...] | Non
 
 
 def _mark(wrapper: Callable, original: Callable) -> Callable:
+    if wrapper is original:  # marking verl's own function would make it its own __wrapped__
+        raise ValueError(f"a patch must install a new function, got {original.__qualname__} itself")
     functools.update_wrapper(wrapper, original)
     setattr(wrapper, MARK, True)
     return wrapper
