@@ -59,6 +59,10 @@ Determinism environment: the plan from :mod:`true_on_policy.contract.determinism
 (idempotent), then the training processes' environment (``ray_kwargs.ray_init.runtime_env.env_vars``)
 is compared with what the rollout engine's processes end up with (the same runtime env plus what
 vLLM / vllm-ascend force under ``VLLM_BATCH_INVARIANT=1``), on the keys that decide a reduction order.
+
+Why one module of ~680 lines: one row group per function (layout, dtypes, attention, kernels,
+row-parallel, MoE, log-prob, determinism), and a row's meaning is read against its neighbours;
+the per-side readers it calls live in :mod:`.sides`, the kernel families in :mod:`.kernel_families`.
 """
 
 from __future__ import annotations

@@ -48,6 +48,10 @@ Metrics (merged into the step's metrics by the trainer), prefix ``flashreinforce
 ``fill_seconds`` (sample() call to full batch), ``lag_wait_seconds``, ``distinct_prompts``,
 ``requeued/{rollout_failure,timeout,policy_lag}`` and ``late_results_discarded`` (this step),
 ``in_flight``, ``completed_waiting``, ``epoch``, ``epoch_delivered``.
+
+Why one module of ~530 lines: it is one verl ``ReplayBuffer`` subclass whose methods share the
+ledger, the policy-version bookkeeping and the checkpoint state; the pure accounting lives in
+:mod:`true_on_policy.rollout.prompt_ledger`.
 """
 
 from __future__ import annotations
