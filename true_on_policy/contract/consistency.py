@@ -75,6 +75,8 @@ from true_on_policy.contract import determinism_plan as denv
 from true_on_policy.contract import kernel_families
 from true_on_policy.contract.sides import (  # noqa: F401 - re-exported: the contract's vocabulary
     AUTO,
+    CPU_EP_KEY,
+    CPU_MOE_DISPATCH,
     CPU_TP_KEY,
     CPU_ROW_PARALLEL,
     ENV,
