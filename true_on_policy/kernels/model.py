@@ -242,21 +242,7 @@ def _make_experts_forward(cls):
         for flag, wanted in layout:
             if getattr(self, flag, wanted) != wanted:
                 raise UnsupportedFeatureError(f"true_on_policy: experts with {flag}={not wanted} are not supported")
-        tokens, top_k = top_k_index.shape
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = order[start : start + count]
-            start += count
-            x = hidden_states[pairs // top_k]
-            gate, up = ops.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            outputs.append(ops.linear(ops.silu(gate) * up, self.down_proj[expert]))
-        grouped = torch.cat(outputs) if outputs else hidden_states.new_zeros(0, hidden_states.shape[-1])
-        per_slot = grouped[torch.argsort(order)].view(tokens, top_k, -1)
+        per_slot = ops.moe_experts(hidden_states, top_k_index, self.gate_up_proj, self.down_proj)
         return ops.moe_combine(per_slot, top_k_weights).to(hidden_states.dtype)
 
     return forward

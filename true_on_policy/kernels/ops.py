@@ -670,6 +670,31 @@ def moe_route(
     return weights, experts
 
 
+def moe_experts(hidden, top_k_index, gate_up, down):
+    """Every (token, slot) pair through its expert: [tokens, top_k, hidden] in slot order.
+
+    Pairs are grouped by expert with a stable sort (token order inside an expert), each expert runs
+    ``down(silu(gate) * up)`` on its rows with :func:`linear`, and the rows go back to their slots.
+    ``gate_up[e]`` is [2 * inter, hidden] (gate rows first), ``down[e]`` is [hidden, inter]. Both
+    engines call this one function, so the expert arithmetic cannot drift between them.
+    """
+    tokens, top_k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
+    outputs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        x = hidden[pairs // top_k]
+        gate, up = linear(x, gate_up[expert]).chunk(2, dim=-1)
+        outputs.append(linear(silu(gate) * up, down[expert]))
+    grouped = torch.cat(outputs) if outputs else hidden.new_zeros(0, hidden.shape[-1])
+    return grouped[torch.argsort(order)].view(tokens, top_k, -1)
+
+
 def moe_combine(expert_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum_k weights[:, k] * expert_outputs[:, k]`` in fp32, added in slot order k = 0, 1, ...
 

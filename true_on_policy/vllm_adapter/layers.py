@@ -153,21 +153,7 @@ def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     h = hidden_states.reshape(-1, shape[-1])
     router_logits = ops.linear(h, block.gate.weight, out_dtype=torch.float32)
     weights, chosen = ops.moe_route(router_logits, top_k, renormalize)
-    tokens = h.shape[0]
-    flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    outputs, start = [], 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start : start + count]
-        start += count
-        x = h[pairs // top_k]
-        gate, up = ops.linear(x, w13[expert]).chunk(2, dim=-1)
-        outputs.append(ops.linear(ops.silu(gate) * up, w2[expert]))
-    grouped = torch.cat(outputs) if outputs else h.new_zeros(0, h.shape[-1])
-    per_slot = grouped[torch.argsort(order)].view(tokens, top_k, -1)
+    per_slot = ops.moe_experts(h, chosen, w13, w2)
     return ops.moe_combine(per_slot, weights).to(hidden_states.dtype).view(shape)
 
 
