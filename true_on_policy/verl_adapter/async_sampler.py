@@ -84,6 +84,7 @@ from true_on_policy.rollout.prompt_ledger import (
     lag_histogram,
     policy_lag,
 )
+from true_on_policy.verl_adapter.sync_sampler import merge_sampler_kwargs
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -104,13 +105,7 @@ SAMPLER_KWARGS_DEFAULTS = {
 def parse_sampler_kwargs(sampler_kwargs: Mapping | None) -> dict:
     """Validated ``trainer.v1.sampler.sampler_kwargs``; an unknown key or a bad value is an error."""
     given = dict(sampler_kwargs or {})
-    unknown = sorted(set(given) - set(SAMPLER_KWARGS_DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"trainer.v1.sampler.sampler_kwargs has unknown key(s) {unknown} for the single-rollout sampler; "
-            f"known: {sorted(SAMPLER_KWARGS_DEFAULTS)}"
-        )
-    settings = {**SAMPLER_KWARGS_DEFAULTS, **given}
+    settings = merge_sampler_kwargs(given, SAMPLER_KWARGS_DEFAULTS, "the single-rollout sampler")
     lag = settings["max_policy_lag"]
     if lag is not None and (not isinstance(lag, int) or isinstance(lag, bool) or lag < 0):
         raise ValueError(f"sampler_kwargs.max_policy_lag must be an int >= 0 or null, got {lag!r}")
@@ -120,9 +115,6 @@ def parse_sampler_kwargs(sampler_kwargs: Mapping | None) -> dict:
         )
     if lag is None and given.get("lag_strategy") is not None:
         raise ValueError("sampler_kwargs.lag_strategy is set but max_policy_lag is null: there is no bound to enforce")
-    poll = settings["poll_interval_s"]
-    if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not poll > 0:
-        raise ValueError(f"sampler_kwargs.poll_interval_s must be a number > 0, got {poll!r}")
     timeout = settings["rollout_timeout_s"]
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
         raise ValueError(f"sampler_kwargs.rollout_timeout_s must be a number > 0 or null, got {timeout!r}")

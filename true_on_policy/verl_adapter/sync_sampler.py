@@ -23,20 +23,25 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 SAMPLER_KWARGS_DEFAULTS = {"poll_interval_s": 0.02}
 
 
-def parse_sampler_kwargs(sampler_kwargs: Mapping | None) -> dict:
-    """Validated ``trainer.v1.sampler.sampler_kwargs``; an unknown key or a bad value is an error."""
+def merge_sampler_kwargs(sampler_kwargs: Mapping | None, defaults: Mapping, owner: str) -> dict:
+    """``sampler_kwargs`` over ``defaults``: an unknown key, or a ``poll_interval_s`` that is not a number
+    > 0, is an error naming it. Shared by every sampler this plugin plugs into verl."""
     given = dict(sampler_kwargs or {})
-    unknown = sorted(set(given) - set(SAMPLER_KWARGS_DEFAULTS))
+    unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise ValueError(
-            f"trainer.v1.sampler.sampler_kwargs has unknown key(s) {unknown} for {SyncReplayBuffer.__name__}; "
-            f"known: {sorted(SAMPLER_KWARGS_DEFAULTS)}"
+            f"trainer.v1.sampler.sampler_kwargs has unknown key(s) {unknown} for {owner}; known: {sorted(defaults)}"
         )
-    settings = {**SAMPLER_KWARGS_DEFAULTS, **given}
+    settings = {**defaults, **given}
     poll = settings["poll_interval_s"]
     if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not poll > 0:
         raise ValueError(f"trainer.v1.sampler.sampler_kwargs.poll_interval_s must be a number > 0, got {poll!r}")
     return settings
+
+
+def parse_sampler_kwargs(sampler_kwargs: Mapping | None) -> dict:
+    """Validated ``trainer.v1.sampler.sampler_kwargs``; an unknown key or a bad value is an error."""
+    return merge_sampler_kwargs(sampler_kwargs, SAMPLER_KWARGS_DEFAULTS, SyncReplayBuffer.__name__)
 
 
 class SyncReplayBuffer(ReplayBuffer):
