@@ -117,7 +117,7 @@ SOURCES: dict[str, str] = {
     "verl_ms": "verl 0.9.1 verl/workers/engine/mindspeed/transformer_impl.py (_mindspeed_repatch)",
     "verl_mcore": "verl 0.9.1 verl/workers/engine/megatron/transformer_impl.py (provider_overrides)",
     "mcore_tc": "NVIDIA/Megatron-LM megatron/core/transformer/transformer_config.py",
-    "vllm_envs": "vllm-project/vllm vllm/envs.py",
+    "vllm_envs": "vllm-project/vllm vllm/model_executor/layers/batch_invariant.py (vllm_is_batch_invariant); vllm/envs.py",
     "vllm_bi": "vllm-project/vllm vllm/model_executor/layers/batch_invariant.py",
     "vllm_bi_033": "vllm-project/vllm vllm/model_executor/determinism/batch_invariant.py",
     "vllm_58179": "vllm-project/vllm PR #58179",
@@ -129,6 +129,30 @@ SOURCES: dict[str, str] = {
     "pt_repro": "https://pytorch.org/docs/stable/notes/randomness.html",
     "torch_npu_det": "Ascend/pytorch docs/zh/native_apis/deterministic_computing_apis.md",
     "torch_npu_cann": "Ascend/op-plugin docs/zh/custom_APIs/torch_npu-utils/torch_npu-utils-get_cann_version.md",
+}
+
+# The first upstream version that has each key, as cited in docs/parallelism_and_determinism.md
+# ("Emitted keys"; each ";"-separated part is the text of that key's row, which a test checks) and
+# logged with the key by describe(). Keys whose value is mirrored from the installed vLLM have none.
+FIRST_VERSIONS: dict[str, str] = {
+    "HCCL_DETERMINISTIC": "CANN 8.2.RC1",
+    "LCCL_DETERMINISTIC": "vllm-ascend v0.13.0rc2",
+    "CLOSE_MATMUL_K_SHIFT": "verl v0.7.0",
+    "ATB_LLM_LCOC_ENABLE": "verl v0.7.0",
+    "VLLM_ASCEND_ENABLE_NZ": "vllm-ascend v0.11.0rc1",
+    "VLLM_BATCH_INVARIANT": "vLLM 0.11.1; in `vllm/envs.py` from vLLM 0.19.0; vllm-ascend v0.13.0rc2",
+    "VLLM_ASCEND_ENABLE_FLASHCOMM1": "v0.11.0rc1 (PR #3334)",
+    "rl_config.enabled": "main only, from commit 2c72a26f35",
+    "rl_config.enable_training_consistency": "main only, from commit 2c72a26f35",
+    "rl_config.enable_batch_invariant": "main only, from commit 2c72a26f35",
+    "block_size": "vLLM 0.1.4; the value 128 from vLLM 0.3.3",
+    "torch.use_deterministic_algorithms(True)": "torch 1.8",
+    "use_batch_invariant_ops": "MindSpeed 0.16.0",
+    "batch_invariant_mode": "megatron-core core_v0.16.0; MindSpeed 0.16.0",
+    "use_flash_attn_npu_batch_invariant": "MindSpeed 0.16.0",
+    "moe_router_dtype": "megatron-core core_v0.12.0rc2",
+    "moe_token_dispatcher_type": "megatron-core core_v0.6.0",
+    "attention_backend": "vLLM 0.13.0",
 }
 
 ROLLOUT_VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
@@ -149,6 +173,20 @@ class Setting:
     scope: str  # worker_env | rollout_config | training_config | in_process
     source: str
     note: str = ""
+
+    @property
+    def key(self) -> str:
+        """The upstream key: an env var or in-process call as named, else the config path's last part
+        (``rl_config.<field>`` for vllm-ascend's ``additional_config``)."""
+        if self.scope in ("worker_env", "in_process"):
+            return self.name
+        if ".additional_config." in self.name:
+            return self.name.split(".additional_config.", 1)[1]
+        return self.name.rsplit(".", 1)[1]
+
+    @property
+    def first_version(self) -> str:
+        return FIRST_VERSIONS.get(self.key, "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,6 +435,17 @@ def _plan_mindspeed(d: _Draft) -> None:
     d.ops.append("training: MindSpeed batch-invariant ops (batch_invariant_ops) + flash_attn_npu attention")
 
 
+def _require_vllm(d: _Draft, gate_name: str) -> None:
+    """A vLLM rollout whose version lacks the key would ignore or reject it: refuse, naming the version."""
+    gate = VERSION_GATES[gate_name]
+    if version_at_least(d.versions.get("vllm"), gate.min_version) is not True:
+        raise ConfigError(
+            "true_on_policy.stack_versions.vllm",
+            d.versions.get("vllm"),
+            f"needs vLLM >= {gate.min_version} ({gate.upstream}: {gate.evidence})",
+        )
+
+
 def _plan_cuda(d: _Draft) -> None:
     """vLLM + Megatron-core on CUDA: vLLM's own batch-invariant env mirrored to the training side."""
     d.env("VLLM_BATCH_INVARIANT", "1", SOURCES["vllm_envs"])
@@ -407,6 +456,8 @@ def _plan_cuda(d: _Draft) -> None:
         if key.startswith("VLLM_"):
             source = SOURCES["vllm_bi"]
         d.env(key, value, f"{source}; value from {SOURCES['vllm_bi']}", "mirrors the rollout engine")
+    if d.rollout_name == "vllm":
+        _require_vllm(d, "vllm.batch_invariant")
     d.skipped.append(
         "NCCL_ALGO=Ring: vLLM forces NCCL_ALGO="
         f"{d.forced.get('NCCL_ALGO', '?')} in its own workers under VLLM_BATCH_INVARIANT=1; the training side "
@@ -414,6 +465,7 @@ def _plan_cuda(d: _Draft) -> None:
     )
     d.deterministic_algorithms(f"{SOURCES['pt_repro']}; {SOURCES['verl_fd']}")
     if d.rollout_name == "vllm":
+        _require_vllm(d, "vllm.attention_backend")
         d.rollout(f"{ROLLOUT_VLLM}.attention_backend", "FLASH_ATTN", SOURCES["vllm_attn"])
         d.ops.append(
             "rollout: vLLM batch-invariant ops; FlashAttention with num_splits=1 "
@@ -651,7 +703,8 @@ def describe(plan_: Plan) -> str:
         )
     for s in plan_.settings:
         value = s.value if not isinstance(s.value, (dict, list)) else json.dumps(s.value)
-        lines.append(f"  [{s.scope}] {s.name}={value}    <- {s.source}" + (f"  ({s.note})" if s.note else ""))
+        first = f"  (first: {s.first_version})" if s.first_version else ""
+        lines.append(f"  [{s.scope}] {s.name}={value}    <- {s.source}{first}" + (f"  ({s.note})" if s.note else ""))
     if plan_.rollout_forced_env:
         lines.append(
             "  rollout engine forces: " + ", ".join(f"{k}={v}" for k, v in sorted(plan_.rollout_forced_env.items()))
