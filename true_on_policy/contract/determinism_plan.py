@@ -33,6 +33,7 @@ from true_on_policy.contract.config_reader import ConfigError, _get, get_bool, g
 from true_on_policy.contract.stack_versions import (  # noqa: F401 - re-exported: the plan's vocabulary
     DISTRIBUTIONS,
     PLATFORM_PACKAGES,
+    VLLM_ADAPTER_VERSION,
     VERSION_GATES,
     VersionGate,
     Versions,
@@ -227,10 +228,26 @@ class Plan:
             "notes": list(self.notes),
         }
 
-def project_rollout(rollout_name: str, platform: str) -> bool:
-    """The rollout runs the project's consistent kernels: its CPU engine, or vLLM-CPU through
-    ``true_on_policy.vllm_adapter`` (vLLM on the CPU platform)."""
-    return rollout_name == "cpu" or (rollout_name == "vllm" and platform == "cpu")
+def project_kernels(platform: str, kernels: str | None) -> bool:
+    """The flag switches on the project's kernels (``true_on_policy.kernels``): always on cpu, on
+    ascend / cuda only with ``kernels: project``."""
+    return platform == "cpu" or kernels == "project"
+
+
+def project_rollout(rollout_name: str, platform: str, kernels: str | None = None) -> bool:
+    """The rollout runs the project's consistent kernels: its CPU engine, or vLLM through
+    ``true_on_policy.vllm_adapter`` (vLLM-CPU; vLLM on CUDA with ``kernels: project``)."""
+    return rollout_name == "cpu" or (rollout_name == "vllm" and project_kernels(platform, kernels))
+
+
+# Why kernels=project is refused on Ascend: what the vLLM adapter would need there and does not have.
+PROJECT_KERNELS_ASCEND_MISSING = (
+    "not written for vllm-ascend: the adapter patches vLLM 0.28.0 (vllm_adapter/patches.py), while each vllm-ascend "
+    "release pairs with the vLLM of its own version (compatibility matrix: v0.23.0 with vLLM v0.23.0); on NPU the "
+    "model runner, the attention backend (selected in vllm_ascend/platform.py) and the sampler are vllm-ascend's, and "
+    "vllm_ascend/utils.py::register_ascend_customop registers its own out-of-tree RMSNorm / SiluAndMul / RoPE ops, "
+    "the slots the adapter uses; none of these targets is patched or signature-checked. Use kernels=engine on ascend"
+)
 
 
 def _vllm_cpu_installed() -> bool:
@@ -491,6 +508,56 @@ def _plan_cuda(d: _Draft) -> None:
         d.ops.append("training: Megatron-core batch_invariant_mode (its own batch-invariant kernels, not vLLM's)")
 
 
+def _plan_project_kernels(d: _Draft, platform: str) -> None:
+    """``kernels: project`` on a device platform: the project's kernels on both sides instead of the
+    vendors' -- the HF model patched by verl_adapter.consistent_training under verl's FSDP engine, and
+    vLLM's model code on the same ops through vllm_adapter. Written, not run on a device. Refuses
+    (naming key and value) the combinations that cannot run them."""
+    if platform == "ascend":
+        raise ConfigError("true_on_policy.kernels", "project", f"on platform ascend: {PROJECT_KERNELS_ASCEND_MISSING}")
+    if d.strategy not in ("fsdp", "fsdp2"):
+        raise ConfigError(
+            "actor_rollout_ref.actor.strategy",
+            d.strategy,
+            "true_on_policy.kernels=project patches the HF model verl's FSDP engine trains (fsdp / fsdp2); "
+            f"{d.strategy} builds its own layers (Megatron: TE / megatron-core), which no setting puts on the "
+            "project's kernels: use strategy=fsdp, or kernels=engine",
+        )
+    if d.rollout_name != "vllm":
+        raise ConfigError(
+            "actor_rollout_ref.rollout.name",
+            d.rollout_name,
+            "true_on_policy.kernels=project on a device runs the project's kernels inside vLLM "
+            "(true_on_policy.vllm_adapter): use rollout.name=vllm",
+        )
+    vllm = d.versions.get("vllm")
+    if vllm is None or vllm.split("+")[0] != VLLM_ADAPTER_VERSION:
+        raise ConfigError(
+            "true_on_policy.stack_versions.vllm",
+            vllm,
+            f"true_on_policy.kernels=project needs vLLM {VLLM_ADAPTER_VERSION}, the version whose internals "
+            "true_on_policy.vllm_adapter.patches is written and signature-checked against",
+        )
+    _require_vllm(d, "vllm.attention_backend")
+    d.rollout(
+        f"{ROLLOUT_VLLM}.attention_backend",
+        "CUSTOM",
+        f"{SOURCES['vllm_attn']}; CUSTOM = true_on_policy.vllm_adapter.layers.ConsistentAttentionBackend, "
+        "registered by the vLLM plugin",
+        "the project's attention over vLLM's paged KV cache",
+    )
+    d.ops.append(
+        f"true_on_policy consistent kernels on both engines (true_on_policy.kernels=project, platform {platform}): "
+        "training = HF model on true_on_policy.kernels (verl FSDP engine); rollout = vLLM's model code on the same "
+        "ops through true_on_policy.vllm_adapter; written, not run on a device"
+    )
+    d.skipped.append(
+        "VLLM_BATCH_INVARIANT and the NCCL / cuBLAS mirror: not under kernels=project (vLLM's batch-invariant mode "
+        "would swap aten kernels in the rollout only; the project's kernels fix their own reduction order, and the "
+        "adapter runs TP=1)"
+    )
+
+
 def _plan_megatron_pins(d: _Draft, moe_router_dtype: str | None, moe_dispatcher: str | None) -> None:
     """Project pins written into the Megatron transformer config (both accelerator platforms)."""
     router = MEGATRON_ROUTER_DTYPES.get(str(moe_router_dtype).lower()) if moe_router_dtype else None
@@ -514,6 +581,7 @@ def plan(
     row_parallel: str | None = None,
     moe_router_dtype: str | None = None,
     moe_dispatcher: str | None = None,
+    kernels: str | None = None,
     importer: Callable[[str], Any] = importlib.import_module,
 ) -> Plan:
     """Compute the determinism settings for one launch.
@@ -521,8 +589,9 @@ def plan(
     ``row_parallel`` is the training side's row-parallel reduction (``ROW_PARALLEL_*``); on an Ascend
     release build a reduce-scatter + all-gather training layout switches FlashComm1 on in the rollout.
     ``moe_router_dtype`` / ``moe_dispatcher`` are the project pins from ``true_on_policy``; they go
-    into the Megatron transformer config. Raises :class:`ConfigError` when the stack versions do not
-    have the keys the flag needs.
+    into the Megatron transformer config. ``kernels`` is ``true_on_policy.kernels`` ("project" on a
+    device platform: :func:`_plan_project_kernels`). Raises :class:`ConfigError` when the stack versions
+    do not have the keys the flag needs.
     """
     if platform not in PLATFORMS:
         raise ConfigError("true_on_policy.platform", platform, f"one of {PLATFORMS}")
@@ -540,6 +609,8 @@ def plan(
         d.ops.append("engine defaults (true_on_policy.deterministic=false): no determinism settings emitted")
     elif platform == "cpu":
         d.ops.append("true_on_policy consistent kernels on both engines (selected by true_on_policy.deterministic=true)")
+    elif kernels == "project":
+        _plan_project_kernels(d, platform)
     else:
         (_plan_ascend if platform == "ascend" else _plan_cuda)(d)
         if d.strategy == "megatron":
@@ -622,6 +693,7 @@ def plan_for_config(
         row_parallel=training_row_parallel(config),
         moe_router_dtype=recipe.moe_router_dtype,
         moe_dispatcher=recipe.moe_dispatcher,
+        kernels=recipe.kernels,
         importer=importer,
     )
 

@@ -34,6 +34,11 @@ PLATFORM_PACKAGES = {
 }
 
 
+# The one vLLM version whose internals true_on_policy.vllm_adapter.patches is written against
+# (signature-checked when applied); the plan refuses the project kernels in any other vLLM.
+VLLM_ADAPTER_VERSION = "0.28.0"
+
+
 @dataclasses.dataclass(frozen=True)
 class VersionGate:
     """A setting that exists only from ``min_version`` of ``package`` on (``upstream``: file that reads it)."""
