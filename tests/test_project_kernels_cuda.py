@@ -203,3 +203,25 @@ def test_the_doc_cites_the_key_the_project_plan_emits():
         key = path.rsplit(".", 1)[1]
         rows = [line for line in doc.splitlines() if line.startswith(f"| `{key}` |")]
         assert len(rows) == 1 and f"`{value}`" in rows[0], (key, rows)
+
+
+def test_vllm_cuda_selector_accepts_the_custom_backend():
+    """vLLM's own validation, as CudaPlatform.get_attn_backend_cls runs it for a selected backend
+    (H200: compute capability 9.0), accepts the registered CUSTOM backend for the tiny model."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from true_on_policy.vllm_adapter import layers
+
+    register_backend(AttentionBackendEnum.CUSTOM, "true_on_policy.vllm_adapter.layers.DeviceAttentionBackend")
+    backend = AttentionBackendEnum.CUSTOM.get_class()
+    assert backend is layers.DeviceAttentionBackend
+
+    def reasons(**fields):
+        config = AttentionSelectorConfig(head_size=16, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
+        return backend.validate_configuration(device_capability=DeviceCapability(9, 0), **config._replace(**fields)._asdict())
+
+    assert reasons() == []
+    # twin: a configuration the backend does not cover is rejected by the same validation
+    assert reasons(block_size=8) and reasons(kv_cache_dtype="fp8")

@@ -319,6 +319,9 @@ class DeviceAttentionImpl(ConsistentAttentionImpl):
 class DeviceAttentionBackend(ConsistentAttentionBackend):
     """The project's attention as vLLM's ``CUSTOM`` backend on a device platform."""
 
+    # The cache holds plain keys / values: vLLM's selector rejects an fp8 cache before the impl is built.
+    supported_kv_cache_dtypes = ["auto"]
+
     @staticmethod
     def get_name() -> str:
         return "CUSTOM"
