@@ -414,7 +414,8 @@ def _kernel_rows(c: _Ctx) -> list[Row]:
                 fix=(
                     "make both sides run one implementation: on Ascend MindSpeed use_batch_invariant_ops with "
                     "ops-batchinvariant installed for both engines; on CUDA no setting makes Megatron run vLLM's "
-                    "kernels (see docs/parallelism_and_determinism.md, 'One kernel family')"
+                    "kernels; true_on_policy.kernels=project (FSDP + vLLM on CUDA) runs the project's kernels on both sides, "
+                    "written, not run on a device (see docs/parallelism_and_determinism.md, 'One kernel family')"
                 ),
             )
         )
