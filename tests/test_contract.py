@@ -429,16 +429,69 @@ def _emitted_names(p):
     return names
 
 
+EMITTED_ROWS = [
+    line for line in DOC.split("## Emitted keys", 1)[1].split("\n## ", 1)[0].splitlines() if line.startswith("|")
+]
+
+
+def _doc_row(key):
+    """The "Emitted keys" row whose first cell names ``key``; its cells: key, where, upstream file, first version."""
+    rows = [line for line in EMITTED_ROWS if f"`{key}`" in line.split("|")[1]]
+    assert len(rows) == 1, (key, rows)
+    return [cell.strip() for cell in rows[0].split("|")[1:-1]]
+
+
+def _doc_disagreements(settings):
+    """Settings whose logged first version is not the text of the doc's row for that key."""
+    return [
+        (s.key, part)
+        for s in settings
+        if s.first_version
+        for part in s.first_version.split("; ")
+        if part not in _doc_row(s.key)[3]
+    ]
+
+
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
 def test_docs_cite_every_emitted_key_with_a_first_version(name, ascend_cfg, cuda_cfg):
     p = determinism_env.plan_for_config(ascend_cfg if name == ASCEND else cuda_cfg, detected={})
-    table = DOC.split("## Emitted keys", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in table.splitlines() if line.startswith("|")]
     for key in _emitted_names(p):
-        cited = [line for line in rows if f"`{key}" in line]
-        assert cited, key
-        cells = cited[0].split("|")
-        assert len(cells) >= 5 and cells[3].strip() and cells[4].strip(), key  # upstream file, first version
+        row = _doc_row(key)
+        assert len(row) >= 4 and row[2] and row[3], key  # upstream file, first version
+        assert "not traced" not in row[3], (key, row[3])
+
+
+TRACED = ("VLLM_BATCH_INVARIANT", "block_size", "moe_router_dtype", "moe_token_dispatcher_type", "attention_backend")
+
+
+def test_plan_logs_the_first_version_the_doc_cites():
+    ascend = determinism_env.plan(True, "ascend", versions=ASCEND_MAIN, training_strategy="megatron",
+                                  moe_router_dtype="fp32", moe_dispatcher="alltoall")
+    cuda = determinism_env.plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm, training_strategy="megatron",
+                                moe_dispatcher="allgather")
+    settings = ascend.settings + cuda.settings
+    assert set(TRACED) <= {s.key for s in settings if s.first_version}
+    assert _doc_disagreements(settings) == []
+    assert "(first: vLLM 0.13.0)" in determinism_env.describe(cuda)
+    for key in determinism_env.FIRST_VERSIONS:  # also the keys no plan above emits
+        row = _doc_row(key)
+        assert all(part in row[3] for part in determinism_env.FIRST_VERSIONS[key].split("; ")), key
+    # twin: a plan that logged another first version than the doc is caught
+    wrong = determinism_env.Setting("VLLM_BATCH_INVARIANT", "1", "worker_env", "test")
+    determinism_env.FIRST_VERSIONS["VLLM_BATCH_INVARIANT"], saved = "vLLM 0.11.0", determinism_env.FIRST_VERSIONS["VLLM_BATCH_INVARIANT"]
+    try:
+        assert _doc_disagreements([wrong]) == [("VLLM_BATCH_INVARIANT", "vLLM 0.11.0")]
+    finally:
+        determinism_env.FIRST_VERSIONS["VLLM_BATCH_INVARIANT"] = saved
+
+
+@pytest.mark.parametrize(("vllm", "missing"), [("0.11.0", "0.11.1"), ("0.12.0", "0.13.0")])
+def test_cuda_refuses_a_vllm_without_the_emitted_keys(vllm, missing):
+    with pytest.raises(determinism_env.ConfigError, match=f"stack_versions.vllm.*{missing}"):
+        determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=_no_vllm)
+    # twin: the first version that has both keys plans
+    p = determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "vllm": "0.13.0"}, importer=_no_vllm)
+    assert p.rollout_config[f"{determinism_env.ROLLOUT_VLLM}.attention_backend"] == "FLASH_ATTN"
 
 
 @pytest.mark.parametrize(

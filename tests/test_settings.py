@@ -27,6 +27,7 @@ DEFAULTS_YAML = CONFIGS / "common" / "true_on_policy.yaml"
 OVERRIDES = {
     "deterministic": ("false", False),
     "platform": ("cuda", "cuda"),
+    "kernels": ("project", "project"),
     "delta": ("0.01", 0.01),
     "negative_token_fraction": ("0.5", 0.5),
     "failure_reward_threshold": ("0.25", 0.25),

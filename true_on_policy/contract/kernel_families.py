@@ -60,10 +60,11 @@ def families(
     rollout_name: str,
     versions: Mapping[str, str | None],
     rollout_env: Mapping[str, str],
+    kernels: str | None = None,
 ) -> list[OpFamilies]:
     """GEMM / RMSNorm / log-softmax implementation per side (call only when deterministic)."""
-    training = _training(cfg, platform, strategy)
-    rollout = _rollout(cfg, platform, rollout_name, versions, rollout_env)
+    training = _training(cfg, platform, strategy, kernels)
+    rollout = _rollout(cfg, platform, rollout_name, versions, rollout_env, kernels)
     return [_relate(op, training[op], rollout[op], platform) for op in OPS]
 
 
@@ -85,6 +86,8 @@ def _relate(op: str, t: Family, r: Family, platform: str) -> OpFamilies:
         side = "training" if not t.pinned else "rollout"
         return OpFamilies(op, t, r, f"{side} implementation not pinned: {(t if not t.pinned else r).source}")
     if t.impl == r.impl:
+        if platform != "cpu" and t.impl == PROJECT:
+            return OpFamilies(op, t, r, f"the same implementation on both sides ({t.impl}): written, not run on a device ({platform})")
         if platform != "cpu":
             # Same name on a device stack this project has not run: say so rather than "ok".
             return OpFamilies(op, t, r, f"same implementation named on both sides ({t.impl}); not run on {platform} by this project")
@@ -98,8 +101,8 @@ def _relate(op: str, t: Family, r: Family, platform: str) -> OpFamilies:
     return OpFamilies(op, t, r, reason)
 
 
-def _training(cfg: Any, platform: str, strategy: str) -> dict[str, Family]:
-    if platform == "cpu" and strategy != "megatron":
+def _training(cfg: Any, platform: str, strategy: str, kernels: str | None = None) -> dict[str, Family]:
+    if denv.project_kernels(platform, kernels) and strategy != "megatron":
         src = "true_on_policy.deterministic=true (project kernels patched into transformers)"
         return {op: Family(PROJECT, src) for op in OPS}
     log_softmax = Family(
@@ -133,9 +136,11 @@ def _training(cfg: Any, platform: str, strategy: str) -> dict[str, Family]:
     }
 
 
-def _rollout(cfg: Any, platform: str, name: str, versions: Mapping[str, str | None], env: Mapping[str, str]) -> dict[str, Family]:
-    if denv.project_rollout(name, platform):
-        return {op: Family(PROJECT, f"{R}.name={name} on cpu (project kernels)") for op in OPS}
+def _rollout(cfg: Any, platform: str, name: str, versions: Mapping[str, str | None], env: Mapping[str, str],
+             kernels: str | None = None) -> dict[str, Family]:
+    if denv.project_rollout(name, platform, kernels):
+        via = "" if name == "cpu" else " through true_on_policy.vllm_adapter"
+        return {op: Family(PROJECT, f"{R}.name={name} on {platform} (project kernels{via})") for op in OPS}
     if name != "vllm":
         return {op: _unpinned(f"{R}.name={name}: no kernel setting known to this project") for op in OPS}
     bi = denv.parse_bool(f"{denv.ENV_PATH}.VLLM_BATCH_INVARIANT", env.get("VLLM_BATCH_INVARIANT"))
@@ -175,6 +180,8 @@ def attention_unverified(platform: str, training_impl: str, rollout_impl: str) -
     """Why two attention sides of the same family still cannot count as verified on a device stack."""
     if platform == "cpu":
         return ""
+    if training_impl == rollout_impl == "consistent":
+        return f"the project's attention (true_on_policy.kernels.ops.attention) on both sides: written, not run on a device ({platform})"
     if {training_impl, rollout_impl} == {"flash_attn_npu", "flash_attn_npu_v3"}:
         return (
             "training flash_attn_npu (MindSpeed batch-invariant) vs rollout flash_attn_npu_v3 (vllm-ascend FA3): "

@@ -282,9 +282,11 @@ def _training_master_dtype(cfg: Any, strategy: str) -> Side:
     return Side("float32", f"{A}.strategy={strategy} (optimizer keeps fp32 weights)")
 
 
-def _training_attention(cfg: Any, strategy: str, platform: str, deterministic: bool) -> Side:
+def _training_attention(cfg: Any, strategy: str, platform: str, deterministic: bool, kernels: str | None = None) -> Side:
     if platform == "cpu" and deterministic:
         return Side("consistent", f"{TOP}.deterministic=true (project consistent kernels)")
+    # kernels=project on a device: the HF model runs the project's attention only where the config
+    # names it (attn_implementation=consistent); anything else is read below and compared as it is.
     if strategy == "megatron":
         tc = f"{A}.megatron.override_transformer_config"
         value = canonical_attention(_get(cfg, f"{tc}.attention_backend", "flash"))
@@ -307,11 +309,12 @@ def _training_attention(cfg: Any, strategy: str, platform: str, deterministic: b
     )
 
 
-def _rollout_attention(cfg: Any, name: str, platform: str, deterministic: bool) -> Side:
-    if denv.project_rollout(name, platform):
+def _rollout_attention(cfg: Any, name: str, platform: str, deterministic: bool, kernels: str | None = None) -> Side:
+    if denv.project_rollout(name, platform, kernels):
         if deterministic:
-            return Side("consistent", f"{R}.name=cpu + {TOP}.deterministic=true")
-        return Side(AUTO, f"{R}.name=cpu")
+            return Side("consistent", f"{R}.name={name} + {TOP}.deterministic=true (project kernels)")
+        if platform == "cpu":
+            return Side(AUTO, f"{R}.name={name}")
     if name == "sglang":
         key = f"{R}.engine_kwargs.sglang.attention_backend"
         return Side(canonical_attention(_get(cfg, key)), key)
@@ -355,8 +358,9 @@ def _rollout_row_parallel(cfg: Any, name: str, platform: str, tp: int, env: Mapp
     return Side(denv.ROW_PARALLEL_ALL_REDUCE, f"{R}.name={name} (tensor-parallel all-reduce)")
 
 
-def _training_dispatcher(cfg: Any, strategy: str, ep: int, platform: str, deterministic: bool, pin: Any) -> Side:
-    if platform == "cpu" and deterministic and not strategy == "megatron":
+def _training_dispatcher(cfg: Any, strategy: str, ep: int, platform: str, deterministic: bool, pin: Any,
+                         kernels: str | None = None) -> Side:
+    if denv.project_kernels(platform, kernels) and deterministic and not strategy == "megatron":
         return Side(pin or ("local" if ep <= 1 else CPU_MOE_DISPATCH), f"{TOP}.moe_dispatcher (project kernels)")
     if strategy == "megatron":
         key = f"{A}.megatron.override_transformer_config.moe_token_dispatcher_type"
@@ -369,9 +373,10 @@ def _training_dispatcher(cfg: Any, strategy: str, ep: int, platform: str, determ
     return Side(UNVERIFIED, f"{A}.strategy={strategy} (no dispatcher key)")
 
 
-def _rollout_dispatcher(cfg: Any, name: str, ep: int, platform: str, deterministic: bool, pin: Any) -> Side:
-    if denv.project_rollout(name, platform):
-        return Side(pin or ("local" if ep <= 1 else CPU_MOE_DISPATCH), f"{TOP}.moe_dispatcher (project CPU engine)")
+def _rollout_dispatcher(cfg: Any, name: str, ep: int, platform: str, deterministic: bool, pin: Any,
+                        kernels: str | None = None) -> Side:
+    if denv.project_rollout(name, platform, kernels):
+        return Side(pin or ("local" if ep <= 1 else CPU_MOE_DISPATCH), f"{TOP}.moe_dispatcher (project kernels)")
     if ep <= 1:
         return Side("local", f"{R}.expert_parallel_size<=1 (experts TP-split, no dispatch)")
     if name == "vllm" and platform == "ascend":
@@ -384,8 +389,9 @@ def _rollout_dispatcher(cfg: Any, name: str, ep: int, platform: str, determinist
     return Side(UNVERIFIED, f"{R}.name={name} (no dispatcher key)")
 
 
-def _training_router_dtype(cfg: Any, strategy: str, compute: str, platform: str, deterministic: bool, pin: Any) -> Side:
-    if platform == "cpu" and deterministic and strategy != "megatron":
+def _training_router_dtype(cfg: Any, strategy: str, compute: str, platform: str, deterministic: bool, pin: Any,
+                           kernels: str | None = None) -> Side:
+    if denv.project_kernels(platform, kernels) and deterministic and strategy != "megatron":
         return Side(canonical_dtype(pin) if pin else compute, f"{TOP}.moe_router_dtype (project kernels)")
     if strategy == "megatron":
         key = f"{A}.megatron.override_transformer_config.moe_router_dtype"
@@ -394,9 +400,10 @@ def _training_router_dtype(cfg: Any, strategy: str, compute: str, platform: str,
     return Side(compute, f"{A}.strategy={strategy} (HF gate runs in the compute dtype)")
 
 
-def _rollout_router_dtype(name: str, compute: str, deterministic: bool, pin: Any, platform: str) -> Side:
-    if denv.project_rollout(name, platform):
-        return Side(canonical_dtype(pin) if pin else compute, f"{TOP}.moe_router_dtype (project CPU engine)")
+def _rollout_router_dtype(name: str, compute: str, deterministic: bool, pin: Any, platform: str,
+                          kernels: str | None = None) -> Side:
+    if denv.project_rollout(name, platform, kernels):
+        return Side(canonical_dtype(pin) if pin else compute, f"{TOP}.moe_router_dtype (project kernels)")
     if name == "vllm":
         # vLLM's Qwen3-MoE gate is a ReplicatedLinear with no params_dtype: it runs in the served dtype
         # (vllm-ascend serves the same model class); no engine setting changes it.
@@ -404,10 +411,10 @@ def _rollout_router_dtype(name: str, compute: str, deterministic: bool, pin: Any
     return Side(UNVERIFIED, f"{R}.name={name}: no router-dtype setting (model code decides)")
 
 
-def _training_batch_invariant(cfg: Any, strategy: str, platform: str, deterministic: bool) -> Side:
+def _training_batch_invariant(cfg: Any, strategy: str, platform: str, deterministic: bool, kernels: str | None = None) -> Side:
     if not deterministic:
         return Side("off", f"{TOP}.deterministic=false")
-    if platform == "cpu":
+    if denv.project_kernels(platform, kernels):
         return Side("on", f"{TOP}.deterministic=true (project consistent kernels)")
     tc = f"{A}.megatron.override_transformer_config"
     if platform == "ascend" and strategy == "megatron":
@@ -424,9 +431,10 @@ def _training_batch_invariant(cfg: Any, strategy: str, platform: str, determinis
     )
 
 
-def _rollout_batch_invariant(cfg: Any, name: str, platform: str, deterministic: bool, env: Mapping[str, str]) -> Side:
-    if denv.project_rollout(name, platform):
-        return Side("on" if deterministic else "off", f"{R}.name=cpu + {TOP}.deterministic")
+def _rollout_batch_invariant(cfg: Any, name: str, platform: str, deterministic: bool, env: Mapping[str, str],
+                             kernels: str | None = None) -> Side:
+    if denv.project_rollout(name, platform, kernels):
+        return Side("on" if deterministic else "off", f"{R}.name={name} + {TOP}.deterministic (project kernels)")
     rl = f"{R}.engine_kwargs.vllm.additional_config.rl_config"
     rl_on = denv.get_bool(cfg, f"{rl}.enabled", False) and denv.get_bool(cfg, f"{rl}.enable_batch_invariant", False)
     on = denv.parse_bool(f"{ENV}.VLLM_BATCH_INVARIANT", env.get("VLLM_BATCH_INVARIANT")) or rl_on

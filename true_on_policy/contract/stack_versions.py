@@ -34,6 +34,11 @@ PLATFORM_PACKAGES = {
 }
 
 
+# The one vLLM version whose internals true_on_policy.vllm_adapter.patches is written against
+# (signature-checked when applied); the plan refuses the project kernels in any other vLLM.
+VLLM_ADAPTER_VERSION = "0.28.0"
+
+
 @dataclasses.dataclass(frozen=True)
 class VersionGate:
     """A setting that exists only from ``min_version`` of ``package`` on (``upstream``: file that reads it)."""
@@ -80,6 +85,19 @@ VERSION_GATES: dict[str, VersionGate] = {
         "megatron/core/transformer/transformer_config.py (batch_invariant_mode), "
         "megatron/core/transformer/custom_layers/batch_invariant_kernels.py",
         "added by NVIDIA/Megatron-LM PR #2308 (commit d2bd9fa89f, 2025-12-10); first tag core_v0.16.0",
+    ),
+    "vllm.batch_invariant": VersionGate(
+        "vllm",
+        "0.11.1",
+        "vllm/model_executor/layers/batch_invariant.py (vllm_is_batch_invariant reads VLLM_BATCH_INVARIANT)",
+        "read from the released wheels: absent from 0.11.0 (under this and the earlier name "
+        "VLLM_KERNEL_OVERRIDE_BATCH_INVARIANT), present from 0.11.1; an older vLLM ignores the variable",
+    ),
+    "vllm.attention_backend": VersionGate(
+        "vllm",
+        "0.13.0",
+        "vllm/engine/arg_utils.py (--attention-backend), vllm/config/attention.py (AttentionConfig)",
+        "added by vllm-project/vllm PR #26315; read from the released wheels: absent from 0.12.0, present in 0.13.0",
     ),
     "vllm.determinism_module": VersionGate(
         "vllm",

@@ -1,4 +1,4 @@
-"""The project's model code on verl's training side (CPU platform).
+"""The project's model code on verl's training side (CPU platform; CUDA with ``kernels: project``).
 
 The model half is :func:`true_on_policy.kernels.model.patch_transformers`: the same module code
 the CPU rollout engine runs, registered as ``attn_implementation="consistent"``. It is

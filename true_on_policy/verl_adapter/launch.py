@@ -98,6 +98,8 @@ def prepare_launch(config) -> dict[str, str]:
         env.update(CPU_PLATFORM_ENV)
         if config.actor_rollout_ref.rollout.name == "vllm":
             env.update(_vllm_cpu_env(config))
+    elif recipe.kernels == "project" and recipe.deterministic and config.actor_rollout_ref.rollout.name == "vllm":
+        env.update(_rollout_vocab_env(config))  # kernels=project on a device: written, not run on a device
     updates = determinism_env.config_updates(plan)
     updates.update({f"{determinism_env.ENV_PATH}.{key}": value for key, value in env.items()})
     with open_dict(config):
@@ -119,16 +121,20 @@ def prepare_launch(config) -> dict[str, str]:
     return env
 
 
-def _vllm_cpu_env(config) -> dict[str, str]:
-    """rollout.name=vllm on CPU: the training side masks the logits verl's vLLM rollout masks."""
+def _rollout_vocab_env(config) -> dict[str, str]:
+    """rollout.name=vllm on the project's kernels: the training side masks the logits verl's vLLM rollout masks."""
     from transformers import AutoTokenizer
 
     from true_on_policy.verl_adapter.consistent_training import ROLLOUT_VOCAB_ENV
 
     model = config.actor_rollout_ref.model
     tokenizer = AutoTokenizer.from_pretrained(model.get("tokenizer_path") or model.path)
+    return {ROLLOUT_VOCAB_ENV: str(len(tokenizer))}
+
+
+def _vllm_cpu_env(config) -> dict[str, str]:
     # VLLM_TARGET_DEVICE: vLLM's platform detection, explicit rather than read from a version string.
-    return {ROLLOUT_VOCAB_ENV: str(len(tokenizer)), "VLLM_TARGET_DEVICE": "cpu"}
+    return {**_rollout_vocab_env(config), "VLLM_TARGET_DEVICE": "cpu"}
 
 
 def refuse_unverified(result, accepted) -> None:
@@ -252,9 +258,16 @@ def activate_from_environment() -> Settings | None:
     resume.install()
     if recipe.platform == "cpu":
         # The project's kernels are the CPU reference path; on Ascend and CUDA the determinism
-        # plan's vendor settings (exported above) pin the engines' own kernels instead.
+        # plan's vendor settings (exported above) pin the engines' own kernels instead (kernels: engine).
         from true_on_policy.verl_adapter import consistent_training, cpu_platform
 
         cpu_platform.activate()
         consistent_training.activate(recipe.deterministic)
+    elif recipe.kernels == "project" and recipe.deterministic:
+        # kernels=project on a device platform (the plan admits only cuda + fsdp): the training side
+        # runs the HF model on the project's kernels, as the vLLM plugin does in the rollout.
+        # Written, not run on a device.
+        from true_on_policy.verl_adapter import consistent_training
+
+        consistent_training.activate(True)
     return recipe

@@ -26,7 +26,7 @@ from true_on_policy.kernels.model import UnsupportedFeatureError
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backend import AttentionMetadataBuilder, AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -187,6 +187,7 @@ def _paged_layout(impl, query, kv_cache, m):
     padding), and each request's keys/values [S, Hkv, Tk, D] gathered from its blocks, where the
     key index IS the absolute position; ``kv_valid`` [S, Tk] marks the slots before seq_len."""
     n = m.num_actual_tokens
+    device = query.device  # index tensors live with the cache (CPU on vLLM-CPU, the GPU on CUDA)
     key_cache, value_cache = ConsistentAttentionImpl._split(kv_cache)
     block_size = key_cache.shape[2]
     qsl = m.query_start_loc.long()
@@ -199,10 +200,10 @@ def _paged_layout(impl, query, kv_cache, m):
     # [S, n_blocks, Hkv, bs, D] -> [S, Hkv, n_blocks * bs, D]
     keys = key_cache[table].permute(0, 2, 1, 3, 4).reshape(S, impl.num_kv_heads, n_blocks * block_size, -1)
     values = value_cache[table].permute(0, 2, 1, 3, 4).reshape(S, impl.num_kv_heads, n_blocks * block_size, -1)
-    kv_valid = torch.arange(n_blocks * block_size)[None] < seq_lens[:, None]
-    seg = torch.repeat_interleave(torch.arange(S), q_lens)
-    local = torch.arange(n) - qsl[:S][seg]
-    q_positions = torch.full((S, Tq), -1, dtype=torch.long)
+    kv_valid = torch.arange(n_blocks * block_size, device=device)[None] < seq_lens[:, None]
+    seg = torch.repeat_interleave(torch.arange(S, device=device), q_lens)
+    local = torch.arange(n, device=device) - qsl[:S][seg]
+    q_positions = torch.full((S, Tq), -1, dtype=torch.long, device=device)
     q_positions[seg, local] = (seq_lens - q_lens)[seg] + local
     q_grid = query.new_zeros(S, Tq, impl.num_heads, impl.head_size)
     q_grid[seg, local] = query[:n].view(n, impl.num_heads, impl.head_size)
@@ -220,6 +221,13 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
                  sinks=None):
+        self._refuse_uncovered(alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_sharing_target_layer_name,
+                               attn_type, kv_cache_dtype)
+        super().__init__(num_heads, head_size, scale, num_kv_heads, None, None, kv_cache_dtype)
+
+    @staticmethod
+    def _refuse_uncovered(alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_sharing_target_layer_name,
+                          attn_type, kv_cache_dtype) -> None:
         unsupported = {
             "alibi_slopes": alibi_slopes,
             "sliding_window": sliding_window,
@@ -234,7 +242,6 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
             raise UnsupportedFeatureError(f"true_on_policy (vLLM): attention type {attn_type!r} is not covered")
         if kv_cache_dtype != "auto":
             raise UnsupportedFeatureError(f"true_on_policy (vLLM): kv_cache_dtype={kv_cache_dtype!r} is not covered")
-        super().__init__(num_heads, head_size, scale, num_kv_heads, None, None, kv_cache_dtype)
 
     @staticmethod
     def _split(kv_cache: torch.Tensor):
@@ -278,6 +285,54 @@ class ConsistentAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_builder_cls():
         return ConsistentAttentionMetadataBuilder
+
+
+# ----------------------------------------------------------------------------------------------
+# The same backend on a device platform (vLLM on CUDA, true_on_policy.kernels=project): written,
+# not run on a device. Only construction differs: the CPU classes probe the CPU attention ISA in
+# __init__, which a device build has no kernel for; metadata, cache layout and forward are shared.
+# ----------------------------------------------------------------------------------------------
+
+
+class DeviceAttentionMetadataBuilder(ConsistentAttentionMetadataBuilder):
+    """:class:`ConsistentAttentionMetadataBuilder` without the CPU builder's ISA probe."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+
+
+class DeviceAttentionImpl(ConsistentAttentionImpl):
+    """:class:`ConsistentAttentionImpl` without the CPU implementation's ISA probe."""
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                 sinks=None):
+        self._refuse_uncovered(alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_sharing_target_layer_name,
+                               attn_type, kv_cache_dtype)
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads, self.num_queries_per_kv = num_kv_heads, num_heads // num_kv_heads
+        self.kv_cache_dtype, self.attn_type = kv_cache_dtype, attn_type
+        self.alibi_slopes, self.sliding_window, self.logits_soft_cap, self.sinks = None, -1, 0, None
+        self.kv_sharing_target_layer_name = None
+
+
+class DeviceAttentionBackend(ConsistentAttentionBackend):
+    """The project's attention as vLLM's ``CUSTOM`` backend on a device platform."""
+
+    # The cache holds plain keys / values: vLLM's selector rejects an fp8 cache before the impl is built.
+    supported_kv_cache_dtypes = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return DeviceAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return DeviceAttentionMetadataBuilder
 
 
 _STOCK_HEAD_SIZES = tuple(CPUAttentionBackend.get_supported_head_sizes())

