@@ -49,6 +49,10 @@ from true_on_policy.rollout.engine import RolloutEngine, SamplingParams, derive_
 from true_on_policy.rollout.prompt_ledger import PromptLedger, PromptSlot, SlotState, policy_lag
 from true_on_policy.tiny_assets import VOCAB_SIZE, build_model, tiny_model_config
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from verl_run import run_logged  # noqa: E402  (runs verl's trainer and reads its file logger; shared with the tests)
+
 FIRST_REGULAR_TOKEN = 3  # after the tokenizer's special tokens
 
 
@@ -344,10 +348,6 @@ def _record(case: str, asynchronous: dict, sync: dict, simulation: bool) -> dict
 
 
 # ---------------------------------------------------------------------------------------------- --trainer verl
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-from verl_run import run_logged  # noqa: E402  (the trainer subprocess and verl's file logger, shared with the tests)
-
 VERL_CONFIGS = {"sync": "cpu_tiny_tool_latency", "async": "cpu_tiny_tool_latency_async"}
 AGENT_LOOP_REGISTRY = REPO / "configs" / "agent_loops" / "tool_latency_agent.yaml"
 TOOL_CONFIG = REPO / "configs" / "tools" / "latency_tool.yaml"
