@@ -1,39 +1,28 @@
-"""SIMULATION: async single-rollout sampling vs a synchronous batch barrier, agentic workload (CPU).
+"""Async single-rollout sampling vs a synchronous batch barrier on an agentic workload: trajectories/s.
 
-This is a simulation of the sampler's effect, not a measurement of verl's trainer: generation is the
-real CPU rollout engine, but the learner step is a sleep (``--learner-ms``) and the scheduling is
-this script's own (``--trainer simulation``, the only mode so far).
+Two modes (``--trainer``, required), each comparing the two variants in one run and reporting
+trajectories per second delivered to the learner, async / sync:
 
-What it measures: trajectories per second delivered to the learner, async / sync, in one run.
+``--trainer verl`` -- verl 0.9.1's real trainer. Each run is ``python -m verl.trainer.main_ppo`` on
+``configs/cpu_tiny_tool_latency`` (sync: verl's sync v1 trainer with the recipe's SyncReplayBuffer) or
+``configs/cpu_tiny_tool_latency_async`` (``colocate_async`` with
+true_on_policy.verl_adapter.async_sampler); the two configs differ only in those keys
+(``common/async_sampler``). Same model (tiny Qwen3, random init), data, B, learner steps and
+workload: verl's agent-loop worker runs true_on_policy.verl_adapter.tool_latency_agent -- ``--turns``
+generations by the CPU rollout engine with a tool call between consecutive ones, the tool awaiting a
+Pareto (``--tool-min-s``, ``--pareto-alpha``) or lognormal latency seeded by (seed, prompt, attempt,
+turn), so every prompt's first rollout waits the same in both variants. Times are verl's own
+``timing_s/step`` from its file logger (tests/verl_run.py runs the trainer and reads it); step 1
+(start-up, the first dispatch) is left out of both: throughput = B * (steps - 1) / sum of
+``timing_s/step`` over steps 2..steps. Each repeat draws a new workload (seed + repeat) shared by both
+variants, and the variants alternate order between repeats.
 
-The workload: every trajectory is an agent of ``--turns`` turns. A turn is one generation of up to
-``--tokens`` tokens by the real CPU rollout engine (:class:`true_on_policy.rollout.engine.RolloutEngine`,
-continuous batching over all agents that are generating, tiny Qwen3 with random weights), followed by
-a simulated tool call whose latency is drawn from a Pareto distribution (shape ``--pareto-alpha``,
-minimum ``--tool-ms``): most calls are quick, a few take many times longer, as real environments do.
+``--trainer simulation`` -- a SIMULATION, not verl's trainer: the real CPU rollout engine generates,
+but the learner step is a sleep (``--learner-ms``) and the scheduling is this script's own; see
+:func:`run_variant`.
 
-Both variants share everything except the sampling policy:
-
-- the same engine and model, the same ``--batch`` B, the same number of concurrent agents (B: one
-  rollout slot per batch member), the same learner step (``--learner-ms`` of wall time during which
-  the engine does not step, as in verl's colocate_async, where generation pauses for the update),
-  the same ``--steps`` learner steps, and the same per-trajectory workload: the k-th prompt has the
-  same prompt tokens and the same tool latencies in both variants (seeded by k and attempt);
-- **sync**: dispatch B prompts, wait until *all* B trajectories finish (the batch costs its slowest
-  member), step, dispatch the next B;
-- **async**: a finished agent's slot takes the next prompt at once, and the learner takes the next B
-  trajectories in completion order through :class:`true_on_policy.rollout.prompt_ledger.PromptLedger`, the
-  accounting the verl sampler (true_on_policy.verl_adapter.async_sampler) uses, with the same lag
-  bound as configs/cpu_tiny_async.yaml (``--max-policy-lag``, drop: a trajectory beyond it is
-  re-rolled and counted).
-
-Throughput = B * steps / wall time until the last learner step ends. Trajectories still in flight
-then are not counted (async's unfinished work is its cost). The variants alternate ``--repeats``
-times, each repeat on a fresh workload (seed + repeat) that both variants share; the ratio is of the
-summed wall times, so load changes on a shared machine hit both.
-
-Usage: python benchmarks/bench_async_sampler.py [--json] [--steps 12] [--batch 8] [--repeats 3]
-Prints one JSON object with the ratio, per-variant numbers and the command.
+Usage: python benchmarks/bench_async_sampler.py --trainer verl [--json] [--steps 12] [--repeats 3]
+       python benchmarks/bench_async_sampler.py --trainer simulation [--json] [--steps 12] [--batch 8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -47,7 +36,9 @@ import random
 import shlex
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,6 +48,10 @@ from true_on_policy.kernels import ops as consistent_ops
 from true_on_policy.rollout.engine import RolloutEngine, SamplingParams, derive_seed
 from true_on_policy.rollout.prompt_ledger import PromptLedger, PromptSlot, SlotState, policy_lag
 from true_on_policy.tiny_assets import VOCAB_SIZE, build_model, tiny_model_config
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from verl_run import run_logged  # noqa: E402  (runs verl's trainer and reads its file logger; shared with the tests)
 
 FIRST_REGULAR_TOKEN = 3  # after the tokenizer's special tokens
 
@@ -95,7 +90,40 @@ class Workload:
 
 
 def run_variant(policy: str, model, args) -> dict:
-    """Serve agents until the learner has taken ``args.steps`` batches; return the measurements."""
+    """SIMULATION (``--trainer simulation``): serve agents until the learner has taken ``args.steps`` batches.
+
+    This is a simulation of the sampler's effect, not a measurement of verl's trainer (``--trainer
+    verl`` measures that): generation is the real CPU rollout engine, but the learner step is a sleep
+    (``--learner-ms``) and the scheduling is this script's own.
+
+    What it measures: trajectories per second delivered to the learner, async / sync, in one run.
+
+    The workload: every trajectory is an agent of ``--turns`` turns. A turn is one generation of up to
+    ``--tokens`` tokens by the real CPU rollout engine (:class:`true_on_policy.rollout.engine.RolloutEngine`,
+    continuous batching over all agents that are generating, tiny Qwen3 with random weights), followed by
+    a simulated tool call whose latency is drawn from a Pareto distribution (shape ``--pareto-alpha``,
+    minimum ``--tool-ms``): most calls are quick, a few take many times longer, as real environments do.
+
+    Both variants share everything except the sampling policy:
+
+    - the same engine and model, the same ``--batch`` B, the same number of concurrent agents (B: one
+      rollout slot per batch member), the same learner step (``--learner-ms`` of wall time during which
+      the engine does not step, as in verl's colocate_async, where generation pauses for the update),
+      the same ``--steps`` learner steps, and the same per-trajectory workload: the k-th prompt has the
+      same prompt tokens and the same tool latencies in both variants (seeded by k and attempt);
+    - **sync**: dispatch B prompts, wait until *all* B trajectories finish (the batch costs its slowest
+      member), step, dispatch the next B;
+    - **async**: a finished agent's slot takes the next prompt at once, and the learner takes the next B
+      trajectories in completion order through :class:`true_on_policy.rollout.prompt_ledger.PromptLedger`, the
+      accounting the verl sampler (true_on_policy.verl_adapter.async_sampler) uses, with the same lag
+      bound as configs/cpu_tiny_async.yaml (``--max-policy-lag``, drop: a trajectory beyond it is
+      re-rolled and counted).
+
+    Throughput = B * steps / wall time until the last learner step ends. Trajectories still in flight
+    then are not counted (async's unfinished work is its cost). The variants alternate ``--repeats``
+    times, each repeat on a fresh workload (seed + repeat) that both variants share; the ratio is of the
+    summed wall times, so load changes on a shared machine hit both.
+    """
     workload = Workload(args)
     eos = tiny_model_config("dense").eos_token_id
     engine = RolloutEngine(model, eos_token_id=eos, max_num_seqs=64, max_model_len=args.max_model_len, seed=args.seed)
@@ -216,8 +244,8 @@ def run_variant(policy: str, model, args) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main_simulation(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(prog="bench_async_sampler.py --trainer simulation", description="SIMULATION: " + __doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8, help="B: trajectories per learner step (and agents)")
     parser.add_argument("--steps", type=int, default=12, help="learner steps per variant")
     parser.add_argument("--turns", type=int, default=3, help="generation + tool call turns per trajectory")
@@ -233,12 +261,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the engine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one record per line (case, times, ratio)")
-    parser.add_argument(
-        "--trainer",
-        choices=("simulation",),
-        default="simulation",
-        help="simulation: the CPU engine + a sleep as the learner step (verl's trainer is not measured here)",
-    )
     args = parser.parse_args(argv)
     for name in ("batch", "steps", "turns", "tokens", "prompt_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -305,24 +327,179 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.json:  # one record per repeat and one for all, in the benchmarks' common record shape
         for i, (a, b) in enumerate(zip(runs["async"], runs["sync"], strict=True)):
-            print(json.dumps(_record(f"async_sampler/simulation/repeat{i}", a, b)))
-        print(json.dumps(_record("async_sampler/simulation", asynchronous, sync)))
+            print(json.dumps(_record(f"async_sampler/simulation/repeat{i}", a, b, simulation=True)))
+        print(json.dumps(_record("async_sampler/simulation", asynchronous, sync, simulation=True)))
     else:
         print(json.dumps(report, indent=2))
     return report
 
 
-def _record(case: str, asynchronous: dict, sync: dict) -> dict:
+def _record(case: str, asynchronous: dict, sync: dict, simulation: bool) -> dict:
     """The common record: ``case``, both variants' seconds and trajectories/s, ``ratio`` (async/sync)."""
     return {
         "case": case,
-        "simulation": True,  # the learner step is a sleep, not verl's trainer
+        "simulation": simulation,  # True: the learner step is a sleep, not verl's trainer
         "async_s": round(asynchronous["seconds"], 3),
         "sync_s": round(sync["seconds"], 3),
         "async_traj_per_s": round(asynchronous["trajectories_per_second"], 3),
         "sync_traj_per_s": round(sync["trajectories_per_second"], 3),
         "ratio": round(asynchronous["trajectories_per_second"] / sync["trajectories_per_second"], 3),
     }
+
+
+# ---------------------------------------------------------------------------------------------- --trainer verl
+VERL_CONFIGS = {"sync": "cpu_tiny_tool_latency", "async": "cpu_tiny_tool_latency_async"}
+AGENT_LOOP_REGISTRY = REPO / "configs" / "agent_loops" / "tool_latency_agent.yaml"
+TOOL_CONFIG = REPO / "configs" / "tools" / "latency_tool.yaml"
+SAMPLER = "flashreinforce/sampler"
+
+
+def verl_workload_files(args, seed: int, directory: Path) -> list[str]:
+    """The shipped agent-loop and tool configs with this run's workload settings; their overrides."""
+    from omegaconf import OmegaConf
+
+    from true_on_policy.verl_adapter.tool_latency_agent import parse_tool_config
+
+    registry = OmegaConf.load(AGENT_LOOP_REGISTRY)
+    registry[0].turns, registry[0].tokens_per_turn = args.turns, args.tokens_per_turn
+    tools = OmegaConf.load(TOOL_CONFIG)
+    tool = tools.tools[0].config
+    tool.distribution, tool.min_s, tool.alpha, tool.sigma, tool.seed = (
+        args.distribution, args.tool_min_s, args.pareto_alpha, args.lognormal_sigma, seed
+    )
+    parse_tool_config(OmegaConf.to_container(tool))  # a bad flag fails here, not in a Ray worker
+    registry_path, tool_path = directory / "agent_loops.yaml", directory / "tools.yaml"
+    OmegaConf.save(registry, registry_path)
+    OmegaConf.save(tools, tool_path)
+    return [
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={registry_path}",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_path}",
+    ]
+
+
+def run_verl_variant(policy: str, args, seed: int) -> dict:
+    """One ``python -m verl.trainer.main_ppo`` run of ``policy``'s config; its numbers from verl's file logger."""
+    with tempfile.TemporaryDirectory(prefix="bench_async_verl_") as scratch:
+        scratch = Path(scratch)
+        overrides = [
+            f"trainer.total_training_steps={args.steps}",
+            f"data.train_batch_size={args.batch}",
+            f"hydra.run.dir={scratch / 'hydra'}",
+            *verl_workload_files(args, seed, scratch),
+        ]
+        if args.max_response_length is not None:
+            overrides.append(f"data.max_response_length={args.max_response_length}")
+        if policy == "async" and args.warmup_batches is not None:
+            overrides.append(f"trainer.v1.colocate_async.num_warmup_batches={args.warmup_batches}")
+        if policy == "async" and args.max_policy_lag == "null":  # no bound: no strategy either (async_sampler)
+            overrides += [
+                "trainer.v1.sampler.sampler_kwargs.max_policy_lag=null",
+                "~trainer.v1.sampler.sampler_kwargs.lag_strategy",
+            ]
+        elif policy == "async" and args.max_policy_lag is not None:
+            overrides.append(f"trainer.v1.sampler.sampler_kwargs.max_policy_lag={int(args.max_policy_lag)}")
+        started = time.monotonic()
+        steps = run_logged(VERL_CONFIGS[policy], scratch / "metrics.jsonl", *overrides, timeout=args.timeout)
+        wall = time.monotonic() - started
+    if sorted(steps) != list(range(1, args.steps + 1)):
+        raise RuntimeError(f"{policy}: verl's file logger has steps {sorted(steps)}, expected 1..{args.steps}")
+    timed = [steps[step] for step in range(2, args.steps + 1)]  # step 1: start-up and the first dispatch
+    seconds = sum(metrics["timing_s/step"] for metrics in timed)
+    trajectories = args.batch * len(timed)
+    result = {
+        "seconds": seconds,
+        "trajectories": trajectories,
+        "trajectories_per_second": trajectories / seconds,
+        "step_s": [round(metrics["timing_s/step"], 3) for metrics in timed],
+        "gen_s_mean": statistics.fmean(metrics["timing_s/gen"] for metrics in timed),
+        "learner_s_mean": statistics.fmean(
+            sum(metrics.get(f"timing_s/{part}", 0.0) for part in ("old_log_prob", "adv", "update_actor", "update_weights"))
+            for metrics in timed
+        ),
+        "num_turns_mean": statistics.fmean(metrics["training/num_turns/mean"] for metrics in timed),
+        "run_wall_s": wall,  # the whole process: Ray and worker start-up included; not in the ratio
+    }
+    if policy == "async":
+        result.update(
+            policy_lag_mean=statistics.fmean(metrics[f"{SAMPLER}/policy_lag/mean"] for metrics in timed),
+            policy_lag_max=max(metrics[f"{SAMPLER}/policy_lag/max"] for metrics in timed),
+            requeued_policy_lag=sum(metrics[f"{SAMPLER}/requeued/policy_lag"] for metrics in steps.values()),
+        )
+    return result
+
+
+def main_verl(argv: list[str]) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="bench_async_sampler.py --trainer verl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12, help="learner steps per run (step 1 is not timed)")
+    parser.add_argument("--batch", type=int, default=8, help="B: data.train_batch_size (trajectories per learner step)")
+    parser.add_argument("--repeats", type=int, default=3, help="sync/async pairs, alternating order, one workload each")
+    parser.add_argument("--turns", type=int, default=3, help="generations per trajectory (a tool call between two)")
+    parser.add_argument("--tokens-per-turn", type=int, default=4, help="max new tokens per generation")
+    parser.add_argument("--max-response-length", type=int, help="data.max_response_length (default: the config's)")
+    parser.add_argument("--distribution", choices=("pareto", "lognormal"), default="pareto")
+    parser.add_argument("--tool-min-s", type=float, default=0.3, help="Pareto minimum / lognormal median, seconds")
+    parser.add_argument("--pareto-alpha", type=float, default=1.5, help="Pareto shape; smaller = heavier tail")
+    parser.add_argument("--lognormal-sigma", type=float, default=1.0)
+    parser.add_argument(
+        "--warmup-batches", type=float, help="async: num_warmup_batches, batches in flight ahead of the learner (default: the config's)"
+    )
+    parser.add_argument(
+        "--max-policy-lag", type=lambda v: v if v == "null" else int(v), help="async: lag bound (drop), or null (default: the config's)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload seed of repeat 0 (repeat r uses seed + r)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per trainer run")
+    parser.add_argument("--json", action="store_true", help="print one record per line (case, times, ratio)")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps must be >= 2 (step 1 is not timed), got {args.steps}")
+    for name in ("batch", "repeats", "turns", "tokens_per_turn"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+    load_before = os.getloadavg()
+    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    for repeat in range(args.repeats):
+        for policy in ("sync", "async") if repeat % 2 == 0 else ("async", "sync"):
+            result = run_verl_variant(policy, args, seed=args.seed + repeat)
+            runs[policy].append(result)
+            progress = {"policy": policy, "repeat": repeat, **result}
+            print(json.dumps(progress), file=sys.stderr, flush=True)  # partial results survive a kill
+
+    def summary(results: list[dict]) -> dict:
+        seconds = sum(r["seconds"] for r in results)
+        return {"seconds": seconds, "trajectories_per_second": sum(r["trajectories"] for r in results) / seconds}
+
+    context = {
+        "trainer": "verl",
+        "steps_timed": args.steps - 1,
+        "batch": args.batch,
+        "load_average": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
+    }
+    records = []
+    for repeat, (a, b) in enumerate(zip(runs["async"], runs["sync"], strict=True)):
+        record = _record(f"async_sampler/verl/repeat{repeat}", a, b, simulation=False)
+        detail = {f"{policy}_{key}": value for policy, r in (("async", a), ("sync", b)) for key, value in r.items()
+                  if key not in ("seconds", "trajectories_per_second")}
+        records.append({**record, "seed": args.seed + repeat, **detail})
+    records.append({**_record("async_sampler/verl", summary(runs["async"]), summary(runs["sync"]), simulation=False),
+                    "per_repeat_ratio": [r["ratio"] for r in records], **context,
+                    "settings": vars(args),
+                    "command": " ".join(shlex.quote(part) for part in [sys.executable, *sys.argv])})
+    for record in records:
+        print(json.dumps(record) if args.json else json.dumps(record, indent=2), flush=True)
+    return records
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    parser.add_argument(
+        "--trainer",
+        choices=("verl", "simulation"),
+        required=True,
+        help="verl: verl's real trainer, sync vs colocate_async; simulation: the CPU engine + a sleep as the learner step",
+    )
+    known, rest = parser.parse_known_args(argv)
+    return main_verl(rest) if known.trainer == "verl" else main_simulation(rest)
 
 
 if __name__ == "__main__":
