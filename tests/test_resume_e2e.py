@@ -156,9 +156,13 @@ def test_async_exactly_once_per_epoch_across_a_resume(tmp_path):
     # 48 deliveries of 16 prompts: epochs 0 and 1 complete, across the resume at step 3.
     assert len(per_epoch[0]) == len(per_epoch[1]) == ASYNC_PROMPTS
     assert sum(map(len, per_epoch.values())) == STEPS * 8
-    # The sampler's own per-step view (file logger) agrees: what the learner took per step.
+    # The sampler's own per-step view (file logger) agrees with the ledger: 8 trajectories per step, and
+    # as many distinct prompts as the ledger delivered then -- 8, or 7 when a batch that spans an epoch
+    # boundary holds one prompt from both epochs (async dispatch runs ahead into the next epoch).
     for step, metrics in {**first, **resumed}.items():
-        assert metrics["flashreinforce/sampler/distinct_prompts"] == 8
+        delivered = [prompt_id for _, prompt_id, s, _ in log if s == step]
+        assert len(delivered) == 8
+        assert metrics["flashreinforce/sampler/distinct_prompts"] == len(set(delivered))
 
 
 def test_flag_off_twin_shows_where_determinism_ends(tmp_path):
