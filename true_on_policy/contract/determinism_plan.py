@@ -538,11 +538,10 @@ def _plan_project_kernels(d: _Draft, platform: str) -> None:
             f"true_on_policy.kernels=project needs vLLM {VLLM_ADAPTER_VERSION}, the version whose internals "
             "true_on_policy.vllm_adapter.patches is written and signature-checked against",
         )
-    _require_vllm(d, "vllm.attention_backend")
     d.rollout(
         f"{ROLLOUT_VLLM}.attention_backend",
         "CUSTOM",
-        f"{SOURCES['vllm_attn']}; CUSTOM = true_on_policy.vllm_adapter.layers.ConsistentAttentionBackend, "
+        f"{SOURCES['vllm_attn']}; CUSTOM = true_on_policy.vllm_adapter.layers.DeviceAttentionBackend, "
         "registered by the vLLM plugin",
         "the project's attention over vLLM's paged KV cache",
     )
