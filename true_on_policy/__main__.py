@@ -1,6 +1,7 @@
 """``python -m true_on_policy <command>``: the project's command line.
 
   build-assets   build the tiny offline models, tokenizer and task data (idempotent)
+  build-native   build the C++ fast path of the consistent kernels on CPU (idempotent; the same bits)
   check          the training/rollout consistency contract of a Hydra config (exit 0 / 2)
   logdiff        measure training-vs-rollout log-prob differences (dense/MoE x fp32/bf16 x flag)
   diagnose       find the first op where training and rollout diverge
@@ -22,6 +23,17 @@ def _build_assets(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     root = tiny_assets.ensure_assets(args.root)
     print(f"assets ready under {root}")
+    return 0
+
+
+def _build_native(argv: list[str]) -> int:
+    import argparse
+
+    from true_on_policy.kernels import native
+
+    argparse.ArgumentParser(prog="python -m true_on_policy build-native").parse_args(argv)
+    lib = native.build()  # a compiler error propagates, with the compiler's output
+    print(f"native kernels ready: {lib.__file__}")
     return 0
 
 
@@ -51,6 +63,7 @@ def _plot_metrics(argv: list[str]) -> int:
 
 COMMANDS = {
     "build-assets": _build_assets,
+    "build-native": _build_native,
     "check": _check,
     "logdiff": _logdiff,
     "diagnose": _diagnose,

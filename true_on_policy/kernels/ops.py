@@ -9,8 +9,9 @@ that with plain PyTorch by construction, on four rules:
 1. Visible tokens are chosen by selection (``torch.where`` / ``-inf``), never by adding a large
    negative number; padding, packing and garbage (NaN/inf) in masked slots never reach a row.
 2. Every reduction has a fixed order. Matrix products run as ONE ``torch.bmm`` over row tiles of a
-   fixed height (:data:`TILE_ROWS`) with the reduced dimension split into fixed chunks
-   (:data:`K_CHUNK`) whose fp32 partials are added left to right; last-dim sums are a fixed
+   fixed height (:data:`TILE_ROWS`; a call with few rows, i.e. decode, may use a shorter tile where
+   that provably keeps a row's bits: :func:`tile_rows`) with the reduced dimension split into fixed
+   chunks (:data:`K_CHUNK`) whose fp32 partials are added left to right; last-dim sums are a fixed
    pairwise tree of elementwise adds (:func:`fixed_sum`); attention reduces over KV blocks of a
    fixed size (:data:`KV_BLOCK`) aligned at absolute positions.
 3. Attention is an online softmax with the same block size and rescale cadence for a whole sequence
@@ -19,11 +20,18 @@ that with plain PyTorch by construction, on four rules:
    log-softmax, fp32 RoPE from one table, fp32 MoE routing. Outputs are cast once at the end.
 
 Transcendentals are restricted to those measured position-invariant on CPU (fp32 ``exp``, ``log``,
-``sqrt``; correctly rounded ``+ - * /``); ``sigmoid``/``silu``/``rsqrt`` are rebuilt from them.
+``sqrt`` -- MKL VML's, not always correctly rounded; correctly rounded ``+ - * /``);
+``sigmoid``/``silu``/``rsqrt`` are rebuilt from them.
 Autocast is switched off inside these ops: the precision policy is the ops', not autocast's.
 Backward: :func:`linear` and :func:`attention` are autograd Functions whose forward is the
 consistent kernel and whose backward uses plain matmuls (gradients need not be batch-invariant);
 the other ops differentiate through their (elementwise) torch ops.
+
+On CPU, :func:`fixed_sum`, :func:`rms_norm` (inference), :func:`linear` and :func:`attention`
+(inference) run as one call each into :mod:`true_on_policy.kernels.native` (C++) when it is built:
+the same arithmetic in the same order as the torch code below (attention's products as the fma
+chains MKL's GEMM computes, written out), which stays the specification (``tests/test_native_ops.py``
+holds the two ``torch.equal``).
 
 The switch (:func:`enabled`, :func:`enable`, :func:`disable`, :func:`consistent`) is THE one flag:
 :mod:`true_on_policy.kernels.model` routes the model's modules through these ops iff it is on.
@@ -46,9 +54,14 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from true_on_policy.kernels import native
+
 __all__ = [
     "TILE_ROWS",
     "ATTN_TILE_ROWS",
+    "SHORT_TILE_ROWS",
+    "BLAS_MIN_WORK",
+    "tile_rows",
     "K_CHUNK",
     "KV_BLOCK",
     "enabled",
@@ -169,6 +182,10 @@ def fixed_sum(x: torch.Tensor) -> torch.Tensor:
     level, so a row's sum depends only on the row's values, never on the number of rows, the
     row's position, the threads or the vector width (elementwise adds are correctly rounded).
     """
+    if x.dtype == torch.float32 and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled()):
+        lib = native.lib()
+        if lib is not None:
+            return lib.fixed_sum(x)
     n = x.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
@@ -177,6 +194,28 @@ def fixed_sum(x: torch.Tensor) -> torch.Tensor:
         width //= 2
         x = torch.add(x[..., :width], x[..., width:])
     return x
+
+
+SHORT_TILE_ROWS = (4, 8, 16, 32)  # the shorter tiles a call with few rows (decode) may use on CPU
+BLAS_MIN_WORK = 400  # below R * K * N = 400 torch's CPU bmm runs a naive loop, not BLAS: other row bits
+
+
+def tile_rows(m: int, k: int, n: int, full: int, device: torch.device) -> int:
+    """Height of the row tiles of an [m, k] @ [k, n] product whose tile is ``full`` rows high.
+
+    On CPU a call with few rows (decode) uses the shortest of :data:`SHORT_TILE_ROWS` that holds
+    them, iff torch's bmm takes its BLAS path at that height for every K chunk (R * chunk * N >=
+    :data:`BLAS_MIN_WORK`). On that path a row's bits are the same for every tile height R >= 4
+    -- MKL computes each entry as one fma chain over k (``tests/test_native_ops.py``) -- while
+    R = 1, 2 and the naive loop differ (``benchmarks/probe_bmm_tile_height.py``), so the row keeps
+    the full tile's bits at a fraction of its work. Anywhere else (other devices, many rows): ``full``.
+    """
+    if m < full and device.type == "cpu":
+        k_min = k % K_CHUNK or min(k, K_CHUNK)  # the shortest chunk: the tail, if any
+        for r in SHORT_TILE_ROWS:
+            if m <= r < full and r * k_min * n >= BLAS_MIN_WORK:
+                return r
+    return full
 
 
 def matmul_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -208,22 +247,25 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     n = weight.shape[0]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
+    height = tile_rows(m, k, n, TILE_ROWS, x.device)
     with _no_autocast(x.device):
+        if x.device.type == "cpu" and (lib := native.lib()) is not None:
+            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK)  # the same aten calls, from C++
         if m == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
-        tiles = -(-m // TILE_ROWS)
-        if tiles * TILE_ROWS != m:  # zero rows appended; one copy does the fp32 cast too
-            a = rows.new_zeros(tiles * TILE_ROWS, k, dtype=torch.float32)
+        tiles = -(-m // height)
+        if tiles * height != m:  # zero rows appended; one copy does the fp32 cast too
+            a = rows.new_zeros(tiles * height, k, dtype=torch.float32)
             a[:m] = rows
         else:
             a = rows.to(torch.float32)
-        a = a.view(tiles, TILE_ROWS, k)
+        a = a.view(tiles, height, k)
         w = weight.to(torch.float32)
         if w.is_contiguous():  # W^T repeated for every tile without a copy
             b = w.as_strided((tiles, k, n), (0, 1, k))
         else:
             b = w.t().unsqueeze(0).expand(tiles, k, n)
-        out = matmul_tiles(a, b).view(tiles * TILE_ROWS, n)[:m]
+        out = matmul_tiles(a, b).view(tiles * height, n)[:m]
         if bias is not None:
             out = out + bias.to(torch.float32)
         if out_dtype != torch.float32:
@@ -262,7 +304,8 @@ def linear(
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with a per-row result independent of the batch.
 
-    Invariant: rows are padded to tiles of :data:`TILE_ROWS` and multiplied in fp32 by
+    Invariant: rows are padded to tiles of :data:`TILE_ROWS` (or :func:`tile_rows`' shorter
+    tile, with the same row bits) and multiplied in fp32 by
     :func:`matmul_tiles` (reduced dim split in :data:`K_CHUNK` chunks, partials added in order),
     the bias is added in fp32, and the output is cast once to ``out_dtype`` (default: ``x``'s
     dtype). So a row's output is the same bits for any number of rows (1 = decode, thousands =
@@ -284,13 +327,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype)``, fp32 inside.
 
     Invariant: the sum of squares is :func:`fixed_sum` (fixed tree) and HF's ``x * rsqrt(v)``
-    is ``x / sqrt(v)`` (sqrt and div are correctly rounded; torch's rsqrt kernel is not
-    position-invariant in bf16). The casts are exactly HF's: fp32 inside, back to the input dtype
-    before the weight multiply (whose dtype promotion is HF's too).
+    is ``x / sqrt(v)`` (div is correctly rounded, torch's fp32 sqrt measured position-invariant;
+    torch's rsqrt kernel is not position-invariant in bf16). The casts are exactly HF's: fp32
+    inside, back to the input dtype before the weight multiply (whose dtype promotion is HF's too).
     """
     input_dtype = x.dtype
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if not grad and x.device.type == "cpu" and (lib := native.lib()) is not None:
+        return lib.rms_norm(x, weight, eps)
     h = x.to(torch.float32)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if grad:
         variance = fixed_sum(h * h) / h.shape[-1]
         return weight * (h / torch.sqrt(variance + eps)).to(input_dtype)
     # inference: the same ops, in place on the fresh intermediates
@@ -381,16 +427,21 @@ class AttentionPlan:
     def __init__(self, q_positions: torch.Tensor, kv_valid: torch.Tensor, num_heads: int, num_kv_heads: int):
         if num_heads % num_kv_heads:
             raise ValueError(f"attention: {num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
-        self.R = R = ATTN_TILE_ROWS  # the plan fixes the tile and block sizes of every call using it
-        self.B = B = KV_BLOCK
         device = q_positions.device
         S, Tq = q_positions.shape
         Tk = kv_valid.shape[1]
         rep = num_heads // num_kv_heads
+        rows = Tq * rep
+        # the plan fixes the tile and block sizes of every call using it. A single tile (decode, short
+        # prefill) is as short as its rows allow (see tile_rows) while both of its products -- scores
+        # (K = head dim >= 1, N = KV_BLOCK) and PV (K = KV_BLOCK, N = head dim + 1) -- stay on the BLAS path.
+        R = ATTN_TILE_ROWS
+        if rows < ATTN_TILE_ROWS and device.type == "cpu":
+            R = next(r for r in SHORT_TILE_ROWS if rows <= r and r * KV_BLOCK >= BLAS_MIN_WORK)
+        self.R, self.B = R, B = R, KV_BLOCK
         n_blocks = max(-(-Tk // B), 1)
         if n_blocks * B != Tk:
             kv_valid = F.pad(kv_valid, (0, n_blocks * B - Tk), value=False)
-        rows = Tq * rep
         tiles = -(-rows // R)
         # query rows of one kv head: position-major, the group's `rep` heads interleaved, tiles of R
         rpos = q_positions[:, :, None].expand(S, Tq, rep).reshape(S, rows)
@@ -622,7 +673,8 @@ def attention(
     query at position p iff ``kv_valid[j] and j <= p``. Returns [S, Hq, Tq, D] in ``q``'s dtype.
 
     Invariant: a query row's result depends only on its own q, position and visible keys. Its
-    scores and PV products are :func:`matmul_tiles` over tiles of :data:`ATTN_TILE_ROWS` rows
+    scores and PV products are :func:`matmul_tiles` over tiles of :data:`ATTN_TILE_ROWS` rows (a
+    single tile as short as :func:`tile_rows` allows)
     against one KV block of :data:`KV_BLOCK` keys (fp32); the running max, the rescale factors
     and the accumulator ``acc_j = acc_{j-1} * alpha_j + pv_j`` follow blocks 0, 1, 2, ... with the
     same fp32 ops for a whole sequence (training, prefill) and a single decode query. Invisible
@@ -639,6 +691,12 @@ def attention(
     with _no_autocast(q.device):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return _Attention.apply(q, k, v, plan, scaling)
+        if q.device.type == "cpu" and _FAULT == NO_FAULT and (lib := native.attention_lib(q.shape[-1])) is not None:
+            S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
+            return lib.attention(
+                q, k, v, scaling, plan.R, plan.B, tiles, live, n_used, plan.pair_t, plan.pair_j, plan.invisible,
+                plan.kv_invalid, K_CHUNK,
+            )
         return _attention_kernel(q, k, v, plan, scaling)[0]
 
 

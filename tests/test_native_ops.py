@@ -1,0 +1,203 @@
+"""The C++ fast path (``kernels/native.py``) computes the torch code's bits, and the shorter decode tiles keep them.
+
+Each native op is held ``torch.equal`` to the ops' torch code (:func:`native.disabled`) on shapes
+that cover its branches; the goldens are reproduced by the torch code alone too. Twins show what
+each guard is for: an IEEE square root (instead of torch's) changes RMSNorm bits, and tiles of 1-2
+rows or below torch's BLAS threshold change a row's matmul bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import kernel_goldens
+from kernel_helpers import threads
+from true_on_policy.kernels import native, ops
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def both_paths(fn):
+    """(native result, torch-code result) of ``fn()``."""
+    with torch.no_grad():
+        fast = fn()
+        with native.disabled():
+            reference = fn()
+    return fast, reference
+
+
+def test_the_native_library_is_built_and_used():
+    """`make install` builds it: a missing library would leave every test on the slow path unnoticed."""
+    lib = native.lib()
+    assert lib is not None, "the native kernels did not build (see the RuntimeWarning)"
+    with native.disabled():
+        assert native.lib() is None
+    assert native.lib() is lib
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fixed_sum_are_the_torch_codes_bits(dtype):
+    g = gen(0)
+    for shape in [(1, 64), (7, 64), (3, 5, 100), (2, 1000), (33, 17), (4, 512, 64), (2, 0, 8)]:
+        x = (torch.randn(shape, generator=g) * 3).to(dtype)
+        w = torch.randn(shape[-1], generator=g).to(dtype)
+        fast, reference = both_paths(lambda: ops.rms_norm(x, w, 1e-6))
+        assert fast.dtype == reference.dtype and torch.equal(fast, reference), shape
+        fast, reference = both_paths(lambda: ops.fixed_sum(x.float()))
+        assert torch.equal(fast, reference), shape
+    x = torch.randn(6, 40, generator=g)[:, ::2]  # non-contiguous rows
+    assert torch.equal(*both_paths(lambda: ops.fixed_sum(x)))
+
+
+def test_twin_an_ieee_square_root_changes_rms_norm_bits():
+    """Why the native RMSNorm calls torch's sqrt: torch's (MKL VML) is not the correctly rounded one."""
+    g = gen(1)
+    h = torch.randn(4096, 64, generator=g) * 3
+    variance = (ops.fixed_sum(h * h) / 64 + 1e-6).numpy()
+    ieee = torch.from_numpy(np.sqrt(variance))  # numpy's float32 sqrt: correctly rounded
+    assert not torch.equal(ieee, torch.from_numpy(variance).sqrt())
+    assert not torch.equal(h / ieee, ops.rms_norm(h, torch.ones(64), 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_is_the_torch_codes_bits(dtype):
+    g = gen(2)
+    for m in (1, 3, 4, 5, 8, 9, 16, 31, 33, 64, 65, 130):
+        for n, k, bias in [(24, 64, True), (192, 64, False), (4, 200, True), (2, 16, False), (3, 300, False)]:
+            x = torch.randn(m, k, generator=g).to(dtype)
+            w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+            b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
+            for out_dtype in (dtype, torch.float32):
+                fast, reference = both_paths(lambda: ops.linear(x, w, b, out_dtype=out_dtype))
+                assert fast.dtype == reference.dtype and torch.equal(fast, reference), (m, n, k, out_dtype)
+    x = torch.randn(2, 3, 64, generator=g)
+    wt = torch.randn(64, 24, generator=g).t()  # a transposed (non-contiguous) weight
+    assert torch.equal(*both_paths(lambda: ops.linear(x, wt)))
+
+
+def _attention_case(g, S, Hq, Hkv, Tq, Tk, D, dtype, garbage=False):
+    q = torch.randn(S, Hq, Tq, D, generator=g).to(dtype)
+    k = torch.randn(S, Hkv, Tk, D, generator=g).to(dtype)
+    v = torch.randn(S, Hkv, Tk, D, generator=g).to(dtype)
+    lens = torch.randint(1, Tk + 1, (S,), generator=g)
+    if Tq == Tk:  # prefill / training rows: positions 0.., padding rows -1
+        q_pos = torch.arange(Tq)[None].repeat(S, 1)
+        q_pos = torch.where(q_pos < lens[:, None], q_pos, -1)
+    else:  # the last Tq positions of each sequence (decode: Tq = 1)
+        q_pos = (lens[:, None] - Tq + torch.arange(Tq)[None]).clamp(min=-1)
+    kv_valid = torch.arange(Tk)[None] < lens[:, None]
+    if garbage:  # unwritten cache slots: must never reach a row
+        k = torch.where(kv_valid[:, None, :, None], k, math.nan)
+        v = torch.where(kv_valid[:, None, :, None], v, math.inf)
+    return q, k, v, q_pos, kv_valid
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_is_the_torch_codes_bits(dtype):
+    g = gen(3)
+    shapes = [
+        (1, 4, 2, 1, 64, 16),  # decode, one block
+        (3, 4, 2, 1, 300, 16),  # decode, ragged caches, a partial last block
+        (4, 32, 4, 1, 70, 128),  # decode, 8 query heads per KV head (Qwen3-30B's grouping)
+        (2, 8, 2, 37, 37, 16),  # prefill, one tile of rows
+        (2, 4, 4, 130, 130, 32),  # prefill, many tiles: (tile, block) pairs skipped
+        (1, 4, 2, 5, 140, 200),  # a head dim above K_CHUNK: chunked scores
+    ]
+    for n_threads in (1, 2):
+        with threads(n_threads):
+            for shape in shapes:
+                for garbage in (False, True):
+                    q, k, v, q_pos, kv_valid = _attention_case(g, *shape, dtype, garbage)
+                    fast, reference = both_paths(lambda: ops.attention(q, k, v, q_pos, kv_valid, 0.25))
+                    assert torch.isfinite(fast).all(), (shape, garbage)
+                    assert torch.equal(fast, reference), (shape, garbage, n_threads)
+
+
+def test_attention_with_strided_caches_and_a_small_call_after_a_large_one():
+    """Keys/values read through their strides; the reused scratch buffers never leak a previous call."""
+    g = gen(4)
+    grid = torch.randn(3, 256, 2, 2, 2, 16, generator=g)  # [S, span, layers, k/v, Hkv, D], like the rollout's
+    k, v = grid[:, :, 1, 0].transpose(1, 2), grid[:, :, 1, 1].transpose(1, 2)
+    q = torch.randn(3, 4, 1, 16, generator=g)
+    q_pos = torch.tensor([[255], [100], [7]])
+    kv_valid = torch.arange(256)[None] <= q_pos
+    big = _attention_case(g, 8, 4, 2, 1, 1000, 16, torch.float32)
+    for args in (big, (q, k, v, q_pos, kv_valid), big, (q, k, v, q_pos, kv_valid)):
+        assert torch.equal(*both_paths(lambda: ops.attention(*args[:5], 0.25)))
+
+
+def test_the_torch_code_alone_reproduces_the_goldens():
+    """The reference the native path is held to is still the original kernels' bits."""
+    goldens = kernel_goldens.load()
+    with native.disabled(), threads(2):
+        actual = kernel_goldens.compute(("ops", "model/dense/fp32", "model/moe/bf16"))
+    for name, value in actual.items():
+        assert torch.equal(value, goldens[name]), name
+
+
+def test_the_fused_attentions_fma_chain_is_mkls_gemm_for_n_from_12():
+    """The premise of the fused attention, on this machine: torch.bmm's entries (K <= K_CHUNK) are fma chains over k."""
+    lib = native.lib()
+    assert native.gemm_is_fma_chain(lib)
+    g = gen(5)
+    for rows, k, n in [(4, 16, 64), (8, 8, 12), (32, 64, 17), (8, 128, 65), (16, 100, 33)]:
+        a, b = torch.randn(2, rows, k, generator=g), torch.randn(2, k, n, generator=g)
+        reference = torch.bmm(a, b)
+        for i in range(2):
+            assert torch.equal(lib.chain_matmul(a[i], b[i]), reference[i]), (rows, k, n)
+    assert native.attention_lib(16) is lib and native.attention_lib(native.FMA_CHAIN_MIN_N - 1) is lib
+
+
+def test_twin_below_12_columns_mkl_is_not_the_fma_chain():
+    """Why FMA_CHAIN_MIN_N: for narrow products MKL runs another kernel, so a head dim of 8 (PV width
+    9) keeps the torch code; a plain multiply-then-add chain differs everywhere."""
+    lib = native.lib()
+    g = gen(6)
+    a, b = torch.randn(8, 64, generator=g), torch.randn(64, 9, generator=g)
+    assert not torch.equal(lib.chain_matmul(a, b), torch.bmm(a[None], b[None])[0])
+    assert native.attention_lib(native.FMA_CHAIN_MIN_N - 2) is None
+    a, b = torch.randn(8, 64, generator=g), torch.randn(64, 64, generator=g)
+    unfused = torch.zeros(8, 64)
+    for k in range(64):  # products rounded before each add
+        unfused = unfused + a[:, k : k + 1] * b[k]
+    assert not torch.equal(unfused, torch.bmm(a[None], b[None])[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# the shorter tiles of a call with few rows
+# ----------------------------------------------------------------------------------------------
+
+
+def _row_bits_equal(r: int, k: int, n: int, seed: int) -> bool:
+    """Do rows multiplied in a tile of ``r`` rows get the bits they get in a full 64-row tile?"""
+    g = gen(seed)
+    a, b = torch.randn(3, 64, k, generator=g), torch.randn(3, k, n, generator=g)
+    return torch.equal(torch.bmm(a[:, :r].contiguous(), b), torch.bmm(a, b)[:, :r])
+
+
+def test_short_tiles_on_the_blas_path_keep_a_rows_bits():
+    for n_threads in (1, 2):
+        with threads(n_threads):
+            for r in ops.SHORT_TILE_ROWS:
+                for k, n in [(16, 64), (64, 17), (64, 65), (128, 192), (72, 24), (100, 4), (5, 129)]:
+                    assert r * k * n >= ops.BLAS_MIN_WORK
+                    assert _row_bits_equal(r, k, n, seed=r * 1000 + k + n), (r, k, n, n_threads)
+
+
+def test_twin_tiles_of_one_or_two_rows_or_below_the_blas_threshold_change_bits():
+    """Why SHORT_TILE_ROWS starts at 4 and tile_rows checks BLAS_MIN_WORK."""
+    for r in (1, 2):
+        assert not all(_row_bits_equal(r, k, 64, seed=k) for k in (16, 64, 128)), r
+    assert 4 * 5 * 17 < ops.BLAS_MIN_WORK  # torch's naive loop at 4 rows, BLAS at 64
+    assert not all(_row_bits_equal(4, 5, 17, seed=seed) for seed in range(4))
+    assert ops.tile_rows(1, 16, 3, ops.TILE_ROWS, torch.device("cpu")) == 16  # 4 and 8 rows: the naive loop
+    assert ops.tile_rows(1, 64, 64, ops.TILE_ROWS, torch.device("cpu")) == 4
+    assert ops.tile_rows(5, 200, 24, ops.TILE_ROWS, torch.device("cpu")) == 8
+    assert ops.tile_rows(40, 64, 64, ops.TILE_ROWS, torch.device("cpu")) == ops.TILE_ROWS
+    assert ops.tile_rows(1, 64, 64, ops.TILE_ROWS, torch.device("meta")) == ops.TILE_ROWS

@@ -1,0 +1,433 @@
+// The CPU fast path of four consistent kernels (true_on_policy/kernels/ops.py is the specification).
+//
+// Each function computes exactly the bits of its torch code in ops.py, with one C++ call instead of
+// 10-50 Python-dispatched ops: the same correctly rounded fp32 + - * / in the same order, torch's own
+// kernels where its bits are not IEEE's (sqrt and exp are MKL VML's; sqrt is 0.7 ulp off on some
+// inputs), at::bmm for the linears, and for attention's products the fma chain MKL's GEMM computes
+// on this path (checked at load: native.attention_lib). Built with -ffp-contract=off and without
+// -ffast-math: no other FMA contraction, no reassociation.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+int64_t pow2_at_least(int64_t n) {
+  int64_t width = 1;
+  while (width < n) width <<= 1;
+  return width;
+}
+
+// ops.fixed_sum of one row already in buf[0:n]: zero-padded to a power of two, then element i
+// paired with i + width/2 at every level.
+float tree_sum(float* buf, int64_t n, int64_t width) {
+  std::fill(buf + n, buf + width, 0.0f);
+  while (width > 1) {
+    width /= 2;
+    for (int64_t i = 0; i < width; ++i) buf[i] = buf[i] + buf[i + width];
+  }
+  return buf[0];
+}
+
+void check_cpu_float(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, op, ": needs an fp32 CPU tensor, got ",
+              x.scalar_type(), " on ", x.device());
+}
+
+// fn(first_row, last_row, buf) over row ranges, each thread with its own tree buffer
+template <typename Fn>
+void for_rows(int64_t rows, int64_t width, Fn fn) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(width, 1)), [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf(width);
+    fn(lo, hi, buf.data());
+  });
+}
+
+// A per-thread scratch tensor per slot, reused across calls: attention's temporaries are MBs at large
+// batches, and fresh allocations of that size come from mmap, whose page faults cost more than the work.
+// Contents are never read before being written. Requests above the cap get a fresh tensor.
+at::Tensor scratch(int slot, at::IntArrayRef shape) {
+  constexpr int64_t kCap = int64_t(1) << 24;  // floats per slot (64 MiB)
+  thread_local std::vector<at::Tensor> slots(2);
+  int64_t numel = 1;
+  for (auto n : shape) numel *= n;
+  if (numel > kCap) return at::empty(shape, at::TensorOptions().dtype(at::kFloat));
+  auto& buf = slots.at(slot);
+  if (!buf.defined() || buf.numel() < numel) buf = at::empty({std::max<int64_t>(numel, 1)}, at::TensorOptions().dtype(at::kFloat));
+  return buf.narrow(0, 0, numel).view(shape);
+}
+
+
+// The product MKL's fp32 GEMM computes on torch's BLAS path (R * K * N >= ops.BLAS_MIN_WORK, R >= 4,
+// N >= 12): each entry an fma chain over k = 0, 1, ... from 0 (measured; native.attention_lib checks
+// it at load). ops.matmul_tiles splits k into chunks whose chain results are added in order.
+constexpr int64_t kLanes = 16;  // columns per register block; N, ldb and ldc are multiples of it
+
+// c[0:MR, 0:NB*16] of the product, over k in [k0, k1): MR x NB register blocks of 16 independent chains
+#if defined(__AVX512F__)
+template <int MR, int NB>
+void chain_tile(const float* a, int64_t lda, const float* bt, int64_t ldb, int64_t k0, int64_t k1, float* c,
+                int64_t ldc) {
+  __m512 acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int nb = 0; nb < NB; ++nb) acc[i][nb] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 b[NB];
+    for (int nb = 0; nb < NB; ++nb) b[nb] = _mm512_loadu_ps(bt + k * ldb + nb * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 ai = _mm512_set1_ps(a[i * lda + k]);
+      for (int nb = 0; nb < NB; ++nb) acc[i][nb] = _mm512_fmadd_ps(ai, b[nb], acc[i][nb]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int nb = 0; nb < NB; ++nb) _mm512_storeu_ps(c + i * ldc + nb * kLanes, acc[i][nb]);
+}
+#else
+template <int MR, int NB>
+void chain_tile(const float* a, int64_t lda, const float* bt, int64_t ldb, int64_t k0, int64_t k1, float* c,
+                int64_t ldc) {
+  for (int i = 0; i < MR; ++i)
+    for (int64_t n = 0; n < NB * kLanes; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) acc = std::fma(a[i * lda + k], bt[k * ldb + n], acc);
+      c[i * ldc + n] = acc;
+    }
+}
+#endif
+
+using ChainTile = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+constexpr int kMaxRows = 8, kMaxBlocks = 4;  // register blocks of one tile: up to 8 rows x 4 x 16 columns
+
+template <int... MR>
+constexpr std::array<std::array<ChainTile, kMaxBlocks>, kMaxRows> chain_tiles(std::integer_sequence<int, MR...>) {
+  return {{{chain_tile<MR + 1, 1>, chain_tile<MR + 1, 2>, chain_tile<MR + 1, 3>, chain_tile<MR + 1, 4>}...}};
+}
+constexpr auto kChainTiles = chain_tiles(std::make_integer_sequence<int, kMaxRows>{});
+
+// c[i, n] = sum_k a[i, k] * bt[k, n] for i < M, n < N, k < K, each entry MKL's way (above).
+// part: scratch of kMaxRows * N floats for the partial products of k chunks after the first.
+void fma_chain_rows(const float* a, int64_t lda, int64_t M, const float* bt, int64_t ldb, int64_t K, int64_t N,
+                    int64_t k_chunk, float* c, int64_t ldc, float* part) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int64_t mr = std::min<int64_t>(kMaxRows, M - m0);
+    for (int64_t k0 = 0; k0 < K; k0 += k_chunk) {
+      const int64_t k1 = std::min(K, k0 + k_chunk);
+      float* dst = k0 == 0 ? c + m0 * ldc : part;
+      const int64_t ldd = k0 == 0 ? ldc : N;
+      for (int64_t n0 = 0; n0 < N; n0 += kMaxBlocks * kLanes) {
+        const int64_t nb = std::min<int64_t>(kMaxBlocks, (N - n0) / kLanes);
+        kChainTiles[mr - 1][nb - 1](a + m0 * lda, lda, bt + n0, ldb, k0, k1, dst + n0, ldd);
+      }
+      if (k0 > 0)
+        for (int64_t i = 0; i < mr; ++i)
+          for (int64_t n = 0; n < N; ++n) c[(m0 + i) * ldc + n] = c[(m0 + i) * ldc + n] + part[i * N + n];
+    }
+  }
+}
+
+int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+}  // namespace
+
+// ops.fixed_sum: the sum over the last dim (keepdim) as the fixed pairwise tree.
+at::Tensor fixed_sum(const at::Tensor& x_in) {
+  check_cpu_float(x_in, "fixed_sum");
+  const auto x = x_in.contiguous();
+  const int64_t n = x.size(-1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = 1;
+  auto out = at::empty(sizes, x.options());
+  const int64_t rows = out.numel(), width = pow2_at_least(n);
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for_rows(rows, width, [&](int64_t lo, int64_t hi, float* buf) {
+    for (int64_t r = lo; r < hi; ++r) {
+      std::copy(src + r * n, src + (r + 1) * n, buf);
+      dst[r] = tree_sum(buf, n, width);
+    }
+  });
+  return out;
+}
+
+// ops.rms_norm (inference): weight * (h / sqrt(fixed_sum(h*h) / n + eps)).to(x.dtype), h = fp32 x.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu(), "rms_norm: needs a CPU tensor, got one on ", x.device());
+  const auto h = x.to(at::kFloat).contiguous();
+  const int64_t n = h.size(-1), width = pow2_at_least(n);
+  auto sizes = h.sizes().vec();
+  sizes.back() = 1;
+  auto root = at::empty(sizes, h.options());
+  const int64_t rows = root.numel();
+  const float* src = h.data_ptr<float>();
+  float* rt = root.data_ptr<float>();
+  const float fn = static_cast<float>(n), feps = static_cast<float>(eps);
+  for_rows(rows, width, [&](int64_t lo, int64_t hi, float* buf) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* row = src + r * n;
+      for (int64_t i = 0; i < n; ++i) buf[i] = row[i] * row[i];
+      rt[r] = tree_sum(buf, n, width) / fn + feps;
+    }
+  });
+  root.sqrt_();  // torch's sqrt kernel, as ops.rms_norm calls it: its bits, not the IEEE square root's
+  auto normed = at::empty_like(h);
+  float* dst = normed.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      for (int64_t i = 0; i < n; ++i) dst[r * n + i] = src[r * n + i] / rt[r];
+  });
+  return weight * normed.to(x.scalar_type());  // torch's cast (round to nearest even) and promotion
+}
+
+// ops._linear_forward: x @ weight.T (+ bias) over row tiles of tile_rows, K split in k_chunk chunks
+// whose fp32 partials are added in order; the same aten calls as the Python code, minus its dispatch.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                  at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk) {
+  const int64_t k = x.size(-1), n = weight.size(0);
+  const auto rows = x.reshape({-1, k});
+  const int64_t m = rows.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  if (m == 0) return at::zeros(out_sizes, x.options().dtype(out_dtype));
+  const int64_t tiles = (m + tile_rows - 1) / tile_rows;
+  at::Tensor a;
+  if (tiles * tile_rows != m) {  // zero rows appended; one copy does the fp32 cast too
+    a = at::zeros({tiles * tile_rows, k}, x.options().dtype(at::kFloat));
+    a.narrow(0, 0, m).copy_(rows);
+  } else {
+    a = rows.to(at::kFloat);
+  }
+  a = a.view({tiles, tile_rows, k});
+  const auto w = weight.to(at::kFloat);
+  const auto b = w.is_contiguous() ? w.as_strided({tiles, k, n}, {0, 1, k}) : w.t().unsqueeze(0).expand({tiles, k, n});
+  at::Tensor out;
+  if (k <= k_chunk) {
+    out = at::bmm(a, b);
+  } else {
+    for (int64_t start = 0; start < k; start += k_chunk) {
+      const int64_t len = std::min(k_chunk, k - start);
+      auto part = at::bmm(a.narrow(2, start, len), b.narrow(1, start, len));
+      out = out.defined() ? out + part : part;
+    }
+  }
+  out = out.view({tiles * tile_rows, n}).narrow(0, 0, m);
+  if (bias.has_value() && bias->defined()) out = out + bias->to(at::kFloat);
+  if (out_dtype != at::kFloat) out = out.to(out_dtype);
+  return out.view(out_sizes);
+}
+
+
+// a @ b for fp32 matrices a [M, K], b [K, N] as fma_chain_rows computes it (one k chunk): what
+// native.attention_lib holds equal to at::bmm on this machine before the fused attention runs.
+at::Tensor chain_matmul(const at::Tensor& a_in, const at::Tensor& b_in) {
+  check_cpu_float(a_in, "chain_matmul");
+  check_cpu_float(b_in, "chain_matmul");
+  TORCH_CHECK(a_in.dim() == 2 && b_in.dim() == 2 && a_in.size(1) == b_in.size(0), "chain_matmul: a [M, K] @ b [K, N]");
+  const int64_t M = a_in.size(0), K = a_in.size(1), N = b_in.size(1), N16 = round_up(N, kLanes);
+  const auto a = a_in.contiguous();
+  auto bt = at::zeros({K, N16}, a.options());
+  bt.narrow(1, 0, N).copy_(b_in);
+  auto c = at::empty({M, N16}, a.options());
+  std::vector<float> part(kMaxRows * N16);
+  fma_chain_rows(a.data_ptr<float>(), K, M, bt.data_ptr<float>(), N16, K, N16, std::max<int64_t>(K, 1),
+                 c.data_ptr<float>(), N16, part.data());
+  return c.narrow(1, 0, N).contiguous();
+}
+
+// ops._attention_kernel without faults and without backward state, fused: the online softmax over the
+// plan's (tile, block) pairs in the Python code's order, each score and PV entry the fma chain MKL
+// computes (above), read straight from the keys and values through their strides; exp stays torch's.
+at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double scaling,
+                     int64_t R, int64_t B, int64_t tiles, int64_t live, int64_t n_used, const at::Tensor& pair_t_in,
+                     const at::Tensor& pair_j_in, const at::Tensor& invisible_in, const at::Tensor& kv_invalid_in,
+                     int64_t k_chunk) {
+  TORCH_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && v_in.device().is_cpu(), "attention: CPU tensors only");
+  TORCH_CHECK(B <= k_chunk, "attention: a KV block of ", B, " keys exceeds the K chunk ", k_chunk);
+  // fp32 views (a copy only for another dtype); keys and values are read through their strides
+  const auto q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat), v = v_in.to(at::kFloat);
+  const auto pair_t = pair_t_in.contiguous(), pair_j = pair_j_in.contiguous();
+  const auto invisible = invisible_in.contiguous(), kv_invalid = kv_invalid_in.contiguous();
+  const int64_t S = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), Tk = k.size(2);
+  const int64_t rep = Hq / Hkv, rows = Tq * rep, P = pair_t.numel(), G = S * Hkv * P, span = kv_invalid.size(1);
+  const int64_t* pt = pair_t.data_ptr<int64_t>();
+  const int64_t* pj = pair_j.data_ptr<int64_t>();
+  const bool* inv = invisible.data_ptr<bool>();
+  const bool* kv_inv = kv_invalid.data_ptr<bool>();
+  const float* qd = q.data_ptr<float>();
+  const float* kd = k.data_ptr<float>();
+  const float* vd = v.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2), ks3 = k.stride(3);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2), vs3 = v.stride(3);
+  const float fscale = static_cast<float>(scaling);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  auto opts = q.options();
+  const int64_t lanes = S * Hkv * tiles;
+
+  // scores of every pair's live rows: the tile's scaled query rows (zero rows after the real ones)
+  // against the block's keys (zero after the last key). Computed transposed -- the cache's key rows
+  // times the query rows as columns: the same chain per entry, no transposed copy of the keys.
+  // Invisible keys selected away (-inf); each row's maximum into the running-maximum grid (-inf
+  // where a pair is skipped).
+  const int64_t L16 = round_up(live, kLanes);
+  auto scores = scratch(0, {G, live, B});
+  auto m_run = at::full({S, Hkv, tiles, n_used, live}, neg_inf, opts);
+  float* sc = scores.data_ptr<float>();
+  float* mr = m_run.data_ptr<float>();
+  at::parallel_for(0, G, 8, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qt(D * L16), st(B * L16), kb(ks3 == 1 ? 0 : B * D), part(kMaxRows * L16);
+    for (int64_t g = lo; g < hi; ++g) {
+      const int64_t s = g / (Hkv * P), h = (g / P) % Hkv, p = g % P, t = pt[p], j = pj[p];
+      std::fill(qt.begin(), qt.end(), 0.0f);  // [D, live rows (+ zero lanes)], scaled
+      for (int64_t r = 0; r < live && t * R + r < rows; ++r) {
+        const int64_t row = t * R + r;
+        const float* src = qd + ((s * Hq + h * rep + row % rep) * Tq + row / rep) * D;
+        for (int64_t d = 0; d < D; ++d) qt[d * L16 + r] = src[d] * fscale;
+      }
+      // keys after the last one visible to any live row only ever reach a row as -inf: not computed
+      const bool* hidden_rows = inv + (s * P + p) * live * B;
+      int64_t n_vis = 0;
+      for (int64_t r = 0; r < live; ++r)
+        for (int64_t b = B - 1; b >= n_vis; --b)
+          if (!hidden_rows[r * B + b]) {
+            n_vis = b + 1;
+            break;
+          }
+      const int64_t n_keys = std::min(std::clamp<int64_t>(Tk - j * B, 0, B), n_vis);
+      const float* keys = kd + s * ks0 + h * ks1 + j * B * ks2;
+      int64_t ldk = ks2;
+      if (ks3 != 1) {  // gathered into [keys, D] rows
+        for (int64_t b = 0; b < n_keys; ++b)
+          for (int64_t d = 0; d < D; ++d) kb[b * D + d] = keys[b * ks2 + d * ks3];
+        keys = kb.data(), ldk = D;
+      }
+      fma_chain_rows(keys, ldk, n_keys, qt.data(), L16, D, L16, k_chunk, st.data(), L16, part.data());
+      std::fill(st.begin() + n_keys * L16, st.end(), 0.0f);  // (selected away below)
+      for (int64_t r = 0; r < live; ++r) {
+        float* out = sc + (g * live + r) * B;
+        const bool* hidden = inv + ((s * P + p) * live + r) * B;
+        float m = neg_inf;
+        for (int64_t b = 0; b < B; ++b) {
+          out[b] = hidden[b] ? neg_inf : st[b * L16 + r];
+          if (out[b] > m || std::isnan(out[b])) m = out[b];  // amax: NaN propagates
+        }
+        mr[(((s * Hkv + h) * tiles + t) * n_used + j) * live + r] = m;
+      }
+    }
+  });
+
+  // the running maximum over the tile's blocks (cummax), its reference (0 while -inf), the rescale
+  // factors alpha_j = exp(m_{j-1} - ref_j) and p = exp(scores - ref)
+  for (int64_t c = 0; c < lanes; ++c)
+    for (int64_t j = 1; j < n_used; ++j)
+      for (int64_t r = 0; r < live; ++r) {
+        float& cur = mr[(c * n_used + j) * live + r];
+        const float prev = mr[(c * n_used + j - 1) * live + r];
+        if (!(cur >= prev) && !std::isnan(cur)) cur = prev;
+      }
+  auto m_ref = at::empty_like(m_run);
+  float* mf = m_ref.data_ptr<float>();
+  const int64_t n_m = m_run.numel();
+  for (int64_t i = 0; i < n_m; ++i) mf[i] = mr[i] == neg_inf ? 0.0f : mr[i];
+  auto alpha = at::empty({lanes, std::max<int64_t>(n_used - 1, 0), live}, opts);
+  float* al = alpha.data_ptr<float>();
+  for (int64_t c = 0; c < lanes; ++c)
+    for (int64_t j = 1; j < n_used; ++j)
+      for (int64_t r = 0; r < live; ++r)
+        al[(c * (n_used - 1) + j - 1) * live + r] = mr[(c * n_used + j - 1) * live + r] - mf[(c * n_used + j) * live + r];
+  alpha.exp_();
+  at::parallel_for(0, G, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t g = lo; g < hi; ++g) {
+      const int64_t s = g / (Hkv * P), h = (g / P) % Hkv, p = g % P;
+      for (int64_t r = 0; r < live; ++r) {
+        const float m = mf[(((s * Hkv + h) * tiles + pt[p]) * n_used + pj[p]) * live + r];
+        float* row = sc + (g * live + r) * B;
+        for (int64_t b = 0; b < B; ++b) row[b] = row[b] - m;
+      }
+    }
+  });
+  scores.exp_();
+
+  // PV of every pair: values of invisible slots 0 and a ones column, so entry D is the row's sum of p
+  const int64_t W = D + 1, W16 = round_up(W, kLanes);
+  auto pv = scratch(1, {G, live, W16});
+  float* pvd = pv.data_ptr<float>();
+  at::parallel_for(0, G, 8, [&](int64_t lo, int64_t hi) {
+    std::vector<float> vb(B * W16, 0.0f), part(kMaxRows * W16);
+    for (int64_t g = lo; g < hi; ++g) {
+      const int64_t s = g / (Hkv * P), h = (g / P) % Hkv, p = g % P, j = pj[p];
+      const float* p_rows = sc + g * live * B;
+      float* out = pvd + g * live * W16;
+      const int64_t first = j * B, n_slots = std::clamp<int64_t>(Tk - first, 0, B);
+      if (std::all_of(kv_inv + s * span + first, kv_inv + s * span + first + n_slots, [](bool x) { return x; })) {
+        std::fill(out, out + live * W16, 0.0f);  // every value zeroed: each chain is fma(p, 0, +0) = +0
+        continue;
+      }
+      for (int64_t b = 0; b < B; ++b) {  // the block's values: [B, D + 1 (+ zero lanes)]
+        const int64_t slot = j * B + b;
+        float* dst = vb.data() + b * W16;
+        dst[D] = 1.0f;
+        if (slot >= Tk || kv_inv[s * span + slot]) {
+          std::fill(dst, dst + D, 0.0f);
+          continue;
+        }
+        const float* value = vd + s * vs0 + h * vs1 + slot * vs2;
+        if (vs3 == 1) {
+          std::copy(value, value + D, dst);
+        } else {
+          for (int64_t d = 0; d < D; ++d) dst[d] = value[d * vs3];
+        }
+      }
+      fma_chain_rows(p_rows, B, live, vb.data(), W16, B, W16, k_chunk, out, W16, part.data());
+    }
+  });
+
+  // acc_j = acc_{j-1} * alpha_j + pv_j in block order (pv = 0 for a skipped pair), then acc / l
+  std::vector<int64_t> pair_of(tiles * n_used, -1);
+  for (int64_t p = 0; p < P; ++p) pair_of[pt[p] * n_used + pj[p]] = p;
+  auto out = at::zeros({S, Hq, Tq, D}, opts);
+  float* od = out.data_ptr<float>();
+  at::parallel_for(0, S * Hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> acc(W);
+    for (int64_t sh = lo; sh < hi; ++sh) {
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t c = sh * tiles + t;
+        for (int64_t r = 0; r < live; ++r) {
+          for (int64_t j = 0; j < n_used; ++j) {
+            const int64_t p = pair_of[t * n_used + j];
+            const float* pvr = p < 0 ? nullptr : pvd + ((sh * P + p) * live + r) * W16;
+            if (j == 0) {
+              for (int64_t d = 0; d < W; ++d) acc[d] = pvr ? pvr[d] : 0.0f;
+            } else {
+              const float a = al[(c * (n_used - 1) + j - 1) * live + r];
+              for (int64_t d = 0; d < W; ++d) {
+                const float scaled = acc[d] * a;
+                acc[d] = scaled + (pvr ? pvr[d] : 0.0f);
+              }
+            }
+          }
+          const int64_t row = t * R + r;
+          if (row >= rows) continue;
+          const float l = acc[D];
+          float* dst = od + (((sh / Hkv) * Hq + (sh % Hkv) * rep + row % rep) * Tq + row / rep) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = l > 0 ? acc[d] / l : 0.0f;
+        }
+      }
+    }
+  });
+  return out.to(q_in.scalar_type());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fixed_sum", &fixed_sum, "ops.fixed_sum for an fp32 CPU tensor");
+  m.def("rms_norm", &rms_norm, "ops.rms_norm (inference) for a CPU tensor");
+  m.def("linear", &linear, "ops._linear_forward for CPU tensors");
+  m.def("attention", &attention, "ops._attention_kernel (no faults, no backward state) for CPU tensors");
+  m.def("chain_matmul", &chain_matmul, "a @ b as the fused attention's fma chains compute it");
+}

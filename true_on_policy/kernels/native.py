@@ -1,0 +1,137 @@
+"""The C++ fast path of the consistent kernels on CPU (``csrc/fixed_order.cpp``), built once per environment.
+
+:mod:`true_on_policy.kernels.ops` calls it for CPU tensors when it is loaded; it computes the very
+bits of the ops' torch code (``tests/test_native_ops.py`` holds them ``torch.equal``) with one C++
+call where the torch code dispatches 10-50 small ops. Its attention is fused: the products are the
+fma chains MKL's GEMM computes on torch's BLAS path, written out -- used only where
+:func:`attention_lib` has checked that premise on this CPU. ``make install`` builds the library
+(``python -m true_on_policy build-native``); otherwise the first process that needs it builds it
+(~20 s, once per environment: it lives under ``sys.prefix``, keyed by the source's hash, the flags
+and torch's version; ``-march=native``: for the machine it is built on). If it cannot be built the
+ops run their torch code -- the same bits, slower -- and say so once on stderr. :func:`disabled`
+forces the torch code (tests compare the two paths).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "fixed_order.cpp"
+# no FMA contraction, no fast-math: the C++ must round exactly where the torch code rounds
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math"]
+
+_lib: ModuleType | None = None
+_tried = False
+_disabled = False
+
+
+def build_directory() -> Path:
+    """Where this environment's library lives: one folder per (source, flags, torch version)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    name = f"fixed_order-{digest}-torch{torch.__version__.replace('+', '_')}"
+    for root in (Path(sys.prefix) / "var" / "true_on_policy", Path.home() / ".cache" / "true_on_policy" / "native"):
+        try:
+            (root / name).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(root / name, os.W_OK):
+            return root / name
+    raise OSError(f"no writable build directory for the native kernels under {sys.prefix} or ~/.cache")
+
+
+def build() -> ModuleType:
+    """Build (or load the already built) library; raises if the compiler fails."""
+    from torch.utils.cpp_extension import load
+
+    directory = build_directory()
+    return load(
+        name=f"true_on_policy_fixed_order_{directory.name.split('-')[1]}",
+        sources=[str(SOURCE)],
+        extra_cflags=CFLAGS,
+        build_directory=str(directory),
+        verbose=False,
+    )
+
+
+def lib() -> ModuleType | None:
+    """The loaded library, or None (disabled, or the build failed: said once on stderr)."""
+    global _lib, _tried
+    if _disabled:
+        return None
+    if not _tried:
+        _tried = True
+        try:
+            _lib = build()
+        except Exception as error:  # noqa: BLE001 -- any build failure leaves the torch code, said loudly
+            warnings.warn(
+                f"true_on_policy: the native consistent kernels could not be built ({type(error).__name__}: "
+                f"{str(error).strip().splitlines()[-1] if str(error).strip() else ''}); the ops run their torch "
+                "code instead (the same bits, slower). `python -m true_on_policy build-native` shows the error.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return _lib
+
+
+# MKL's fp32 GEMM (torch's BLAS path: >= 4 rows, R * K * N >= 400) computes each entry as an fma
+# chain over k from 0 -- what the fused attention writes out -- for N >= 12 output columns only
+FMA_CHAIN_MIN_N = 12
+# (rows, K, N) the check below covers: the attention's products (scores: K = head dim, N = KV_BLOCK;
+# PV: K = KV_BLOCK, N = head dim + 1) and the narrowest N the chain is claimed for
+CHAIN_CHECK_SHAPES = ((8, 16, 64), (4, 64, 17), (32, 128, 64), (8, 64, 129), (5, 100, 64), (8, 64, FMA_CHAIN_MIN_N))
+_fma_chain: bool | None = None
+
+
+def gemm_is_fma_chain(library: ModuleType) -> bool:
+    """Whether ``torch.bmm`` computes the library's fma chains bitwise on this machine (MKL picks its
+    kernels by CPU)."""
+    gen = torch.Generator().manual_seed(1234)
+    for rows, k, n in CHAIN_CHECK_SHAPES:
+        a, b = torch.randn(3, rows, k, generator=gen), torch.randn(3, k, n, generator=gen)
+        reference = torch.bmm(a, b)
+        if not all(torch.equal(library.chain_matmul(a[g], b[g]), reference[g]) for g in range(3)):
+            return False
+    return True
+
+
+def attention_lib(head_dim: int) -> ModuleType | None:
+    """The library if its fused attention computes the torch code's bits for this head dim, else None.
+
+    Its scores and PV products are MKL's fma chains written out, which holds where MKL runs that
+    kernel: PV's width (head_dim + 1) >= :data:`FMA_CHAIN_MIN_N`, and this CPU's MKL checked once per
+    process (:func:`gemm_is_fma_chain`; a mismatch is said on stderr and leaves the torch code).
+    """
+    global _fma_chain
+    library = lib()
+    if library is None or head_dim + 1 < FMA_CHAIN_MIN_N:
+        return None
+    if _fma_chain is None:
+        _fma_chain = gemm_is_fma_chain(library)
+        if not _fma_chain:
+            warnings.warn(
+                "true_on_policy: this CPU's MKL does not compute fp32 GEMM entries as an fma chain over k; "
+                "the consistent attention runs its torch code (the same bits, slower)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return library if _fma_chain else None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """The ops' torch code inside (the reference the native path is held equal to)."""
+    global _disabled
+    previous, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = previous
