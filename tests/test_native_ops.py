@@ -151,7 +151,7 @@ def test_the_fused_attentions_fma_chain_is_mkls_gemm_for_n_from_12():
         reference = torch.bmm(a, b)
         for i in range(2):
             assert torch.equal(lib.chain_matmul(a[i], b[i]), reference[i]), (rows, k, n)
-    assert native.attention_lib(16) is lib and native.attention_lib(native.FMA_CHAIN_MIN_N - 1) is lib
+    assert native.fma_chain_lib(17) is lib and native.fma_chain_lib(native.FMA_CHAIN_MIN_N) is lib
 
 
 def test_twin_below_12_columns_mkl_is_not_the_fma_chain():
@@ -161,7 +161,7 @@ def test_twin_below_12_columns_mkl_is_not_the_fma_chain():
     g = gen(6)
     a, b = torch.randn(8, 64, generator=g), torch.randn(64, 9, generator=g)
     assert not torch.equal(lib.chain_matmul(a, b), torch.bmm(a[None], b[None])[0])
-    assert native.attention_lib(native.FMA_CHAIN_MIN_N - 2) is None
+    assert native.fma_chain_lib(native.FMA_CHAIN_MIN_N - 1) is None
     a, b = torch.randn(8, 64, generator=g), torch.randn(64, 64, generator=g)
     unfused = torch.zeros(8, 64)
     for k in range(64):  # products rounded before each add

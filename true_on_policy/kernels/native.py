@@ -4,7 +4,7 @@
 bits of the ops' torch code (``tests/test_native_ops.py`` holds them ``torch.equal``) with one C++
 call where the torch code dispatches 10-50 small ops. Its attention is fused: the products are the
 fma chains MKL's GEMM computes on torch's BLAS path, written out -- used only where
-:func:`attention_lib` has checked that premise on this CPU. ``make install`` builds the library
+:func:`fma_chain_lib` has checked that premise on this CPU (and for decode's linears too). ``make install`` builds the library
 (``python -m true_on_policy build-native``); otherwise the first process that needs it builds it
 (~20 s, once per environment: it lives under ``sys.prefix``, keyed by the source's hash, the flags
 and torch's version; ``-march=native``: for the machine it is built on). If it cannot be built the
@@ -103,23 +103,27 @@ def gemm_is_fma_chain(library: ModuleType) -> bool:
     return True
 
 
-def attention_lib(head_dim: int) -> ModuleType | None:
-    """The library if its fused attention computes the torch code's bits for this head dim, else None.
+CHAIN_MAX_ROWS = 16  # a linear of at most this many rows (decode) runs as fma chains
 
-    Its scores and PV products are MKL's fma chains written out, which holds where MKL runs that
-    kernel: PV's width (head_dim + 1) >= :data:`FMA_CHAIN_MIN_N`, and this CPU's MKL checked once per
-    process (:func:`gemm_is_fma_chain`; a mismatch is said on stderr and leaves the torch code).
+
+def fma_chain_lib(width: int) -> ModuleType | None:
+    """The library if its fma-chain products compute the torch code's bits for products ``width``
+    columns wide (attention's PV: head dim + 1; a linear: its output features), else None.
+
+    That holds where MKL runs the fma-chain kernel: ``width`` >= :data:`FMA_CHAIN_MIN_N`, on a CPU
+    whose MKL was checked once per process (:func:`gemm_is_fma_chain`; a mismatch is said on stderr
+    and leaves the torch code).
     """
     global _fma_chain
     library = lib()
-    if library is None or head_dim + 1 < FMA_CHAIN_MIN_N:
+    if library is None or width < FMA_CHAIN_MIN_N:
         return None
     if _fma_chain is None:
         _fma_chain = gemm_is_fma_chain(library)
         if not _fma_chain:
             warnings.warn(
                 "true_on_policy: this CPU's MKL does not compute fp32 GEMM entries as an fma chain over k; "
-                "the consistent attention runs its torch code (the same bits, slower)",
+                "the consistent attention and small linears run their torch code (the same bits, slower)",
                 RuntimeWarning,
                 stacklevel=2,
             )

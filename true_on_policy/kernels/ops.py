@@ -250,7 +250,9 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     height = tile_rows(m, k, n, TILE_ROWS, x.device)
     with _no_autocast(x.device):
         if x.device.type == "cpu" and (lib := native.lib()) is not None:
-            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK)  # the same aten calls, from C++
+            # from C++: the same aten calls, or for a few rows the same entries as fma chains
+            chain = m <= native.CHAIN_MAX_ROWS and native.fma_chain_lib(n) is not None
+            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, chain)
         if m == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
         tiles = -(-m // height)
@@ -512,6 +514,48 @@ def _identity(x):
     return x
 
 
+def _key_value_blocks(k, v, plan: AttentionPlan, fault: Fault):
+    """Keys as [S, Hkv, block, D, B]; values as [S, Hkv, block, B, D + 1] with invisible slots zeroed
+    (0 * NaN would leak) and a ones column appended, so the PV product also accumulates the softmax
+    denominator l. Both fp32, zero-padded to whole blocks."""
+    S, _, _, Hkv, Tk, _, _, _, _, n_blocks, _ = plan.dims
+    D, B = k.shape[-1], plan.B
+    if n_blocks * B != Tk:
+        k, v = F.pad(k, (0, 0, 0, n_blocks * B - Tk)), F.pad(v, (0, 0, 0, n_blocks * B - Tk))
+    if fault.kv_garbage:
+        slot_ok = plan.kv_valid[:, None, :, None]
+        k, v = torch.where(slot_ok, k, math.nan), torch.where(slot_ok, v, math.nan)
+    # (In-place writes into fresh buffers below compute the very same elementwise values as
+    # out-of-place ops; they only save allocations, which dominate on CPU.)
+    k_blocks = k.to(torch.float32).unflatten(2, (n_blocks, B)).transpose(-1, -2)  # a view
+    if not plan.dense:  # gathered per pair: from a contiguous copy, the same values, 3x faster
+        k_blocks = k_blocks.contiguous()
+    v_ext = v.new_empty(S, Hkv, n_blocks * B, D + 1, dtype=torch.float32)
+    v_ext[..., :D] = v
+    if not fault.additive_mask:  # (the additive-mask fault keeps them: it adds -1e9 instead of selecting)
+        v_ext[..., :D].masked_fill_(plan.kv_invalid[:, None, :, None], 0.0)  # == where(valid, v, 0)
+    v_ext[..., D] = 1.0
+    return k_blocks, v_ext.view(S, Hkv, n_blocks, B, D + 1)
+
+
+def _native_attention(lib, q, k, v, plan: AttentionPlan, scaling: float, keep_for_backward: bool):
+    """:func:`_attention_kernel` (no faults) as one call into the fused C++ attention; the same bits."""
+    S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
+    args = (q, k, v, scaling, plan.R, plan.B, tiles, live, n_used, plan.pair_t, plan.pair_j, plan.invisible)
+    if not keep_for_backward:
+        return lib.attention(*args, plan.kv_invalid, K_CHUNK, False)[0], None
+    out, probs = lib.attention(*args, plan.kv_invalid, K_CHUNK, True)
+    k_blocks, v_blocks = _key_value_blocks(k, v, plan, NO_FAULT)
+    state = dict(
+        q_tiles=_heads_to_tiles(q.to(torch.float32) * scaling, plan, plan.R),
+        k_blocks=k_blocks,
+        v_blocks=v_blocks,
+        probs=probs.view(S, Hkv, plan.pair_t.numel(), live, plan.B),
+        out_tiles=_heads_to_tiles(out, plan, live).contiguous(),
+    )
+    return out.to(q.dtype), state
+
+
 def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_backward: bool = False):
     """The forward of :func:`attention`: (out [S, Hq, Tq, D] in q's dtype, saved state or None).
 
@@ -520,6 +564,8 @@ def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_bac
     fault = _FAULT
     if fault != NO_FAULT and keep_for_backward:
         raise RuntimeError(f"attention fault switches are forward-only (diagnosis), got {fault}")
+    if fault == NO_FAULT and q.device.type == "cpu" and (lib := native.fma_chain_lib(q.shape[-1] + 1)) is not None:
+        return _native_attention(lib, q, k, v, plan, scaling, keep_for_backward)
     additive = fault.additive_mask
     if fault.softmax_dtype is None:
         rounded = _identity
@@ -529,26 +575,9 @@ def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_bac
     S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
     D = q.shape[-1]
     R, B = plan.R, plan.B
-    if n_blocks * B != Tk:
-        k, v = F.pad(k, (0, 0, 0, n_blocks * B - Tk)), F.pad(v, (0, 0, 0, n_blocks * B - Tk))
-    if fault.kv_garbage:
-        slot_ok = plan.kv_valid[:, None, :, None]
-        k, v = torch.where(slot_ok, k, math.nan), torch.where(slot_ok, v, math.nan)
     pair_t, pair_j = plan.pair_t, plan.pair_j
     n_pairs = pair_t.numel()
-    # keys as [S, Hkv, block, D, B]; values of invisible slots zeroed (0 * NaN would leak) and a
-    # ones column appended, so the PV product also accumulates the softmax denominator l.
-    # (In-place writes into fresh buffers below compute the very same elementwise values as
-    # out-of-place ops; they only save allocations, which dominate on CPU.)
-    k_blocks = k.to(torch.float32).unflatten(2, (n_blocks, B)).transpose(-1, -2)  # a view
-    if not plan.dense:  # gathered per pair below: from a contiguous copy, the same values, 3x faster
-        k_blocks = k_blocks.contiguous()
-    v_ext = v.new_empty(S, Hkv, n_blocks * B, D + 1, dtype=torch.float32)
-    v_ext[..., :D] = v
-    if not additive:  # (the additive-mask fault keeps them: it adds -1e9 instead of selecting)
-        v_ext[..., :D].masked_fill_(plan.kv_invalid[:, None, :, None], 0.0)  # == where(valid, v, 0)
-    v_ext[..., D] = 1.0
-    v_blocks = v_ext.view(S, Hkv, n_blocks, B, D + 1)
+    k_blocks, v_blocks = _key_value_blocks(k, v, plan, fault)
 
     def flat(x):  # [S, Hkv, pairs, a, b] -> [S * Hkv * pairs, a, b]
         return x.reshape(S * Hkv * n_pairs, *x.shape[-2:])
@@ -691,12 +720,6 @@ def attention(
     with _no_autocast(q.device):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return _Attention.apply(q, k, v, plan, scaling)
-        if q.device.type == "cpu" and _FAULT == NO_FAULT and (lib := native.attention_lib(q.shape[-1])) is not None:
-            S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
-            return lib.attention(
-                q, k, v, scaling, plan.R, plan.B, tiles, live, n_used, plan.pair_t, plan.pair_j, plan.invisible,
-                plan.kv_invalid, K_CHUNK,
-            )
         return _attention_kernel(q, k, v, plan, scaling)[0]
 
 

@@ -4,7 +4,7 @@
 // 10-50 Python-dispatched ops: the same correctly rounded fp32 + - * / in the same order, torch's own
 // kernels where its bits are not IEEE's (sqrt and exp are MKL VML's; sqrt is 0.7 ulp off on some
 // inputs), at::bmm for the linears, and for attention's products the fma chain MKL's GEMM computes
-// on this path (checked at load: native.attention_lib). Built with -ffp-contract=off and without
+// on this path (checked at load: native.fma_chain_lib). Built with -ffp-contract=off and without
 // -ffast-math: no other FMA contraction, no reassociation.
 #include <torch/extension.h>
 
@@ -67,7 +67,7 @@ at::Tensor scratch(int slot, at::IntArrayRef shape) {
 
 
 // The product MKL's fp32 GEMM computes on torch's BLAS path (R * K * N >= ops.BLAS_MIN_WORK, R >= 4,
-// N >= 12): each entry an fma chain over k = 0, 1, ... from 0 (measured; native.attention_lib checks
+// N >= 12): each entry an fma chain over k = 0, 1, ... from 0 (measured; native.fma_chain_lib checks
 // it at load). ops.matmul_tiles splits k into chunks whose chain results are added in order.
 constexpr int64_t kLanes = 16;  // columns per register block; N, ldb and ldc are multiples of it
 
@@ -104,7 +104,7 @@ void chain_tile(const float* a, int64_t lda, const float* bt, int64_t ldb, int64
 #endif
 
 using ChainTile = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
-constexpr int kMaxRows = 8, kMaxBlocks = 4;  // register blocks of one tile: up to 8 rows x 4 x 16 columns
+constexpr int kMaxRows = 6, kMaxBlocks = 4;  // one tile: up to 6 rows x 4 x 16 columns (24 of 32 zmm registers)
 
 template <int... MR>
 constexpr std::array<std::array<ChainTile, kMaxBlocks>, kMaxRows> chain_tiles(std::integer_sequence<int, MR...>) {
@@ -134,6 +134,37 @@ void fma_chain_rows(const float* a, int64_t lda, int64_t M, const float* bt, int
 }
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// row[b] = -inf where hidden[b] (selection), and the row's maximum (NaN if an entry is NaN, as amax).
+// A maximum of numbers is exact in any order; only the sign of a zero maximum may differ from amax's,
+// which no output sees (it is subtracted and exponentiated, or added to log(l) != -0).
+float select_and_max(float* row, const bool* hidden, int64_t n) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  int64_t b = 0;
+  float m = neg_inf;
+  bool nan = false;
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(neg_inf);
+  const __m512 ninf = _mm512_set1_ps(neg_inf);
+  __mmask16 nans = 0;
+  for (; b + kLanes <= n; b += kLanes) {
+    const __m128i flags = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hidden + b));
+    const __mmask16 hide = _mm_test_epi8_mask(flags, flags);
+    const __m512 v = _mm512_mask_blend_ps(hide, _mm512_loadu_ps(row + b), ninf);
+    _mm512_storeu_ps(row + b, v);
+    nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mv = _mm512_max_ps(mv, v);
+  }
+  m = _mm512_reduce_max_ps(mv);
+  nan = nans != 0;
+#endif
+  for (; b < n; ++b) {
+    if (hidden[b]) row[b] = neg_inf;
+    nan = nan || std::isnan(row[b]);
+    if (row[b] > m) m = row[b];
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
 
 }  // namespace
 
@@ -188,44 +219,59 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // ops._linear_forward: x @ weight.T (+ bias) over row tiles of tile_rows, K split in k_chunk chunks
 // whose fp32 partials are added in order; the same aten calls as the Python code, minus its dispatch.
+// chain (a few rows, N >= 12, the fma chain checked): the same entries as fma chains, computed
+// transposed -- weight rows times the input rows as columns -- with no tile to pad.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk) {
+                  at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk, bool chain) {
   const int64_t k = x.size(-1), n = weight.size(0);
   const auto rows = x.reshape({-1, k});
   const int64_t m = rows.size(0);
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = n;
   if (m == 0) return at::zeros(out_sizes, x.options().dtype(out_dtype));
-  const int64_t tiles = (m + tile_rows - 1) / tile_rows;
-  at::Tensor a;
-  if (tiles * tile_rows != m) {  // zero rows appended; one copy does the fp32 cast too
-    a = at::zeros({tiles * tile_rows, k}, x.options().dtype(at::kFloat));
-    a.narrow(0, 0, m).copy_(rows);
-  } else {
-    a = rows.to(at::kFloat);
-  }
-  a = a.view({tiles, tile_rows, k});
-  const auto w = weight.to(at::kFloat);
-  const auto b = w.is_contiguous() ? w.as_strided({tiles, k, n}, {0, 1, k}) : w.t().unsqueeze(0).expand({tiles, k, n});
   at::Tensor out;
-  if (k <= k_chunk) {
-    out = at::bmm(a, b);
+  if (chain) {
+    TORCH_CHECK(m <= kLanes, "linear: the chain path takes at most ", kLanes, " rows, got ", m);
+    const auto xf = rows.to(at::kFloat).contiguous(), w = weight.to(at::kFloat).contiguous();
+    std::vector<float> xt(k * kLanes, 0.0f), st(n * kLanes), part(kMaxRows * kLanes);
+    const float* xs = xf.data_ptr<float>();
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < k; ++j) xt[j * kLanes + i] = xs[i * k + j];
+    fma_chain_rows(w.data_ptr<float>(), k, n, xt.data(), kLanes, k, kLanes, k_chunk, st.data(), kLanes, part.data());
+    out = at::empty({m, n}, xf.options());
+    float* o = out.data_ptr<float>();
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) o[i * n + j] = st[j * kLanes + i];
   } else {
-    for (int64_t start = 0; start < k; start += k_chunk) {
-      const int64_t len = std::min(k_chunk, k - start);
-      auto part = at::bmm(a.narrow(2, start, len), b.narrow(1, start, len));
-      out = out.defined() ? out + part : part;
+    const int64_t tiles = (m + tile_rows - 1) / tile_rows;
+    at::Tensor a;
+    if (tiles * tile_rows != m) {  // zero rows appended; one copy does the fp32 cast too
+      a = at::zeros({tiles * tile_rows, k}, x.options().dtype(at::kFloat));
+      a.narrow(0, 0, m).copy_(rows);
+    } else {
+      a = rows.to(at::kFloat);
     }
+    a = a.view({tiles, tile_rows, k});
+    const auto w = weight.to(at::kFloat);
+    const auto b = w.is_contiguous() ? w.as_strided({tiles, k, n}, {0, 1, k}) : w.t().unsqueeze(0).expand({tiles, k, n});
+    if (k <= k_chunk) {
+      out = at::bmm(a, b);
+    } else {
+      for (int64_t start = 0; start < k; start += k_chunk) {
+        const int64_t len = std::min(k_chunk, k - start);
+        auto part = at::bmm(a.narrow(2, start, len), b.narrow(1, start, len));
+        out = out.defined() ? out + part : part;
+      }
+    }
+    out = out.view({tiles * tile_rows, n}).narrow(0, 0, m);
   }
-  out = out.view({tiles * tile_rows, n}).narrow(0, 0, m);
   if (bias.has_value() && bias->defined()) out = out + bias->to(at::kFloat);
   if (out_dtype != at::kFloat) out = out.to(out_dtype);
   return out.view(out_sizes);
 }
 
-
 // a @ b for fp32 matrices a [M, K], b [K, N] as fma_chain_rows computes it (one k chunk): what
-// native.attention_lib holds equal to at::bmm on this machine before the fused attention runs.
+// native.fma_chain_lib holds equal to at::bmm on this machine before the fused attention runs.
 at::Tensor chain_matmul(const at::Tensor& a_in, const at::Tensor& b_in) {
   check_cpu_float(a_in, "chain_matmul");
   check_cpu_float(b_in, "chain_matmul");
@@ -244,10 +290,13 @@ at::Tensor chain_matmul(const at::Tensor& a_in, const at::Tensor& b_in) {
 // ops._attention_kernel without faults and without backward state, fused: the online softmax over the
 // plan's (tile, block) pairs in the Python code's order, each score and PV entry the fma chain MKL
 // computes (above), read straight from the keys and values through their strides; exp stays torch's.
-at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double scaling,
-                     int64_t R, int64_t B, int64_t tiles, int64_t live, int64_t n_used, const at::Tensor& pair_t_in,
-                     const at::Tensor& pair_j_in, const at::Tensor& invisible_in, const at::Tensor& kv_invalid_in,
-                     int64_t k_chunk) {
+// with_probs (training): returns the fp32 output and the backward's probabilities
+// p * exp(ref - lse) per pair [G, R, B] (rows >= live unused), as the torch code saves them.
+std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                  double scaling, int64_t R, int64_t B, int64_t tiles, int64_t live, int64_t n_used,
+                                  const at::Tensor& pair_t_in, const at::Tensor& pair_j_in,
+                                  const at::Tensor& invisible_in, const at::Tensor& kv_invalid_in, int64_t k_chunk,
+                                  bool with_probs) {
   TORCH_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && v_in.device().is_cpu(), "attention: CPU tensors only");
   TORCH_CHECK(B <= k_chunk, "attention: a KV block of ", B, " keys exceeds the K chunk ", k_chunk);
   // fp32 views (a copy only for another dtype); keys and values are read through their strides
@@ -271,54 +320,49 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   const int64_t lanes = S * Hkv * tiles;
 
   // scores of every pair's live rows: the tile's scaled query rows (zero rows after the real ones)
-  // against the block's keys (zero after the last key). Computed transposed -- the cache's key rows
-  // times the query rows as columns: the same chain per entry, no transposed copy of the keys.
-  // Invisible keys selected away (-inf); each row's maximum into the running-maximum grid (-inf
-  // where a pair is skipped).
-  const int64_t L16 = round_up(live, kLanes);
-  auto scores = scratch(0, {G, live, B});
+  // against the block's keys (zero after the last key); invisible keys selected away (-inf); each
+  // row's maximum into the running-maximum grid (-inf where a pair is skipped)
+  // (with_probs: p is kept in a fresh [G, R, B] tensor, the layout the torch code saves)
+  auto scores = with_probs ? at::empty({G, R, B}, opts).narrow(1, 0, live) : scratch(0, {G, live, B});
   auto m_run = at::full({S, Hkv, tiles, n_used, live}, neg_inf, opts);
   float* sc = scores.data_ptr<float>();
+  const int64_t g_stride = scores.stride(0);  // live * B, or R * B with_probs
   float* mr = m_run.data_ptr<float>();
   at::parallel_for(0, G, 8, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qt(D * L16), st(B * L16), kb(ks3 == 1 ? 0 : B * D), part(kMaxRows * L16);
+    std::vector<float> qrows(live * D), kt(D * B), part(kMaxRows * B);
     for (int64_t g = lo; g < hi; ++g) {
       const int64_t s = g / (Hkv * P), h = (g / P) % Hkv, p = g % P, t = pt[p], j = pj[p];
-      std::fill(qt.begin(), qt.end(), 0.0f);  // [D, live rows (+ zero lanes)], scaled
-      for (int64_t r = 0; r < live && t * R + r < rows; ++r) {
+      for (int64_t r = 0; r < live; ++r) {
         const int64_t row = t * R + r;
+        float* dst = qrows.data() + r * D;
+        if (row >= rows) {
+          std::fill(dst, dst + D, 0.0f);
+          continue;
+        }
         const float* src = qd + ((s * Hq + h * rep + row % rep) * Tq + row / rep) * D;
-        for (int64_t d = 0; d < D; ++d) qt[d * L16 + r] = src[d] * fscale;
+        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * fscale;
       }
-      // keys after the last one visible to any live row only ever reach a row as -inf: not computed
-      const bool* hidden_rows = inv + (s * P + p) * live * B;
+      // keys after the last one visible to any live row only ever reach a row as -inf: not read
+      const bool* hidden = inv + (s * P + p) * live * B;
       int64_t n_vis = 0;
       for (int64_t r = 0; r < live; ++r)
         for (int64_t b = B - 1; b >= n_vis; --b)
-          if (!hidden_rows[r * B + b]) {
+          if (!hidden[r * B + b]) {
             n_vis = b + 1;
             break;
           }
       const int64_t n_keys = std::min(std::clamp<int64_t>(Tk - j * B, 0, B), n_vis);
       const float* keys = kd + s * ks0 + h * ks1 + j * B * ks2;
-      int64_t ldk = ks2;
-      if (ks3 != 1) {  // gathered into [keys, D] rows
-        for (int64_t b = 0; b < n_keys; ++b)
-          for (int64_t d = 0; d < D; ++d) kb[b * D + d] = keys[b * ks2 + d * ks3];
-        keys = kb.data(), ldk = D;
+      for (int64_t d = 0; d < D; ++d) {  // the block's keys, transposed: [D, B]
+        float* dst = kt.data() + d * B;
+        const float* src = keys + d * ks3;
+        for (int64_t b = 0; b < n_keys; ++b) dst[b] = src[b * ks2];
+        std::fill(dst + n_keys, dst + B, 0.0f);
       }
-      fma_chain_rows(keys, ldk, n_keys, qt.data(), L16, D, L16, k_chunk, st.data(), L16, part.data());
-      std::fill(st.begin() + n_keys * L16, st.end(), 0.0f);  // (selected away below)
-      for (int64_t r = 0; r < live; ++r) {
-        float* out = sc + (g * live + r) * B;
-        const bool* hidden = inv + ((s * P + p) * live + r) * B;
-        float m = neg_inf;
-        for (int64_t b = 0; b < B; ++b) {
-          out[b] = hidden[b] ? neg_inf : st[b * L16 + r];
-          if (out[b] > m || std::isnan(out[b])) m = out[b];  // amax: NaN propagates
-        }
-        mr[(((s * Hkv + h) * tiles + t) * n_used + j) * live + r] = m;
-      }
+      float* out = sc + g * g_stride;
+      fma_chain_rows(qrows.data(), D, live, kt.data(), B, D, B, k_chunk, out, B, part.data());
+      for (int64_t r = 0; r < live; ++r)
+        mr[(((s * Hkv + h) * tiles + t) * n_used + j) * live + r] = select_and_max(out + r * B, hidden + r * B, B);
     }
   });
 
@@ -347,7 +391,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
       const int64_t s = g / (Hkv * P), h = (g / P) % Hkv, p = g % P;
       for (int64_t r = 0; r < live; ++r) {
         const float m = mf[(((s * Hkv + h) * tiles + pt[p]) * n_used + pj[p]) * live + r];
-        float* row = sc + (g * live + r) * B;
+        float* row = sc + g * g_stride + r * B;
         for (int64_t b = 0; b < B; ++b) row[b] = row[b] - m;
       }
     }
@@ -362,7 +406,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
     std::vector<float> vb(B * W16, 0.0f), part(kMaxRows * W16);
     for (int64_t g = lo; g < hi; ++g) {
       const int64_t s = g / (Hkv * P), h = (g / P) % Hkv, p = g % P, j = pj[p];
-      const float* p_rows = sc + g * live * B;
+      const float* p_rows = sc + g * g_stride;
       float* out = pvd + g * live * W16;
       const int64_t first = j * B, n_slots = std::clamp<int64_t>(Tk - first, 0, B);
       if (std::all_of(kv_inv + s * span + first, kv_inv + s * span + first + n_slots, [](bool x) { return x; })) {
@@ -393,6 +437,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   for (int64_t p = 0; p < P; ++p) pair_of[pt[p] * n_used + pj[p]] = p;
   auto out = at::zeros({S, Hq, Tq, D}, opts);
   float* od = out.data_ptr<float>();
+  std::vector<float> l_rows(lanes * live);  // each row's l = sum of p (for the backward's lse)
   at::parallel_for(0, S * Hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> acc(W);
     for (int64_t sh = lo; sh < hi; ++sh) {
@@ -413,6 +458,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
             }
           }
           const int64_t row = t * R + r;
+          l_rows[c * live + r] = acc[D];
           if (row >= rows) continue;
           const float l = acc[D];
           float* dst = od + (((sh / Hkv) * Hq + (sh % Hkv) * rep + row % rep) * Tq + row / rep) * D;
@@ -421,13 +467,41 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
       }
     }
   });
-  return out.to(q_in.scalar_type());
+  if (!with_probs) return {out.to(q_in.scalar_type())};
+
+  // lse = m + log(l) (0 where not finite) per row, then probs = p * exp(ref - lse) per pair
+  auto lse = at::empty({lanes, live}, opts);
+  float* ls = lse.data_ptr<float>();
+  for (int64_t c = 0; c < lanes; ++c)
+    for (int64_t r = 0; r < live; ++r) ls[c * live + r] = l_rows[c * live + r];
+  lse.log_();
+  for (int64_t c = 0; c < lanes; ++c)
+    for (int64_t r = 0; r < live; ++r) {
+      const float value = mr[(c * n_used + n_used - 1) * live + r] + ls[c * live + r];
+      ls[c * live + r] = std::isfinite(value) ? value : 0.0f;
+    }
+  auto factor = at::empty({G, live}, opts);
+  float* fa = factor.data_ptr<float>();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t sh = g / P, p = g % P, c = sh * tiles + pt[p];
+    for (int64_t r = 0; r < live; ++r) fa[g * live + r] = mf[(c * n_used + pj[p]) * live + r] - ls[c * live + r];
+  }
+  factor.exp_();
+  at::parallel_for(0, G, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t g = lo; g < hi; ++g)
+      for (int64_t r = 0; r < live; ++r) {
+        float* row = sc + g * g_stride + r * B;
+        const float f = fa[g * live + r];
+        for (int64_t b = 0; b < B; ++b) row[b] = row[b] * f;
+      }
+  });
+  return {out, scores};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fixed_sum", &fixed_sum, "ops.fixed_sum for an fp32 CPU tensor");
   m.def("rms_norm", &rms_norm, "ops.rms_norm (inference) for a CPU tensor");
   m.def("linear", &linear, "ops._linear_forward for CPU tensors");
-  m.def("attention", &attention, "ops._attention_kernel (no faults, no backward state) for CPU tensors");
+  m.def("attention", &attention, "ops._attention_kernel without faults, for CPU tensors");
   m.def("chain_matmul", &chain_matmul, "a @ b as the fused attention's fma chains compute it");
 }
