@@ -103,7 +103,7 @@ def gemm_is_fma_chain(library: ModuleType) -> bool:
     return True
 
 
-CHAIN_MAX_ROWS = 16  # a linear of at most this many rows (decode) runs as fma chains
+CHAIN_MAX_ROWS = 64  # a linear of at most this many rows (decode) runs as fma chains
 
 
 def fma_chain_lib(width: int) -> ModuleType | None:

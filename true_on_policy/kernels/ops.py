@@ -645,6 +645,16 @@ def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_bac
     return out, state
 
 
+def _native_backward(grad_out: torch.Tensor, plan: AttentionPlan):
+    """The library if its fused backward computes the torch code's bits here, else None: every
+    product of the backward has ``live`` >= 4 rows, a width (head dim, KV_BLOCK) on the fma-chain
+    path and >= BLAS_MIN_WORK multiply-adds."""
+    live, D = plan.dims[8], grad_out.shape[-1]
+    if grad_out.device.type != "cpu" or live < SHORT_TILE_ROWS[0] or live * D * plan.B < BLAS_MIN_WORK:
+        return None
+    return native.fma_chain_lib(D)
+
+
 class _Attention(torch.autograd.Function):
     """Forward: the consistent kernel. Backward: the same (tile, block) pairs with plain bmm and
     index_add (gradients need not be batch-invariant)."""
@@ -657,7 +667,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        st, plan, scaling = ctx.state, ctx.plan, ctx.scaling
+        st, plan = ctx.state, ctx.plan
         S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
         B = plan.B
         D = grad_out.shape[-1]
@@ -666,6 +676,11 @@ class _Attention(torch.autograd.Function):
             do = _heads_to_tiles(grad_out, plan, live)
             delta = (do * st["out_tiles"]).sum(-1)  # [S, Hkv, tiles, live]
             probs = st["probs"]  # [S, Hkv, P, live, B]
+            if (lib := _native_backward(grad_out, plan)) is not None:  # the same bits, fused in C++
+                grad_q, grad_k, grad_v = lib.attention_backward(
+                    do, delta, probs, st["q_tiles"], st["k_blocks"], st["v_blocks"], pair_t, pair_j, K_CHUNK
+                )
+                return _Attention.finish(ctx, grad_q, grad_k, grad_v)
             do_p = do.index_select(2, pair_t)
             v_p = st["v_blocks"].index_select(2, pair_j)[..., :D]
             # == probs * (dP - delta), in dP's buffer (IEEE products commute)
@@ -675,9 +690,19 @@ class _Attention(torch.autograd.Function):
             grad_q = do.new_zeros(S, Hkv, tiles, live, D).index_add_(2, pair_t, grad_s @ k_p.transpose(-1, -2))
             q_p = st["q_tiles"][:, :, :, :live].index_select(2, pair_t)
             grad_k = do.new_zeros(S, Hkv, n_blocks, B, D).index_add_(2, pair_j, grad_s.transpose(-1, -2) @ q_p)
-            grad_q = _tiles_to_heads(grad_q * scaling, plan)
-            grad_k = grad_k.view(S, Hkv, n_blocks * B, D)[:, :, :Tk]
-            grad_v = torch.where(plan.kv_valid[:, None, :, None], grad_v.view(S, Hkv, n_blocks * B, D), 0.0)[:, :, :Tk]
+        return _Attention.finish(ctx, grad_q, grad_k, grad_v)
+
+    @staticmethod
+    def finish(ctx, grad_q, grad_k, grad_v):
+        """Tiles and blocks back to q, k, v's layouts and dtypes (invalid slots' values get no gradient)."""
+        plan = ctx.plan
+        S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
+        D = grad_q.shape[-1]
+        with _no_autocast(grad_q.device):
+            grad_q = _tiles_to_heads(grad_q * ctx.scaling, plan)
+            grad_k = grad_k.view(S, Hkv, n_blocks * plan.B, D)[:, :, :Tk]
+            grad_v = grad_v.view(S, Hkv, n_blocks * plan.B, D)
+            grad_v = torch.where(plan.kv_valid[:, None, :, None], grad_v, 0.0)[:, :, :Tk]
         ctx.state = None
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         return grad_q.to(q_dtype), grad_k.to(k_dtype), grad_v.to(v_dtype), None, None

@@ -231,17 +231,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   if (m == 0) return at::zeros(out_sizes, x.options().dtype(out_dtype));
   at::Tensor out;
   if (chain) {
-    TORCH_CHECK(m <= kLanes, "linear: the chain path takes at most ", kLanes, " rows, got ", m);
+    const int64_t lanes = round_up(m, kLanes);
+    TORCH_CHECK(lanes <= kMaxBlocks * kLanes, "linear: the chain path takes at most ", kMaxBlocks * kLanes,
+                " rows, got ", m);
     const auto xf = rows.to(at::kFloat).contiguous(), w = weight.to(at::kFloat).contiguous();
-    std::vector<float> xt(k * kLanes, 0.0f), st(n * kLanes), part(kMaxRows * kLanes);
+    std::vector<float> xt(k * lanes, 0.0f), st(n * lanes), part(kMaxRows * lanes);
     const float* xs = xf.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < k; ++j) xt[j * kLanes + i] = xs[i * k + j];
-    fma_chain_rows(w.data_ptr<float>(), k, n, xt.data(), kLanes, k, kLanes, k_chunk, st.data(), kLanes, part.data());
+      for (int64_t j = 0; j < k; ++j) xt[j * lanes + i] = xs[i * k + j];
+    fma_chain_rows(w.data_ptr<float>(), k, n, xt.data(), lanes, k, lanes, k_chunk, st.data(), lanes, part.data());
     out = at::empty({m, n}, xf.options());
     float* o = out.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) o[i * n + j] = st[j * kLanes + i];
+      for (int64_t j = 0; j < n; ++j) o[i * n + j] = st[j * lanes + i];
   } else {
     const int64_t tiles = (m + tile_rows - 1) / tile_rows;
     at::Tensor a;
@@ -498,10 +500,102 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
   return {out, scores};
 }
 
+// _Attention.backward's products and sums, fused: per pair p (tile t, block j), in pair order,
+//   dP = do_t @ v_j^T;  grad_s = (dP - delta_t) * probs_p;
+//   grad_v_j += probs_p^T @ do_t;  grad_q_t += grad_s @ k_j^T;  grad_k_j += grad_s^T @ q_t,
+// each product entry the fma chain MKL computes for torch.matmul here (every product has >= 4 rows,
+// >= 12 columns and >= 400 multiply-adds: the caller checks) and each += the IEEE add index_add_
+// does, starting from 0. Returns (grad_q [S, Hkv, tiles, live, D], grad_k, grad_v [S, Hkv, blocks, B, D]).
+std::vector<at::Tensor> attention_backward(const at::Tensor& do_in, const at::Tensor& delta_in,
+                                           const at::Tensor& probs_in, const at::Tensor& q_tiles,
+                                           const at::Tensor& k_blocks, const at::Tensor& v_blocks,
+                                           const at::Tensor& pair_t_in, const at::Tensor& pair_j_in,
+                                           int64_t k_chunk) {
+  const auto dout = do_in.contiguous(), delta = delta_in.contiguous(), probs = probs_in.contiguous();
+  const auto pair_t = pair_t_in.contiguous(), pair_j = pair_j_in.contiguous();
+  const auto qt = q_tiles.contiguous();  // [S, Hkv, tiles, R, D]
+  const auto kc = k_blocks.contiguous();  // [S, Hkv, blocks, D, B]
+  const auto vc = v_blocks.contiguous();  // [S, Hkv, blocks, B, D + 1]
+  const int64_t S = dout.size(0), Hkv = dout.size(1), tiles = dout.size(2), live = dout.size(3), D = dout.size(4);
+  const int64_t n_blocks = k_blocks.size(2), B = k_blocks.size(4), P = pair_t.numel();
+  const int64_t D16 = round_up(D, kLanes), B16 = round_up(B, kLanes), L16 = round_up(live, kLanes);
+  const int64_t* pt = pair_t.data_ptr<int64_t>();
+  const int64_t* pj = pair_j.data_ptr<int64_t>();
+  const float* dd = dout.data_ptr<float>();
+  const float* de = delta.data_ptr<float>();
+  const float* pr = probs.data_ptr<float>();
+  auto opts = dout.options();
+  auto grad_q = at::zeros({S, Hkv, tiles, live, D}, opts);
+  auto grad_k = at::zeros({S, Hkv, n_blocks, B, D}, opts), grad_v = at::zeros({S, Hkv, n_blocks, B, D}, opts);
+  float* gq = grad_q.data_ptr<float>();
+  float* gk = grad_k.data_ptr<float>();
+  float* gv = grad_v.data_ptr<float>();
+  const int64_t R = qt.size(3);
+  const float* qd = qt.data_ptr<float>();
+  const float* kd = kc.data_ptr<float>();
+  const float* vd = vc.data_ptr<float>();
+  at::parallel_for(0, S * Hkv, 1, [&](int64_t lo, int64_t hi) {
+    const int64_t widest = std::max({B16, D16, L16});
+    std::vector<float> do16(live * D16, 0.0f), q16(live * D16, 0.0f), k16(B * D16, 0.0f), vt(D * B16, 0.0f),
+        pT(B * live), gs(live * B16), gsT(B * live), prod(std::max(live, B) * widest), part(kMaxRows * widest);
+    for (int64_t sh = lo; sh < hi; ++sh) {
+      int64_t loaded_t = -1;
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t t = pt[p], j = pj[p];
+        const float* prb = pr + ((sh * P + p) * live) * B;
+        if (t != loaded_t) {  // the tile's rows of do and q, zero-padded to 16 columns (pairs come tile by tile)
+          const float* dot = dd + ((sh * tiles + t) * live) * D;
+          const float* qrow = qd + ((sh * tiles + t) * R) * D;
+          for (int64_t r = 0; r < live; ++r) {
+            std::copy(dot + r * D, dot + (r + 1) * D, do16.data() + r * D16);
+            std::copy(qrow + r * D, qrow + (r + 1) * D, q16.data() + r * D16);
+          }
+          loaded_t = t;
+        }
+        const float* kblock = kd + (sh * n_blocks + j) * D * B;
+        const float* vblock = vd + (sh * n_blocks + j) * B * (D + 1);
+        for (int64_t d = 0; d < D; ++d) {
+          for (int64_t b = 0; b < B; ++b) k16[b * D16 + d] = kblock[d * B + b];
+          for (int64_t b = 0; b < B; ++b) vt[d * B16 + b] = vblock[b * (D + 1) + d];
+        }
+        for (int64_t r = 0; r < live; ++r)
+          for (int64_t b = 0; b < B; ++b) pT[b * live + r] = prb[r * B + b];
+        // grad_s = (do @ v^T - delta) * probs
+        fma_chain_rows(do16.data(), D16, live, vt.data(), B16, D, B16, k_chunk, gs.data(), B16, part.data());
+        for (int64_t r = 0; r < live; ++r) {
+          const float dl = de[(sh * tiles + t) * live + r];
+          for (int64_t b = 0; b < B; ++b) {
+            const float diff = gs[r * B16 + b] - dl;
+            gs[r * B16 + b] = diff * prb[r * B + b];
+            gsT[b * live + r] = gs[r * B16 + b];
+          }
+        }
+        // grad_v_j += probs^T @ do
+        fma_chain_rows(pT.data(), live, B, do16.data(), D16, live, D16, k_chunk, prod.data(), D16, part.data());
+        float* gvj = gv + (sh * n_blocks + j) * B * D;
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t d = 0; d < D; ++d) gvj[b * D + d] = gvj[b * D + d] + prod[b * D16 + d];
+        // grad_q_t += grad_s @ k_j^T ([B, D] rows of the block's keys)
+        fma_chain_rows(gs.data(), B16, live, k16.data(), D16, B, D16, k_chunk, prod.data(), D16, part.data());
+        float* gqt = gq + (sh * tiles + t) * live * D;
+        for (int64_t r = 0; r < live; ++r)
+          for (int64_t d = 0; d < D; ++d) gqt[r * D + d] = gqt[r * D + d] + prod[r * D16 + d];
+        // grad_k_j += grad_s^T @ q_t
+        fma_chain_rows(gsT.data(), live, B, q16.data(), D16, live, D16, k_chunk, prod.data(), D16, part.data());
+        float* gkj = gk + (sh * n_blocks + j) * B * D;
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t d = 0; d < D; ++d) gkj[b * D + d] = gkj[b * D + d] + prod[b * D16 + d];
+      }
+    }
+  });
+  return {grad_q, grad_k, grad_v};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fixed_sum", &fixed_sum, "ops.fixed_sum for an fp32 CPU tensor");
   m.def("rms_norm", &rms_norm, "ops.rms_norm (inference) for a CPU tensor");
   m.def("linear", &linear, "ops._linear_forward for CPU tensors");
   m.def("attention", &attention, "ops._attention_kernel without faults, for CPU tensors");
+  m.def("attention_backward", &attention_backward, "_Attention.backward's products and sums, fused");
   m.def("chain_matmul", &chain_matmul, "a @ b as the fused attention's fma chains compute it");
 }
