@@ -8,6 +8,7 @@ rows or below torch's BLAS threshold change a row's matmul bits.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -117,6 +118,25 @@ def test_attention_is_the_torch_codes_bits(dtype):
                     fast, reference = both_paths(lambda: ops.attention(q, k, v, q_pos, kv_valid, 0.25))
                     assert torch.isfinite(fast).all(), (shape, garbage)
                     assert torch.equal(fast, reference), (shape, garbage, n_threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_gradients_are_the_torch_codes_bits(dtype):
+    """Training: the fused forward (with the backward's probabilities) and the fused backward."""
+    g = gen(7)
+    # (the last: 2 live rows, fewer than the fused backward takes: the native forward, the torch backward)
+    for shape in [(2, 4, 2, 130, 130, 16), (3, 8, 2, 70, 70, 32), (1, 4, 2, 20, 20, 16), (2, 4, 2, 1, 1, 16)]:
+        q, k, v, q_pos, kv_valid = _attention_case(g, *shape, dtype)
+        grad_out = torch.randn(q.shape, generator=g).to(dtype)
+        results = []
+        for path in (contextlib.nullcontext, native.disabled):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            with path():
+                out = ops.attention(*leaves, q_pos, kv_valid, 0.25)
+                out.backward(grad_out)
+            results.append([out.detach()] + [t.grad for t in leaves])
+        for name, fast, reference in zip(("out", "grad_q", "grad_k", "grad_v"), *results):
+            assert torch.equal(fast, reference), (shape, name)
 
 
 def test_attention_with_strided_caches_and_a_small_call_after_a_large_one():

@@ -2,10 +2,10 @@
 
 :mod:`true_on_policy.kernels.ops` calls it for CPU tensors when it is loaded; it computes the very
 bits of the ops' torch code (``tests/test_native_ops.py`` holds them ``torch.equal``) with one C++
-call where the torch code dispatches 10-50 small ops. Its attention is fused: the products are the
-fma chains MKL's GEMM computes on torch's BLAS path, written out -- used only where
-:func:`fma_chain_lib` has checked that premise on this CPU (and for decode's linears too). ``make install`` builds the library
-(``python -m true_on_policy build-native``); otherwise the first process that needs it builds it
+call where the torch code dispatches 10-50 small ops. Its attention (and a decode step's linears)
+is fused: the products are the fma chains MKL's GEMM computes on torch's BLAS path, written out --
+used only where :func:`fma_chain_lib` has checked that premise on this CPU. ``make install`` builds
+the library (``python -m true_on_policy build-native``); otherwise the first process that needs it builds it
 (~20 s, once per environment: it lives under ``sys.prefix``, keyed by the source's hash, the flags
 and torch's version; ``-march=native``: for the machine it is built on). If it cannot be built the
 ops run their torch code -- the same bits, slower -- and say so once on stderr. :func:`disabled`

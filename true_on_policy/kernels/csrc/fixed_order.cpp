@@ -61,10 +61,10 @@ at::Tensor scratch(int slot, at::IntArrayRef shape) {
   for (auto n : shape) numel *= n;
   if (numel > kCap) return at::empty(shape, at::TensorOptions().dtype(at::kFloat));
   auto& buf = slots.at(slot);
-  if (!buf.defined() || buf.numel() < numel) buf = at::empty({std::max<int64_t>(numel, 1)}, at::TensorOptions().dtype(at::kFloat));
+  if (!buf.defined() || buf.numel() < numel)
+    buf = at::empty({std::max<int64_t>(numel, 1)}, at::TensorOptions().dtype(at::kFloat));
   return buf.narrow(0, 0, numel).view(shape);
 }
-
 
 // The product MKL's fp32 GEMM computes on torch's BLAS path (R * K * N >= ops.BLAS_MIN_WORK, R >= 4,
 // N >= 12): each entry an fma chain over k = 0, 1, ... from 0 (measured; native.fma_chain_lib checks
@@ -255,7 +255,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     }
     a = a.view({tiles, tile_rows, k});
     const auto w = weight.to(at::kFloat);
-    const auto b = w.is_contiguous() ? w.as_strided({tiles, k, n}, {0, 1, k}) : w.t().unsqueeze(0).expand({tiles, k, n});
+    const auto b = w.is_contiguous() ? w.as_strided({tiles, k, n}, {0, 1, k})  // W^T per tile, no copy
+                                     : w.t().unsqueeze(0).expand({tiles, k, n});
     if (k <= k_chunk) {
       out = at::bmm(a, b);
     } else {
@@ -299,7 +300,8 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
                                   const at::Tensor& pair_t_in, const at::Tensor& pair_j_in,
                                   const at::Tensor& invisible_in, const at::Tensor& kv_invalid_in, int64_t k_chunk,
                                   bool with_probs) {
-  TORCH_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && v_in.device().is_cpu(), "attention: CPU tensors only");
+  TORCH_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && v_in.device().is_cpu(),
+              "attention: CPU tensors only");
   TORCH_CHECK(B <= k_chunk, "attention: a KV block of ", B, " keys exceeds the K chunk ", k_chunk);
   // fp32 views (a copy only for another dtype); keys and values are read through their strides
   const auto q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat), v = v_in.to(at::kFloat);
@@ -386,7 +388,8 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
   for (int64_t c = 0; c < lanes; ++c)
     for (int64_t j = 1; j < n_used; ++j)
       for (int64_t r = 0; r < live; ++r)
-        al[(c * (n_used - 1) + j - 1) * live + r] = mr[(c * n_used + j - 1) * live + r] - mf[(c * n_used + j) * live + r];
+        al[(c * (n_used - 1) + j - 1) * live + r] =
+            mr[(c * n_used + j - 1) * live + r] - mf[(c * n_used + j) * live + r];
   alpha.exp_();
   at::parallel_for(0, G, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t g = lo; g < hi; ++g) {
