@@ -124,8 +124,10 @@ def test_attention_is_the_torch_codes_bits(dtype):
 def test_attention_gradients_are_the_torch_codes_bits(dtype):
     """Training: the fused forward (with the backward's probabilities) and the fused backward."""
     g = gen(7)
-    # (the last: 2 live rows, fewer than the fused backward takes: the native forward, the torch backward)
-    for shape in [(2, 4, 2, 130, 130, 16), (3, 8, 2, 70, 70, 32), (1, 4, 2, 20, 20, 16), (2, 4, 2, 1, 1, 16)]:
+    # (the last two: 2 live rows, fewer than the fused backward takes; a head dim above K_CHUNK, which
+    # the torch backward reduces unsplit: the native forward, then the torch backward)
+    shapes = [(2, 4, 2, 130, 130, 16), (3, 8, 2, 70, 70, 32), (1, 4, 2, 20, 20, 16), (2, 4, 2, 1, 1, 16)]
+    for shape in shapes + [(1, 4, 2, 40, 40, 200)]:
         q, k, v, q_pos, kv_valid = _attention_case(g, *shape, dtype)
         grad_out = torch.randn(q.shape, generator=g).to(dtype)
         results = []
@@ -187,6 +189,15 @@ def test_twin_below_12_columns_mkl_is_not_the_fma_chain():
     for k in range(64):  # products rounded before each add
         unfused = unfused + a[:, k : k + 1] * b[k]
     assert not torch.equal(unfused, torch.bmm(a[None], b[None])[0])
+
+
+def test_twin_above_k_chunk_mkl_is_not_one_fma_chain():
+    """Why the fused backward takes reduced dims <= K_CHUNK only (the torch backward does not split
+    them): over K = 200 one chain differs from MKL's GEMM."""
+    lib = native.lib()
+    g = gen(8)
+    a, b = torch.randn(32, 200, generator=g), torch.randn(200, 64, generator=g)
+    assert not torch.equal(lib.chain_matmul(a, b), torch.bmm(a[None], b[None])[0])
 
 
 # ----------------------------------------------------------------------------------------------

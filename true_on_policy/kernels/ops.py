@@ -648,9 +648,12 @@ def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_bac
 def _native_backward(grad_out: torch.Tensor, plan: AttentionPlan):
     """The library if its fused backward computes the torch code's bits here, else None: every
     product of the backward has ``live`` >= 4 rows, a width (head dim, KV_BLOCK) on the fma-chain
-    path and >= BLAS_MIN_WORK multiply-adds."""
+    path, >= BLAS_MIN_WORK multiply-adds and a reduced dim (head dim, KV_BLOCK, live) <= K_CHUNK:
+    the torch code's backward does not split it, and MKL is one fma chain only up to that length."""
     live, D = plan.dims[8], grad_out.shape[-1]
     if grad_out.device.type != "cpu" or live < SHORT_TILE_ROWS[0] or live * D * plan.B < BLAS_MIN_WORK:
+        return None
+    if max(D, plan.B, live) > K_CHUNK:
         return None
     return native.fma_chain_lib(D)
 
@@ -678,7 +681,7 @@ class _Attention(torch.autograd.Function):
             probs = st["probs"]  # [S, Hkv, P, live, B]
             if (lib := _native_backward(grad_out, plan)) is not None:  # the same bits, fused in C++
                 grad_q, grad_k, grad_v = lib.attention_backward(
-                    do, delta, probs, st["q_tiles"], st["k_blocks"], st["v_blocks"], pair_t, pair_j, K_CHUNK
+                    do, delta, probs, st["q_tiles"], st["k_blocks"], st["v_blocks"], pair_t, pair_j
                 )
                 return _Attention.finish(ctx, grad_q, grad_k, grad_v)
             do_p = do.index_select(2, pair_t)

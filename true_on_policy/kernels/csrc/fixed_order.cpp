@@ -506,14 +506,14 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
 // _Attention.backward's products and sums, fused: per pair p (tile t, block j), in pair order,
 //   dP = do_t @ v_j^T;  grad_s = (dP - delta_t) * probs_p;
 //   grad_v_j += probs_p^T @ do_t;  grad_q_t += grad_s @ k_j^T;  grad_k_j += grad_s^T @ q_t,
-// each product entry the fma chain MKL computes for torch.matmul here (every product has >= 4 rows,
-// >= 12 columns and >= 400 multiply-adds: the caller checks) and each += the IEEE add index_add_
-// does, starting from 0. Returns (grad_q [S, Hkv, tiles, live, D], grad_k, grad_v [S, Hkv, blocks, B, D]).
+// each product entry the fma chain MKL computes for torch.matmul here -- one chain over the whole
+// reduced dim, as the torch code does not split it (every product has >= 4 rows, >= 12 columns,
+// >= 400 multiply-adds and a reduced dim <= 128: the caller checks) -- and each += the IEEE add
+// index_add_ does, starting from 0. Returns (grad_q [S, Hkv, tiles, live, D], grad_k, grad_v [S, Hkv, blocks, B, D]).
 std::vector<at::Tensor> attention_backward(const at::Tensor& do_in, const at::Tensor& delta_in,
                                            const at::Tensor& probs_in, const at::Tensor& q_tiles,
                                            const at::Tensor& k_blocks, const at::Tensor& v_blocks,
-                                           const at::Tensor& pair_t_in, const at::Tensor& pair_j_in,
-                                           int64_t k_chunk) {
+                                           const at::Tensor& pair_t_in, const at::Tensor& pair_j_in) {
   const auto dout = do_in.contiguous(), delta = delta_in.contiguous(), probs = probs_in.contiguous();
   const auto pair_t = pair_t_in.contiguous(), pair_j = pair_j_in.contiguous();
   const auto qt = q_tiles.contiguous();  // [S, Hkv, tiles, R, D]
@@ -522,6 +522,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& do_in, const at::Te
   const int64_t S = dout.size(0), Hkv = dout.size(1), tiles = dout.size(2), live = dout.size(3), D = dout.size(4);
   const int64_t n_blocks = k_blocks.size(2), B = k_blocks.size(4), P = pair_t.numel();
   const int64_t D16 = round_up(D, kLanes), B16 = round_up(B, kLanes), L16 = round_up(live, kLanes);
+  const int64_t whole = std::max({D, B, live});  // "chunk" size: every product reduces in one chain
   const int64_t* pt = pair_t.data_ptr<int64_t>();
   const int64_t* pj = pair_j.data_ptr<int64_t>();
   const float* dd = dout.data_ptr<float>();
@@ -564,7 +565,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& do_in, const at::Te
         for (int64_t r = 0; r < live; ++r)
           for (int64_t b = 0; b < B; ++b) pT[b * live + r] = prb[r * B + b];
         // grad_s = (do @ v^T - delta) * probs
-        fma_chain_rows(do16.data(), D16, live, vt.data(), B16, D, B16, k_chunk, gs.data(), B16, part.data());
+        fma_chain_rows(do16.data(), D16, live, vt.data(), B16, D, B16, whole, gs.data(), B16, part.data());
         for (int64_t r = 0; r < live; ++r) {
           const float dl = de[(sh * tiles + t) * live + r];
           for (int64_t b = 0; b < B; ++b) {
@@ -574,17 +575,17 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& do_in, const at::Te
           }
         }
         // grad_v_j += probs^T @ do
-        fma_chain_rows(pT.data(), live, B, do16.data(), D16, live, D16, k_chunk, prod.data(), D16, part.data());
+        fma_chain_rows(pT.data(), live, B, do16.data(), D16, live, D16, whole, prod.data(), D16, part.data());
         float* gvj = gv + (sh * n_blocks + j) * B * D;
         for (int64_t b = 0; b < B; ++b)
           for (int64_t d = 0; d < D; ++d) gvj[b * D + d] = gvj[b * D + d] + prod[b * D16 + d];
         // grad_q_t += grad_s @ k_j^T ([B, D] rows of the block's keys)
-        fma_chain_rows(gs.data(), B16, live, k16.data(), D16, B, D16, k_chunk, prod.data(), D16, part.data());
+        fma_chain_rows(gs.data(), B16, live, k16.data(), D16, B, D16, whole, prod.data(), D16, part.data());
         float* gqt = gq + (sh * tiles + t) * live * D;
         for (int64_t r = 0; r < live; ++r)
           for (int64_t d = 0; d < D; ++d) gqt[r * D + d] = gqt[r * D + d] + prod[r * D16 + d];
         // grad_k_j += grad_s^T @ q_t
-        fma_chain_rows(gsT.data(), live, B, q16.data(), D16, live, D16, k_chunk, prod.data(), D16, part.data());
+        fma_chain_rows(gsT.data(), live, B, q16.data(), D16, live, D16, whole, prod.data(), D16, part.data());
         float* gkj = gk + (sh * n_blocks + j) * B * D;
         for (int64_t b = 0; b < B; ++b)
           for (int64_t d = 0; d < D; ++d) gkj[b * D + d] = gkj[b * D + d] + prod[b * D16 + d];
