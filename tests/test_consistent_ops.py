@@ -139,6 +139,61 @@ def test_fixed_sum_is_a_fixed_tree():
         assert torch.equal(out, s[3]), label
 
 
+def _tree_through_autograd(x):
+    """fixed_sum's tree written out with torch ops: the gradient autograd derives through it."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    x = F.pad(x, (0, width - n))
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x
+
+
+def _gradients(sum_fn, x, grad_out):
+    leaf = x.clone().requires_grad_()
+    out = sum_fn(leaf)
+    out.backward(grad_out)
+    return out.detach(), leaf.grad
+
+
+def _signed_zero_and_nan_grads(g, shape, dtype):
+    grad_out = torch.randn(*shape[:-1], 1, generator=g).to(dtype)
+    grad_out.view(-1)[::3] = -0.0  # autograd's tree turns these into +0.0
+    grad_out.view(-1)[1::4] = math.nan
+    return grad_out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_sum_gradient_is_autograds_through_the_tree(dtype):
+    """One autograd node (forward and backward) with the bits of the tree's ~4 nodes per level: every
+    value and the sign of every zero; NaN stays NaN (torch's bf16 adds do not keep NaN payloads)."""
+    g = gen(15)
+    for shape in [(5, 1), (5, 2), (3, 7), (4, 64), (2, 3, 100), (300, 128)]:
+        x = torch.randn(shape, generator=g).to(dtype)
+        grad_out = _signed_zero_and_nan_grads(g, shape, dtype)
+        (out, grad), (ref_out, ref_grad) = _gradients(ops.fixed_sum, x, grad_out), _gradients(
+            _tree_through_autograd, x, grad_out
+        )
+        assert torch.equal(out, ref_out), shape
+        nan = ref_grad.isnan()
+        assert torch.equal(grad.isnan(), nan), shape
+        assert torch.equal(grad[~nan], ref_grad[~nan]), shape
+        assert torch.equal(grad[~nan].signbit(), ref_grad[~nan].signbit()), shape
+
+
+def test_twin_the_trees_gradient_is_not_the_output_gradient_as_is():
+    """Why _FixedSum's backward adds 0.0: handing the gradient on unchanged keeps a -0.0 that autograd's
+    tree makes +0.0 (torch.equal calls the two equal: the sign bit shows it)."""
+    g = gen(16)
+    x = torch.randn(4, 64, generator=g)
+    grad_out = _signed_zero_and_nan_grads(g, x.shape, torch.float32).nan_to_num(0.5)
+    _, tree_grad = _gradients(_tree_through_autograd, x, grad_out)
+    as_is = grad_out.expand(x.shape)
+    assert torch.equal(as_is, tree_grad)
+    assert not torch.equal(as_is.signbit(), tree_grad.signbit())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_batch_invariant_and_matches_hf(dtype):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm

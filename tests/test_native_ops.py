@@ -2,8 +2,9 @@
 
 Each native op is held ``torch.equal`` to the ops' torch code (:func:`native.disabled`) on shapes
 that cover its branches; the goldens are reproduced by the torch code alone too. Twins show what
-each guard is for: an IEEE square root (instead of torch's) changes RMSNorm bits, and tiles of 1-2
-rows or below torch's BLAS threshold change a row's matmul bits.
+each guard is for: an IEEE square root (instead of torch's) changes RMSNorm bits, tiles of 1-2
+rows or below torch's BLAS threshold change a row's matmul bits, and a build without OpenMP runs
+the library's loops on one thread.
 """
 
 from __future__ import annotations
@@ -40,6 +41,22 @@ def test_the_native_library_is_built_and_used():
     with native.disabled():
         assert native.lib() is None
     assert native.lib() is lib
+
+
+def test_the_native_loops_run_on_torchs_threads():
+    """The library is built with OpenMP: its at::parallel_for loops use torch's intra-op threads."""
+    lib = native.lib()
+    for n_threads in (1, 2):
+        with threads(n_threads):
+            assert lib.parallel_threads(8) == n_threads
+
+
+def test_twin_without_openmp_the_native_loops_run_serially():
+    """Why CFLAGS has -fopenmp: ATen's at::parallel_for is header-only, and compiled without OpenMP it
+    is a serial loop whatever torch's thread count (the C++ path then ran on one core)."""
+    serial = native.build([f for f in native.CFLAGS if f != "-fopenmp"], [])
+    with threads(2):
+        assert serial.parallel_threads(8) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

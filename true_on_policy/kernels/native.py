@@ -6,8 +6,9 @@ call where the torch code dispatches 10-50 small ops. Its attention (and a decod
 is fused: the products are the fma chains MKL's GEMM computes on torch's BLAS path, written out --
 used only where :func:`fma_chain_lib` has checked that premise on this CPU. ``make install`` builds
 the library (``python -m true_on_policy build-native``); otherwise the first process that needs it builds it
-(~20 s, once per environment: it lives under ``sys.prefix``, keyed by the source's hash, the flags
-and torch's version; ``-march=native``: for the machine it is built on). If it cannot be built the
+(~30 s, once per environment: it lives under ``sys.prefix``, keyed by the source's hash, the flags
+and torch's version; ``-march=native``: for the machine it is built on). Its loops run on torch's
+intra-op threads (OpenMP), each output written by one thread in a fixed order. If it cannot be built the
 ops run their torch code -- the same bits, slower -- and say so once on stderr. :func:`disabled`
 forces the torch code (tests compare the two paths).
 """
@@ -26,17 +27,20 @@ from types import ModuleType
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "fixed_order.cpp"
-# no FMA contraction, no fast-math: the C++ must round exactly where the torch code rounds
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math"]
+# no FMA contraction, no fast-math: the C++ must round exactly where the torch code rounds.
+# -fopenmp: without it ATen's header-only at::parallel_for compiles to a serial loop; the library then
+# links libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool)
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 _lib: ModuleType | None = None
 _tried = False
 _disabled = False
 
 
-def build_directory() -> Path:
+def build_directory(cflags=CFLAGS, ldflags=LDFLAGS) -> Path:
     """Where this environment's library lives: one folder per (source, flags, torch version)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags + ldflags).encode()).hexdigest()[:12]
     name = f"fixed_order-{digest}-torch{torch.__version__.replace('+', '_')}"
     for root in (Path(sys.prefix) / "var" / "true_on_policy", Path.home() / ".cache" / "true_on_policy" / "native"):
         try:
@@ -48,15 +52,17 @@ def build_directory() -> Path:
     raise OSError(f"no writable build directory for the native kernels under {sys.prefix} or ~/.cache")
 
 
-def build() -> ModuleType:
-    """Build (or load the already built) library; raises if the compiler fails."""
+def build(cflags=CFLAGS, ldflags=LDFLAGS) -> ModuleType:
+    """Build (or load the already built) library; raises if the compiler fails. Other flags than the
+    defaults are for tests (a build without OpenMP shows what -fopenmp is for)."""
     from torch.utils.cpp_extension import load
 
-    directory = build_directory()
+    directory = build_directory(cflags, ldflags)
     return load(
         name=f"true_on_policy_fixed_order_{directory.name.split('-')[1]}",
         sources=[str(SOURCE)],
-        extra_cflags=CFLAGS,
+        extra_cflags=list(cflags),
+        extra_ldflags=list(ldflags),
         build_directory=str(directory),
         verbose=False,
     )

@@ -25,10 +25,11 @@ Transcendentals are restricted to those measured position-invariant on CPU (fp32
 Autocast is switched off inside these ops: the precision policy is the ops', not autocast's.
 Backward: :func:`linear` and :func:`attention` are autograd Functions whose forward is the
 consistent kernel and whose backward uses plain matmuls (gradients need not be batch-invariant);
-the other ops differentiate through their (elementwise) torch ops.
+:func:`fixed_sum` is one whose backward is autograd's through its tree, bitwise; the other ops
+differentiate through their (elementwise) torch ops.
 
 On CPU, :func:`fixed_sum`, :func:`rms_norm` (inference), :func:`linear` and :func:`attention`
-(inference) run as one call each into :mod:`true_on_policy.kernels.native` (C++) when it is built:
+(forward and backward) run as one call each into :mod:`true_on_policy.kernels.native` (C++) when it is built:
 the same arithmetic in the same order as the torch code below (attention's products as the fma
 chains MKL's GEMM computes, written out), which stays the specification (``tests/test_native_ops.py``
 holds the two ``torch.equal``).
@@ -181,11 +182,16 @@ def fixed_sum(x: torch.Tensor) -> torch.Tensor:
     Invariant: element ``i`` is paired with ``i + n/2`` (zero-padded to a power of two) at every
     level, so a row's sum depends only on the row's values, never on the number of rows, the
     row's position, the threads or the vector width (elementwise adds are correctly rounded).
+    Its gradient is the one autograd derives through the tree (:class:`_FixedSum`).
     """
-    if x.dtype == torch.float32 and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled()):
-        lib = native.lib()
-        if lib is not None:
-            return lib.fixed_sum(x)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _FixedSum.apply(x)
+    return _fixed_sum(x)
+
+
+def _fixed_sum(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32 and x.device.type == "cpu" and (lib := native.lib()) is not None:
+        return lib.fixed_sum(x)
     n = x.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
@@ -194,6 +200,26 @@ def fixed_sum(x: torch.Tensor) -> torch.Tensor:
         width //= 2
         x = torch.add(x[..., :width], x[..., width:])
     return x
+
+
+class _FixedSum(torch.autograd.Function):
+    """:func:`fixed_sum` as one autograd node with the tree's own gradient, bitwise.
+
+    Through the tree, autograd hands every element the row's gradient: an add passes it on, and each
+    level's two slice gradients (zeros elsewhere) are accumulated by adding -- ``g + 0``, which keeps
+    every value but turns -0.0 into +0.0 (``n == 1``: no level, ``g`` as is; NaN stays NaN, its
+    payload is not kept by torch's bf16 adds anyway). One op instead of ~4 per level, forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return _fixed_sum(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.expand(ctx.shape)
+        return grad + 0.0 if ctx.shape[-1] > 1 else grad.clone()
 
 
 SHORT_TILE_ROWS = (4, 8, 16, 32)  # the shorter tiles a call with few rows (decode) may use on CPU
@@ -539,21 +565,17 @@ def _key_value_blocks(k, v, plan: AttentionPlan, fault: Fault):
 
 
 def _native_attention(lib, q, k, v, plan: AttentionPlan, scaling: float, keep_for_backward: bool):
-    """:func:`_attention_kernel` (no faults) as one call into the fused C++ attention; the same bits."""
+    """:func:`_attention_kernel` (no faults) as one call into the fused C++ attention; the same bits.
+
+    The backward state holds q, k, v themselves: the fused backward builds its tiles and blocks from
+    them, and the torch backward (:func:`_torch_backward_operands`) only if it runs."""
     S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
     args = (q, k, v, scaling, plan.R, plan.B, tiles, live, n_used, plan.pair_t, plan.pair_j, plan.invisible)
     if not keep_for_backward:
         return lib.attention(*args, plan.kv_invalid, K_CHUNK, False)[0], None
-    out, probs = lib.attention(*args, plan.kv_invalid, K_CHUNK, True)
-    k_blocks, v_blocks = _key_value_blocks(k, v, plan, NO_FAULT)
-    state = dict(
-        q_tiles=_heads_to_tiles(q.to(torch.float32) * scaling, plan, plan.R),
-        k_blocks=k_blocks,
-        v_blocks=v_blocks,
-        probs=probs.view(S, Hkv, plan.pair_t.numel(), live, plan.B),
-        out_tiles=_heads_to_tiles(out, plan, live).contiguous(),
-    )
-    return out.to(q.dtype), state
+    out, probs, out_tiles = lib.attention(*args, plan.kv_invalid, K_CHUNK, True)
+    probs = probs.view(S, Hkv, plan.pair_t.numel(), live, plan.B)
+    return out.to(q.dtype), dict(q=q, k=k, v=v, scaling=scaling, probs=probs, out_tiles=out_tiles)
 
 
 def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_backward: bool = False):
@@ -645,6 +667,17 @@ def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_bac
     return out, state
 
 
+def _torch_backward_operands(state, plan: AttentionPlan):
+    """(q_tiles, k_blocks, v_blocks) of the torch backward: saved by the torch forward, or built from the
+    native forward's q, k, v with the very functions the torch forward uses."""
+    if "q_tiles" not in state:
+        q, k, v = state["q"], state["k"], state["v"]
+        k_blocks, v_blocks = _key_value_blocks(k, v, plan, NO_FAULT)
+        q_tiles = _heads_to_tiles(q.to(torch.float32) * state["scaling"], plan, plan.R)
+        state.update(q_tiles=q_tiles, k_blocks=k_blocks, v_blocks=v_blocks)
+    return state["q_tiles"], state["k_blocks"], state["v_blocks"]
+
+
 def _native_backward(grad_out: torch.Tensor, plan: AttentionPlan):
     """The library if its fused backward computes the torch code's bits here, else None: every
     product of the backward has ``live`` >= 4 rows, a width (head dim, KV_BLOCK) on the fma-chain
@@ -679,19 +712,21 @@ class _Attention(torch.autograd.Function):
             do = _heads_to_tiles(grad_out, plan, live)
             delta = (do * st["out_tiles"]).sum(-1)  # [S, Hkv, tiles, live]
             probs = st["probs"]  # [S, Hkv, P, live, B]
-            if (lib := _native_backward(grad_out, plan)) is not None:  # the same bits, fused in C++
+            if "q" in st and (lib := _native_backward(grad_out, plan)) is not None:  # the same bits, fused in C++
                 grad_q, grad_k, grad_v = lib.attention_backward(
-                    do, delta, probs, st["q_tiles"], st["k_blocks"], st["v_blocks"], pair_t, pair_j
+                    do, delta, probs, st["q"], st["k"], st["v"], st["scaling"], plan.R, pair_t, pair_j,
+                    plan.kv_invalid, n_blocks,
                 )
                 return _Attention.finish(ctx, grad_q, grad_k, grad_v)
+            q_tiles, k_blocks, v_blocks = _torch_backward_operands(st, plan)
             do_p = do.index_select(2, pair_t)
-            v_p = st["v_blocks"].index_select(2, pair_j)[..., :D]
+            v_p = v_blocks.index_select(2, pair_j)[..., :D]
             # == probs * (dP - delta), in dP's buffer (IEEE products commute)
             grad_s = (do_p @ v_p.transpose(-1, -2)).sub_(delta[:, :, pair_t][..., None]).mul_(probs)
             grad_v = v_p.new_zeros(S, Hkv, n_blocks, B, D).index_add_(2, pair_j, probs.transpose(-1, -2) @ do_p)
-            k_p = st["k_blocks"].index_select(2, pair_j)  # [S, Hkv, P, D, B]
+            k_p = k_blocks.index_select(2, pair_j)  # [S, Hkv, P, D, B]
             grad_q = do.new_zeros(S, Hkv, tiles, live, D).index_add_(2, pair_t, grad_s @ k_p.transpose(-1, -2))
-            q_p = st["q_tiles"][:, :, :, :live].index_select(2, pair_t)
+            q_p = q_tiles[:, :, :, :live].index_select(2, pair_t)
             grad_k = do.new_zeros(S, Hkv, n_blocks, B, D).index_add_(2, pair_j, grad_s.transpose(-1, -2) @ q_p)
         return _Attention.finish(ctx, grad_q, grad_k, grad_v)
 

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -56,7 +57,7 @@ void for_rows(int64_t rows, int64_t width, Fn fn) {
 // Contents are never read before being written. Requests above the cap get a fresh tensor.
 at::Tensor scratch(int slot, at::IntArrayRef shape) {
   constexpr int64_t kCap = int64_t(1) << 24;  // floats per slot (64 MiB)
-  thread_local std::vector<at::Tensor> slots(2);
+  thread_local std::vector<at::Tensor> slots(3);
   int64_t numel = 1;
   for (auto n : shape) numel *= n;
   if (numel > kCap) return at::empty(shape, at::TensorOptions().dtype(at::kFloat));
@@ -71,11 +72,12 @@ at::Tensor scratch(int slot, at::IntArrayRef shape) {
 // it at load). ops.matmul_tiles splits k into chunks whose chain results are added in order.
 constexpr int64_t kLanes = 16;  // columns per register block; N, ldb and ldc are multiples of it
 
-// c[0:MR, 0:NB*16] of the product, over k in [k0, k1): MR x NB register blocks of 16 independent chains
+// c[0:MR, 0:NB*16] of the product, over k in [k0, k1): MR x NB register blocks of 16 independent chains;
+// a[i, k] is a[i * a_row + k * a_k] (a_k = 1: row-major; a_row = 1: a transposed operand read in place)
 #if defined(__AVX512F__)
 template <int MR, int NB>
-void chain_tile(const float* a, int64_t lda, const float* bt, int64_t ldb, int64_t k0, int64_t k1, float* c,
-                int64_t ldc) {
+void chain_tile(const float* a, int64_t a_row, int64_t a_k, const float* bt, int64_t ldb, int64_t k0, int64_t k1,
+                float* c, int64_t ldc) {
   __m512 acc[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int nb = 0; nb < NB; ++nb) acc[i][nb] = _mm512_setzero_ps();
@@ -83,7 +85,7 @@ void chain_tile(const float* a, int64_t lda, const float* bt, int64_t ldb, int64
     __m512 b[NB];
     for (int nb = 0; nb < NB; ++nb) b[nb] = _mm512_loadu_ps(bt + k * ldb + nb * kLanes);
     for (int i = 0; i < MR; ++i) {
-      const __m512 ai = _mm512_set1_ps(a[i * lda + k]);
+      const __m512 ai = _mm512_set1_ps(a[i * a_row + k * a_k]);
       for (int nb = 0; nb < NB; ++nb) acc[i][nb] = _mm512_fmadd_ps(ai, b[nb], acc[i][nb]);
     }
   }
@@ -92,18 +94,18 @@ void chain_tile(const float* a, int64_t lda, const float* bt, int64_t ldb, int64
 }
 #else
 template <int MR, int NB>
-void chain_tile(const float* a, int64_t lda, const float* bt, int64_t ldb, int64_t k0, int64_t k1, float* c,
-                int64_t ldc) {
+void chain_tile(const float* a, int64_t a_row, int64_t a_k, const float* bt, int64_t ldb, int64_t k0, int64_t k1,
+                float* c, int64_t ldc) {
   for (int i = 0; i < MR; ++i)
     for (int64_t n = 0; n < NB * kLanes; ++n) {
       float acc = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) acc = std::fma(a[i * lda + k], bt[k * ldb + n], acc);
+      for (int64_t k = k0; k < k1; ++k) acc = std::fma(a[i * a_row + k * a_k], bt[k * ldb + n], acc);
       c[i * ldc + n] = acc;
     }
 }
 #endif
 
-using ChainTile = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+using ChainTile = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
 constexpr int kMaxRows = 6, kMaxBlocks = 4;  // one tile: up to 6 rows x 4 x 16 columns (24 of 32 zmm registers)
 
 template <int... MR>
@@ -112,10 +114,10 @@ constexpr std::array<std::array<ChainTile, kMaxBlocks>, kMaxRows> chain_tiles(st
 }
 constexpr auto kChainTiles = chain_tiles(std::make_integer_sequence<int, kMaxRows>{});
 
-// c[i, n] = sum_k a[i, k] * bt[k, n] for i < M, n < N, k < K, each entry MKL's way (above).
-// part: scratch of kMaxRows * N floats for the partial products of k chunks after the first.
-void fma_chain_rows(const float* a, int64_t lda, int64_t M, const float* bt, int64_t ldb, int64_t K, int64_t N,
-                    int64_t k_chunk, float* c, int64_t ldc, float* part) {
+// c[i, n] = sum_k a[i, k] * bt[k, n] for i < M, n < N, k < K, each entry MKL's way (above); a[i, k] at
+// a[i * a_row + k * a_k]. part: scratch of kMaxRows * N floats for the partial products of k chunks after the first.
+void fma_chain_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, const float* bt, int64_t ldb, int64_t K,
+                    int64_t N, int64_t k_chunk, float* c, int64_t ldc, float* part) {
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int64_t mr = std::min<int64_t>(kMaxRows, M - m0);
     for (int64_t k0 = 0; k0 < K; k0 += k_chunk) {
@@ -124,7 +126,7 @@ void fma_chain_rows(const float* a, int64_t lda, int64_t M, const float* bt, int
       const int64_t ldd = k0 == 0 ? ldc : N;
       for (int64_t n0 = 0; n0 < N; n0 += kMaxBlocks * kLanes) {
         const int64_t nb = std::min<int64_t>(kMaxBlocks, (N - n0) / kLanes);
-        kChainTiles[mr - 1][nb - 1](a + m0 * lda, lda, bt + n0, ldb, k0, k1, dst + n0, ldd);
+        kChainTiles[mr - 1][nb - 1](a + m0 * a_row, a_row, a_k, bt + n0, ldb, k0, k1, dst + n0, ldd);
       }
       if (k0 > 0)
         for (int64_t i = 0; i < mr; ++i)
@@ -164,6 +166,37 @@ float select_and_max(float* row, const bool* hidden, int64_t n) {
     if (row[b] > m) m = row[b];
   }
   return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
+
+// The pairs of each KV block, in pair order (CSR: block j's pairs are pairs[start[j]:start[j + 1]]), and the
+// blocks in the order 0, n-1, 1, n-2, ...: the causal blocks' pair counts fall with j, so interleaving them
+// gives the contiguous halves at::parallel_for hands the threads about the same work.
+struct BlockPairs {
+  std::vector<int64_t> start, pairs, order;
+  BlockPairs(const int64_t* pj, int64_t P, int64_t n_used) : start(n_used + 1, 0), pairs(P), order(n_used) {
+    for (int64_t p = 0; p < P; ++p) ++start[pj[p] + 1];
+    for (int64_t j = 0; j < n_used; ++j) start[j + 1] += start[j];
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < P; ++p) pairs[fill[pj[p]]++] = p;
+    for (int64_t i = 0; i < n_used; ++i) order[i] = i % 2 == 0 ? i / 2 : n_used - 1 - i / 2;
+  }
+};
+
+// The tile rows of query head group h: row = position * rep + head within the group (ops._heads_to_tiles),
+// scaled (fp32 q * fp32 scaling, as the torch code multiplies) -- zero rows after the real ones.
+void scaled_query_rows(const float* qd, int64_t Hq, int64_t Tq, int64_t D, int64_t rep, int64_t s, int64_t h,
+                       int64_t first_row, int64_t n, float scale, float* dst, int64_t ld) {
+  const int64_t rows = Tq * rep;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t row = first_row + r;
+    float* out = dst + r * ld;
+    if (row >= rows) {
+      std::fill(out, out + D, 0.0f);
+      continue;
+    }
+    const float* src = qd + ((s * Hq + h * rep + row % rep) * Tq + row / rep) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = src[d] * scale;
+  }
 }
 
 }  // namespace
@@ -239,7 +272,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     const float* xs = xf.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < k; ++j) xt[j * lanes + i] = xs[i * k + j];
-    fma_chain_rows(w.data_ptr<float>(), k, n, xt.data(), lanes, k, lanes, k_chunk, st.data(), lanes, part.data());
+    fma_chain_rows(w.data_ptr<float>(), k, 1, n, xt.data(), lanes, k, lanes, k_chunk, st.data(), lanes, part.data());
     out = at::empty({m, n}, xf.options());
     float* o = out.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i)
@@ -285,16 +318,17 @@ at::Tensor chain_matmul(const at::Tensor& a_in, const at::Tensor& b_in) {
   bt.narrow(1, 0, N).copy_(b_in);
   auto c = at::empty({M, N16}, a.options());
   std::vector<float> part(kMaxRows * N16);
-  fma_chain_rows(a.data_ptr<float>(), K, M, bt.data_ptr<float>(), N16, K, N16, std::max<int64_t>(K, 1),
+  fma_chain_rows(a.data_ptr<float>(), K, 1, M, bt.data_ptr<float>(), N16, K, N16, std::max<int64_t>(K, 1),
                  c.data_ptr<float>(), N16, part.data());
   return c.narrow(1, 0, N).contiguous();
 }
 
-// ops._attention_kernel without faults and without backward state, fused: the online softmax over the
-// plan's (tile, block) pairs in the Python code's order, each score and PV entry the fma chain MKL
-// computes (above), read straight from the keys and values through their strides; exp stays torch's.
-// with_probs (training): returns the fp32 output and the backward's probabilities
-// p * exp(ref - lse) per pair [G, R, B] (rows >= live unused), as the torch code saves them.
+// ops._attention_kernel without faults, fused: the online softmax over the plan's (tile, block) pairs in
+// the Python code's order, each score and PV entry the fma chain MKL computes (above), keys and values
+// read through their strides once per block (a block's pairs share them); exp stays torch's.
+// with_probs (training) also returns the backward's probabilities p * exp(ref - lse) per pair
+// [G, R, B] (rows >= live unused), as the torch code saves them, and the output's tile rows
+// [S, Hkv, tiles, live, D] (ops._heads_to_tiles of the fp32 output); the output is then fp32.
 std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                   double scaling, int64_t R, int64_t B, int64_t tiles, int64_t live, int64_t n_used,
                                   const at::Tensor& pair_t_in, const at::Tensor& pair_j_in,
@@ -313,48 +347,49 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
   const int64_t* pj = pair_j.data_ptr<int64_t>();
   const bool* inv = invisible.data_ptr<bool>();
   const bool* kv_inv = kv_invalid.data_ptr<bool>();
-  const float* qd = q.data_ptr<float>();
   const float* kd = k.data_ptr<float>();
   const float* vd = v.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2), ks3 = k.stride(3);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2), vs3 = v.stride(3);
-  const float fscale = static_cast<float>(scaling);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   auto opts = q.options();
-  const int64_t lanes = S * Hkv * tiles;
+  const int64_t lanes = S * Hkv * tiles, items = S * Hkv * n_used;  // items: (s, h, block)
+  const BlockPairs blocks(pj, P, n_used);
 
-  // scores of every pair's live rows: the tile's scaled query rows (zero rows after the real ones)
-  // against the block's keys (zero after the last key); invisible keys selected away (-inf); each
-  // row's maximum into the running-maximum grid (-inf where a pair is skipped)
+  // every tile's scaled query rows, [S * Hkv, tiles, live, D]
+  auto q_rows = scratch(2, {lanes * live * D});
+  float* qr = q_rows.data_ptr<float>();
+  at::parallel_for(0, lanes, 4, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c)
+      scaled_query_rows(q.data_ptr<float>(), Hq, Tq, D, rep, c / (Hkv * tiles), (c / tiles) % Hkv, (c % tiles) * R,
+                        live, static_cast<float>(scaling), qr + c * live * D, D);
+  });
+
+  // scores of every pair's live rows against the block's keys (zero after the last key); invisible keys
+  // selected away (-inf); each row's maximum into the running-maximum grid (-inf where a pair is skipped)
   // (with_probs: p is kept in a fresh [G, R, B] tensor, the layout the torch code saves)
   auto scores = with_probs ? at::empty({G, R, B}, opts).narrow(1, 0, live) : scratch(0, {G, live, B});
   auto m_run = at::full({S, Hkv, tiles, n_used, live}, neg_inf, opts);
   float* sc = scores.data_ptr<float>();
   const int64_t g_stride = scores.stride(0);  // live * B, or R * B with_probs
   float* mr = m_run.data_ptr<float>();
-  at::parallel_for(0, G, 8, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qrows(live * D), kt(D * B), part(kMaxRows * B);
-    for (int64_t g = lo; g < hi; ++g) {
-      const int64_t s = g / (Hkv * P), h = (g / P) % Hkv, p = g % P, t = pt[p], j = pj[p];
-      for (int64_t r = 0; r < live; ++r) {
-        const int64_t row = t * R + r;
-        float* dst = qrows.data() + r * D;
-        if (row >= rows) {
-          std::fill(dst, dst + D, 0.0f);
-          continue;
-        }
-        const float* src = qd + ((s * Hq + h * rep + row % rep) * Tq + row / rep) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * fscale;
-      }
-      // keys after the last one visible to any live row only ever reach a row as -inf: not read
-      const bool* hidden = inv + (s * P + p) * live * B;
+  at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> kt(D * B), part(kMaxRows * B);
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t sh = item / n_used, j = blocks.order[item % n_used], s = sh / Hkv, h = sh % Hkv;
+      if (blocks.start[j] == blocks.start[j + 1]) continue;
+      // keys after the last one visible to a live row of the block's pairs only ever reach a row as -inf:
+      // not read (zero)
       int64_t n_vis = 0;
-      for (int64_t r = 0; r < live; ++r)
-        for (int64_t b = B - 1; b >= n_vis; --b)
-          if (!hidden[r * B + b]) {
-            n_vis = b + 1;
-            break;
-          }
+      for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
+        const bool* hidden = inv + (s * P + blocks.pairs[i]) * live * B;
+        for (int64_t r = 0; r < live; ++r)
+          for (int64_t b = B - 1; b >= n_vis; --b)
+            if (!hidden[r * B + b]) {
+              n_vis = b + 1;
+              break;
+            }
+      }
       const int64_t n_keys = std::min(std::clamp<int64_t>(Tk - j * B, 0, B), n_vis);
       const float* keys = kd + s * ks0 + h * ks1 + j * B * ks2;
       for (int64_t d = 0; d < D; ++d) {  // the block's keys, transposed: [D, B]
@@ -363,10 +398,14 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
         for (int64_t b = 0; b < n_keys; ++b) dst[b] = src[b * ks2];
         std::fill(dst + n_keys, dst + B, 0.0f);
       }
-      float* out = sc + g * g_stride;
-      fma_chain_rows(qrows.data(), D, live, kt.data(), B, D, B, k_chunk, out, B, part.data());
-      for (int64_t r = 0; r < live; ++r)
-        mr[(((s * Hkv + h) * tiles + t) * n_used + j) * live + r] = select_and_max(out + r * B, hidden + r * B, B);
+      for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
+        const int64_t p = blocks.pairs[i], c = sh * tiles + pt[p];
+        const bool* hidden = inv + (s * P + p) * live * B;
+        float* out = sc + (sh * P + p) * g_stride;
+        fma_chain_rows(qr + c * live * D, D, 1, live, kt.data(), B, D, B, k_chunk, out, B, part.data());
+        for (int64_t r = 0; r < live; ++r)
+          mr[(c * n_used + j) * live + r] = select_and_max(out + r * B, hidden + r * B, B);
+      }
     }
   });
 
@@ -393,9 +432,9 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
   alpha.exp_();
   at::parallel_for(0, G, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t g = lo; g < hi; ++g) {
-      const int64_t s = g / (Hkv * P), h = (g / P) % Hkv, p = g % P;
+      const int64_t sh = g / P, p = g % P;
       for (int64_t r = 0; r < live; ++r) {
-        const float m = mf[(((s * Hkv + h) * tiles + pt[p]) * n_used + pj[p]) * live + r];
+        const float m = mf[((sh * tiles + pt[p]) * n_used + pj[p]) * live + r];
         float* row = sc + g * g_stride + r * B;
         for (int64_t b = 0; b < B; ++b) row[b] = row[b] - m;
       }
@@ -407,19 +446,17 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
   const int64_t W = D + 1, W16 = round_up(W, kLanes);
   auto pv = scratch(1, {G, live, W16});
   float* pvd = pv.data_ptr<float>();
-  at::parallel_for(0, G, 8, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> vb(B * W16, 0.0f), part(kMaxRows * W16);
-    for (int64_t g = lo; g < hi; ++g) {
-      const int64_t s = g / (Hkv * P), h = (g / P) % Hkv, p = g % P, j = pj[p];
-      const float* p_rows = sc + g * g_stride;
-      float* out = pvd + g * live * W16;
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t sh = item / n_used, j = blocks.order[item % n_used], s = sh / Hkv, h = sh % Hkv;
+      if (blocks.start[j] == blocks.start[j + 1]) continue;
       const int64_t first = j * B, n_slots = std::clamp<int64_t>(Tk - first, 0, B);
-      if (std::all_of(kv_inv + s * span + first, kv_inv + s * span + first + n_slots, [](bool x) { return x; })) {
-        std::fill(out, out + live * W16, 0.0f);  // every value zeroed: each chain is fma(p, 0, +0) = +0
-        continue;
-      }
-      for (int64_t b = 0; b < B; ++b) {  // the block's values: [B, D + 1 (+ zero lanes)]
-        const int64_t slot = j * B + b;
+      // every value zeroed: each chain is fma(p, 0, +0) = +0
+      const bool none = std::all_of(kv_inv + s * span + first, kv_inv + s * span + first + n_slots,
+                                    [](bool x) { return x; });
+      for (int64_t b = 0; !none && b < B; ++b) {  // the block's values: [B, D + 1 (+ zero lanes)]
+        const int64_t slot = first + b;
         float* dst = vb.data() + b * W16;
         dst[D] = 1.0f;
         if (slot >= Tk || kv_inv[s * span + slot]) {
@@ -427,48 +464,54 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
           continue;
         }
         const float* value = vd + s * vs0 + h * vs1 + slot * vs2;
-        if (vs3 == 1) {
-          std::copy(value, value + D, dst);
-        } else {
-          for (int64_t d = 0; d < D; ++d) dst[d] = value[d * vs3];
-        }
+        for (int64_t d = 0; d < D; ++d) dst[d] = value[d * vs3];
       }
-      fma_chain_rows(p_rows, B, live, vb.data(), W16, B, W16, k_chunk, out, W16, part.data());
+      for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
+        const int64_t g = sh * P + blocks.pairs[i];
+        float* out = pvd + g * live * W16;
+        if (none)
+          std::fill(out, out + live * W16, 0.0f);
+        else
+          fma_chain_rows(sc + g * g_stride, B, 1, live, vb.data(), W16, B, W16, k_chunk, out, W16, part.data());
+      }
     }
   });
 
   // acc_j = acc_{j-1} * alpha_j + pv_j in block order (pv = 0 for a skipped pair), then acc / l
   std::vector<int64_t> pair_of(tiles * n_used, -1);
   for (int64_t p = 0; p < P; ++p) pair_of[pt[p] * n_used + pj[p]] = p;
-  auto out = at::zeros({S, Hq, Tq, D}, opts);
+  auto out = at::empty({S, Hq, Tq, D}, opts);
+  auto out_tiles = with_probs ? at::empty({S, Hkv, tiles, live, D}, opts) : at::Tensor();
   float* od = out.data_ptr<float>();
+  float* ot = with_probs ? out_tiles.data_ptr<float>() : nullptr;
   std::vector<float> l_rows(lanes * live);  // each row's l = sum of p (for the backward's lse)
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t lo, int64_t hi) {
+  const std::vector<float> zeros(W16, 0.0f);
+  at::parallel_for(0, lanes, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> acc(W);
-    for (int64_t sh = lo; sh < hi; ++sh) {
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t c = sh * tiles + t;
-        for (int64_t r = 0; r < live; ++r) {
-          for (int64_t j = 0; j < n_used; ++j) {
-            const int64_t p = pair_of[t * n_used + j];
-            const float* pvr = p < 0 ? nullptr : pvd + ((sh * P + p) * live + r) * W16;
-            if (j == 0) {
-              for (int64_t d = 0; d < W; ++d) acc[d] = pvr ? pvr[d] : 0.0f;
-            } else {
-              const float a = al[(c * (n_used - 1) + j - 1) * live + r];
-              for (int64_t d = 0; d < W; ++d) {
-                const float scaled = acc[d] * a;
-                acc[d] = scaled + (pvr ? pvr[d] : 0.0f);
-              }
-            }
+    for (int64_t c = lo; c < hi; ++c) {
+      const int64_t sh = c / tiles, t = c % tiles;
+      for (int64_t r = 0; r < live; ++r) {
+        for (int64_t j = 0; j < n_used; ++j) {
+          const int64_t p = pair_of[t * n_used + j];
+          const float* pvr = p < 0 ? zeros.data() : pvd + ((sh * P + p) * live + r) * W16;
+          if (j == 0) {
+            std::copy(pvr, pvr + W, acc.data());
+          } else {
+            const float a = al[(c * (n_used - 1) + j - 1) * live + r];
+            for (int64_t d = 0; d < W; ++d) acc[d] = acc[d] * a + pvr[d];  // two roundings: no fma
           }
-          const int64_t row = t * R + r;
-          l_rows[c * live + r] = acc[D];
-          if (row >= rows) continue;
-          const float l = acc[D];
-          float* dst = od + (((sh / Hkv) * Hq + (sh % Hkv) * rep + row % rep) * Tq + row / rep) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = l > 0 ? acc[d] / l : 0.0f;
         }
+        const int64_t row = t * R + r;
+        const float l = acc[D];
+        l_rows[c * live + r] = l;
+        float* tile_row = with_probs ? ot + (c * live + r) * D : nullptr;
+        if (row >= rows) {
+          if (tile_row) std::fill(tile_row, tile_row + D, 0.0f);
+          continue;
+        }
+        float* dst = od + (((sh / Hkv) * Hq + (sh % Hkv) * rep + row % rep) * Tq + row / rep) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = l > 0 ? acc[d] / l : 0.0f;
+        if (tile_row) std::copy(dst, dst + D, tile_row);
       }
     }
   });
@@ -500,7 +543,7 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
         for (int64_t b = 0; b < B; ++b) row[b] = row[b] * f;
       }
   });
-  return {out, scores};
+  return {out, scores, out_tiles};
 }
 
 // _Attention.backward's products and sums, fused: per pair p (tile t, block j), in pair order,
@@ -509,83 +552,91 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
 // each product entry the fma chain MKL computes for torch.matmul here -- one chain over the whole
 // reduced dim, as the torch code does not split it (every product has >= 4 rows, >= 12 columns,
 // >= 400 multiply-adds and a reduced dim <= 128: the caller checks) -- and each += the IEEE add
-// index_add_ does, starting from 0. Returns (grad_q [S, Hkv, tiles, live, D], grad_k, grad_v [S, Hkv, blocks, B, D]).
+// index_add_ does, starting from 0. q_t, k_j, v_j are the torch code's q_tiles, k_blocks, v_blocks
+// (scaled query rows; keys; values with invalid slots 0), built here from q, k, v once per block.
+// Returns (grad_q [S, Hkv, tiles, live, D], grad_k, grad_v [S, Hkv, n_blocks, B, D]).
 std::vector<at::Tensor> attention_backward(const at::Tensor& do_in, const at::Tensor& delta_in,
-                                           const at::Tensor& probs_in, const at::Tensor& q_tiles,
-                                           const at::Tensor& k_blocks, const at::Tensor& v_blocks,
-                                           const at::Tensor& pair_t_in, const at::Tensor& pair_j_in) {
+                                           const at::Tensor& probs_in, const at::Tensor& q_in,
+                                           const at::Tensor& k_in, const at::Tensor& v_in, double scaling, int64_t R,
+                                           const at::Tensor& pair_t_in, const at::Tensor& pair_j_in,
+                                           const at::Tensor& kv_invalid_in, int64_t n_blocks) {
   const auto dout = do_in.contiguous(), delta = delta_in.contiguous(), probs = probs_in.contiguous();
-  const auto pair_t = pair_t_in.contiguous(), pair_j = pair_j_in.contiguous();
-  const auto qt = q_tiles.contiguous();  // [S, Hkv, tiles, R, D]
-  const auto kc = k_blocks.contiguous();  // [S, Hkv, blocks, D, B]
-  const auto vc = v_blocks.contiguous();  // [S, Hkv, blocks, B, D + 1]
+  const auto pair_t = pair_t_in.contiguous(), pair_j = pair_j_in.contiguous(), kv_invalid = kv_invalid_in.contiguous();
+  const auto q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat), v = v_in.to(at::kFloat);
   const int64_t S = dout.size(0), Hkv = dout.size(1), tiles = dout.size(2), live = dout.size(3), D = dout.size(4);
-  const int64_t n_blocks = k_blocks.size(2), B = k_blocks.size(4), P = pair_t.numel();
-  const int64_t D16 = round_up(D, kLanes), B16 = round_up(B, kLanes), L16 = round_up(live, kLanes);
+  const int64_t B = probs.size(-1), P = pair_t.numel(), Hq = q.size(1), Tq = q.size(2), Tk = k.size(2);
+  const int64_t rep = Hq / Hkv, span = kv_invalid.size(1);
+  const int64_t D16 = round_up(D, kLanes), B16 = round_up(B, kLanes);
   const int64_t whole = std::max({D, B, live});  // "chunk" size: every product reduces in one chain
   const int64_t* pt = pair_t.data_ptr<int64_t>();
   const int64_t* pj = pair_j.data_ptr<int64_t>();
+  const int64_t n_used = P ? *std::max_element(pj, pj + P) + 1 : 0;
   const float* dd = dout.data_ptr<float>();
   const float* de = delta.data_ptr<float>();
   const float* pr = probs.data_ptr<float>();
+  const bool* kv_inv = kv_invalid.data_ptr<bool>();
+  const float* kd = k.data_ptr<float>();
+  const float* vd = v.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2), ks3 = k.stride(3);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2), vs3 = v.stride(3);
   auto opts = dout.options();
   auto grad_q = at::zeros({S, Hkv, tiles, live, D}, opts);
   auto grad_k = at::zeros({S, Hkv, n_blocks, B, D}, opts), grad_v = at::zeros({S, Hkv, n_blocks, B, D}, opts);
   float* gq = grad_q.data_ptr<float>();
   float* gk = grad_k.data_ptr<float>();
   float* gv = grad_v.data_ptr<float>();
-  const int64_t R = qt.size(3);
-  const float* qd = qt.data_ptr<float>();
-  const float* kd = kc.data_ptr<float>();
-  const float* vd = vc.data_ptr<float>();
   at::parallel_for(0, S * Hkv, 1, [&](int64_t lo, int64_t hi) {
-    const int64_t widest = std::max({B16, D16, L16});
-    std::vector<float> do16(live * D16, 0.0f), q16(live * D16, 0.0f), k16(B * D16, 0.0f), vt(D * B16, 0.0f),
-        pT(B * live), gs(live * B16), gsT(B * live), prod(std::max(live, B) * widest), part(kMaxRows * widest);
+    const int64_t widest = std::max(B16, D16);
+    // per (s, h): every used block's keys [B, D16] and values transposed [D, B16] (zero lanes after D, B)
+    std::vector<float> k16(n_used * B * D16, 0.0f), vt(n_used * D * B16, 0.0f), do16(live * D16, 0.0f),
+        q16(live * D16, 0.0f), gs(live * B16), prod(std::max(live, B) * widest), part(kMaxRows * widest);
     for (int64_t sh = lo; sh < hi; ++sh) {
+      const int64_t s = sh / Hkv, h = sh % Hkv;
+      for (int64_t j = 0; j < n_used; ++j)
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t slot = j * B + b;
+          const bool in_range = slot < Tk, valid = in_range && !kv_inv[s * span + slot];
+          const float* key = kd + s * ks0 + h * ks1 + slot * ks2;
+          const float* value = vd + s * vs0 + h * vs1 + slot * vs2;
+          for (int64_t d = 0; d < D; ++d) {
+            k16[(j * B + b) * D16 + d] = in_range ? key[d * ks3] : 0.0f;
+            vt[(j * D + d) * B16 + b] = valid ? value[d * vs3] : 0.0f;
+          }
+        }
       int64_t loaded_t = -1;
       for (int64_t p = 0; p < P; ++p) {
         const int64_t t = pt[p], j = pj[p];
         const float* prb = pr + ((sh * P + p) * live) * B;
         if (t != loaded_t) {  // the tile's rows of do and q, zero-padded to 16 columns (pairs come tile by tile)
           const float* dot = dd + ((sh * tiles + t) * live) * D;
-          const float* qrow = qd + ((sh * tiles + t) * R) * D;
-          for (int64_t r = 0; r < live; ++r) {
-            std::copy(dot + r * D, dot + (r + 1) * D, do16.data() + r * D16);
-            std::copy(qrow + r * D, qrow + (r + 1) * D, q16.data() + r * D16);
-          }
+          for (int64_t r = 0; r < live; ++r) std::copy(dot + r * D, dot + (r + 1) * D, do16.data() + r * D16);
+          scaled_query_rows(q.data_ptr<float>(), Hq, Tq, D, rep, s, h, t * R, live, static_cast<float>(scaling),
+                            q16.data(), D16);
           loaded_t = t;
         }
-        const float* kblock = kd + (sh * n_blocks + j) * D * B;
-        const float* vblock = vd + (sh * n_blocks + j) * B * (D + 1);
-        for (int64_t d = 0; d < D; ++d) {
-          for (int64_t b = 0; b < B; ++b) k16[b * D16 + d] = kblock[d * B + b];
-          for (int64_t b = 0; b < B; ++b) vt[d * B16 + b] = vblock[b * (D + 1) + d];
-        }
-        for (int64_t r = 0; r < live; ++r)
-          for (int64_t b = 0; b < B; ++b) pT[b * live + r] = prb[r * B + b];
+        const float* kj = k16.data() + j * B * D16;
+        const float* vj = vt.data() + j * D * B16;
         // grad_s = (do @ v^T - delta) * probs
-        fma_chain_rows(do16.data(), D16, live, vt.data(), B16, D, B16, whole, gs.data(), B16, part.data());
+        fma_chain_rows(do16.data(), D16, 1, live, vj, B16, D, B16, whole, gs.data(), B16, part.data());
         for (int64_t r = 0; r < live; ++r) {
           const float dl = de[(sh * tiles + t) * live + r];
           for (int64_t b = 0; b < B; ++b) {
             const float diff = gs[r * B16 + b] - dl;
             gs[r * B16 + b] = diff * prb[r * B + b];
-            gsT[b * live + r] = gs[r * B16 + b];
           }
         }
-        // grad_v_j += probs^T @ do
-        fma_chain_rows(pT.data(), live, B, do16.data(), D16, live, D16, whole, prod.data(), D16, part.data());
+        // grad_v_j += probs^T @ do (probs read transposed in place)
+        fma_chain_rows(prb, 1, B, B, do16.data(), D16, live, D16, whole, prod.data(), D16, part.data());
         float* gvj = gv + (sh * n_blocks + j) * B * D;
         for (int64_t b = 0; b < B; ++b)
           for (int64_t d = 0; d < D; ++d) gvj[b * D + d] = gvj[b * D + d] + prod[b * D16 + d];
         // grad_q_t += grad_s @ k_j^T ([B, D] rows of the block's keys)
-        fma_chain_rows(gs.data(), B16, live, k16.data(), D16, B, D16, whole, prod.data(), D16, part.data());
+        fma_chain_rows(gs.data(), B16, 1, live, kj, D16, B, D16, whole, prod.data(), D16, part.data());
         float* gqt = gq + (sh * tiles + t) * live * D;
         for (int64_t r = 0; r < live; ++r)
           for (int64_t d = 0; d < D; ++d) gqt[r * D + d] = gqt[r * D + d] + prod[r * D16 + d];
-        // grad_k_j += grad_s^T @ q_t
-        fma_chain_rows(gsT.data(), live, B, q16.data(), D16, live, D16, whole, prod.data(), D16, part.data());
+        // grad_k_j += grad_s^T @ q_t (grad_s read transposed in place)
+        fma_chain_rows(gs.data(), 1, B16, B, q16.data(), D16, live, D16, whole, prod.data(), D16, part.data());
         float* gkj = gk + (sh * n_blocks + j) * B * D;
         for (int64_t b = 0; b < B; ++b)
           for (int64_t d = 0; d < D; ++d) gkj[b * D + d] = gkj[b * D + d] + prod[b * D16 + d];
@@ -595,7 +646,16 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& do_in, const at::Te
   return {grad_q, grad_k, grad_v};
 }
 
+// The number of threads an at::parallel_for over n items runs on: 1 in a library built without OpenMP,
+// whose at::parallel_for (header-only) is then a serial loop.
+int64_t parallel_threads(int64_t n) {
+  std::atomic<int64_t> chunks{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { ++chunks; });
+  return chunks.load();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &parallel_threads, "threads an at::parallel_for over n items runs on");
   m.def("fixed_sum", &fixed_sum, "ops.fixed_sum for an fp32 CPU tensor");
   m.def("rms_norm", &rms_norm, "ops.rms_norm (inference) for a CPU tensor");
   m.def("linear", &linear, "ops._linear_forward for CPU tensors");
