@@ -633,7 +633,7 @@ def test_apply_in_process_sets_torch_determinism():
 def test_example_dry_run_prints_config_table_and_command(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "PLATFORM": "ascend", "NNODES": "2", "HOME": str(tmp_path)}
     proc = subprocess.run(
-        ["bash", str(REPO / "examples" / "run_qwen3_30b_a3b.sh"), "--dry-run"],
+        ["bash", str(REPO / "recipe" / "true_on_policy" / "run_qwen3_30b_a3b.sh"), "--dry-run"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     out = proc.stdout

@@ -2,7 +2,7 @@
 # Qwen3-30B-A3B FlashREINFORCE, true on-policy (bitwise training/rollout log-probs), on Ascend or CUDA.
 #
 #   PLATFORM=ascend NNODES=2 MODEL_PATH=/models/Qwen3-30B-A3B TRAIN_FILES=... VAL_FILES=... \
-#       examples/run_qwen3_30b_a3b.sh [--dry-run] [hydra overrides...]
+#       recipe/true_on_policy/run_qwen3_30b_a3b.sh [--dry-run] [hydra overrides...]
 #
 # Environment (defaults in brackets):
 #   PLATFORM        ascend | cuda                                        [ascend]
@@ -22,7 +22,7 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-repo="$(cd "${here}/.." && pwd)"
+repo="$(cd "${here}/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 PLATFORM="${PLATFORM:-ascend}"
 
