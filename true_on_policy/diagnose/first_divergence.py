@@ -1,49 +1,12 @@
 """Residual-logdiff diagnosis: the first op where the training and the rollout paths diverge.
 
-:func:`diagnose` runs the same token sequences through both paths of the plugin and captures every
-module's inputs and outputs with forward hooks:
-
-* training: ONE right-padded batch ``[B, T]`` through ``training_model(input_ids, attention_mask,
-  position_ids)`` -- the padded path of the training forward (verl's ``use_remove_padding=False``);
-* rollout: every prompt prefilled and every remaining token decoded one at a time (teacher forced)
-  through :func:`consistent_model.forward_packed` over per-request :class:`KVCache` objects, all
-  requests in one ragged batch per step (continuous batching) on ``rollout_model``.
-
-Both run with the consistent kernels (``consistent_ops.consistent(True)`` + ``patch_transformers()``)
-when ``deterministic`` is true, with transformers' default kernels otherwise. Every captured row is
-mapped back to its ``(sequence, position)``, so the ops are compared token by token.
-
-Besides the modules themselves (embedding, rotary table, norms, q/k/v/o projections, QK-norms,
-MLP projections and activation, MoE router, experts, decoder layers, final norm, LM head) a few
-*pseudo-ops* are captured where the model does work outside a module:
-
-* ``<attn>.rope``: ``apply_rotary_pos_emb`` of that attention (q, k, cos, sin -> rotated q, k);
-* ``<attn>.attention``: the attention kernel (rotated q, k and v -> the o_proj input);
-* ``<moe>.gate.topk``: the router's softmax/top-k (router logits -> weights, expert indices; the
-  ``gate`` op itself then compares the router logits only);
-* ``<moe>.experts.combine``: the weighted combination of the expert outputs (consistent path only);
-* ``log_softmax``: the log-softmax of the logits that log-probs are read from.
-
-The first divergence is found by the rules of the issue: take the earliest token position at which
-any op's output differs; there, walk the ops in the training side's execution order and keep the
-ones whose inputs are bitwise equal while their outputs differ (an op whose inputs already differ
-is downstream of the cause); prefer an op over the module containing it; the earliest remaining
-op is the first divergence. It is classified by comparing the two modules:
-
-``parallel``        sharding differs: TP/EP/SP attributes (``tp_size``, ``tp_rank``, ``world_size``,
-                    ``reduce_results``, ...), DTensor placements or device-mesh shapes, parameter
-                    shapes (a shard). Only seen when a model copy carries such attributes (a TP/EP
-                    module, an FSDP2/DTensor model); two full copies in one process never show it.
-``weights``         a parameter or buffer has other values (same dtype and shape).
-``implementation``  the module is configured or composed differently: class, forward function,
-                    plain attributes (``variance_epsilon``, ``scaling``, ``top_k``...), parameter
-                    dtypes, child modules, the children actually executed (an extra or a missing
-                    op), the runtime-relevant config (``_attn_implementation``, ``hidden_act``, RoPE).
-``operator``        nothing of the above differs, yet the outputs do: the kernel itself (reduction
-                    order, tiling or K split that depends on the batch shape, top-k tie-breaking).
-
-The report also carries a per-layer, per-op table of max / mean |Δ| and the token log-prob |Δ|.
-:func:`true_on_policy.diagnose.faults.inject_fault` plants known faults in one model copy (for demos and tests).
+:func:`diagnose` runs the same token sequences through the training path (one right-padded batch)
+and the rollout path (prefill, then teacher-forced decode over per-request KV caches, continuous
+batching), captures every module's (and a few pseudo-ops': rope, attention, top-k, combine,
+log-softmax) inputs and outputs per ``(sequence, position)``, and names the first op whose inputs
+are bitwise equal while its outputs differ, at the earliest differing position, classified as
+``parallel``, ``weights``, ``implementation`` or ``operator``. The rules and the report are
+documented in docs/diagnose.md.
 """
 
 from __future__ import annotations

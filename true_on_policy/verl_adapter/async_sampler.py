@@ -1,57 +1,12 @@
 """The asynchronous single-rollout sampler: the learner takes the next B completed trajectories.
 
-FlashREINFORCE rolls each prompt out once. In verl 0.9.1's v1 async trainers (``trainer.v1.trainer_mode``
-``colocate_async`` / ``separate_async``) rollout workers write each finished trajectory into
-TransferQueue as it completes; this sampler (``trainer.v1.sampler.custom_sampler``, a ``ReplayBuffer``
-subclass) forms every training batch from the next B trajectories *in completion order*, whichever
-prompts they came from. The learner steps once on the batch and the trainer clears it: nothing is
-replayed.
-
-Completion order is TransferQueue's: its controller lists keys in the order they were created
-(``kv_list`` iterates ``keys_mapping``, an insertion-ordered dict), and a trajectory's key
-``{uid}_{session}_{index}`` is created when the agent loop writes the finished trajectory. So the
-order in which this sampler first sees trajectory keys, across polls and within one listing, is the
-order they completed.
-
-Policy versions: each trajectory's tags carry ``min_global_steps`` / ``max_global_steps``, the
-oldest and newest weight versions that sampled its tokens (verl's FullyAsyncLLMServerClient records
-them across partial-rollout resumes from the server's ``TokenOutput.extra_fields["global_steps"]``).
-The behaviour version used for the lag is the oldest one: every token's importance ratio is taken
-against the log-prob recorded when it was sampled, and the oldest weights are the worst case.
-At learner step ``s`` the weights are version ``s - 1``, so the lag is ``s - 1 - min_global_steps``.
-
-Prompt accounting lives in :class:`true_on_policy.rollout.prompt_ledger.PromptLedger`: every prompt is
-rolled out once per epoch and reaches the learner at most once; a failed, aborted, timed-out or
-lag-dropped rollout re-queues the *same* prompt (re-read from the copy verl's async trainers keep in
-TransferQueue) under a fresh uid, and anything the replaced attempt still writes is discarded.
-
-``sampler_kwargs`` (all optional):
-
-- ``max_policy_lag``: int >= 0, or null for no bound.
-- ``lag_strategy``: ``drop`` (a trajectory beyond the bound is not trained on; its prompt is
-  re-queued and counted) or ``wait`` (the learner, and with it the dispatch of new prompts, which
-  happens once per learner step, holds off until every in-flight rollout that could pass the bound
-  by the next step has finished; those go into the batch first).
-- ``poll_interval_s``: seconds between TransferQueue listings while the batch fills (default 0.05).
-- ``rollout_timeout_s``: re-queue a prompt whose rollout has been in flight longer than this
-  (default null: never), counted in wall time from when the sampler first saw the prompt, including
-  any time generation was paused for a weight update. The slow attempt's result, if it still
-  arrives, is discarded and counted.
-- ``lag_histogram_buckets``: number of histogram buckets (default 4: lag 0, 1, 2, >= 3).
-- ``max_rollout_failures``: int >= 1 (default 3). A prompt whose rollout failed this many times stops
-  the run with :class:`RolloutFailuresError` naming it: a dead rollout server fails every request at
-  once, and re-queuing onto it forever would hang the learner.
-
-Metrics (merged into the step's metrics by the trainer), prefix ``flashreinforce/sampler/``:
-``policy_lag/{mean,max,min}``, ``policy_lag_hist/lag_<k>`` and ``lag_ge_<K>`` (trajectory counts),
-``policy_lag_newest/mean`` (lag of the newest weights that sampled a token), ``version_span/max``,
-``fill_seconds`` (sample() call to full batch), ``lag_wait_seconds``, ``distinct_prompts``,
-``requeued/{rollout_failure,timeout,policy_lag}`` and ``late_results_discarded`` (this step),
-``in_flight``, ``completed_waiting``, ``epoch``, ``epoch_delivered``.
-
-Why one module of ~530 lines: it is one verl ``ReplayBuffer`` subclass whose methods share the
-ledger, the policy-version bookkeeping and the checkpoint state; the pure accounting lives in
-:mod:`true_on_policy.rollout.prompt_ledger`.
+A ``ReplayBuffer`` subclass for verl's v1 async trainers (``trainer.v1.sampler.custom_sampler``):
+each batch is the next B trajectories in TransferQueue's completion order (its controller lists
+keys in creation order, and a key is created when a trajectory finishes), whichever prompts they
+came from; nothing is replayed. A trajectory's policy lag is ``s - 1 - min_global_steps`` at
+learner step ``s`` (its oldest sampling weights: the worst case for the importance ratio).
+Exactly-once accounting per epoch is :class:`true_on_policy.rollout.prompt_ledger.PromptLedger`'s;
+``sampler_kwargs`` and the ``flashreinforce/sampler/*`` metrics are listed in docs/async_sampler.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """What verl 0.9.1's checkpoint does not hold, saved and restored with it.
 
-A resumed run must make the numbers an uninterrupted run makes. verl's v1 trainer
-(``trainer.save_freq``, ``trainer.resume_mode``, ``trainer.default_local_dir``) already saves into
-``global_step_N/``: the model, optimizer, LR scheduler and the workers' RNG states (``actor/``),
-the dataloader position and its sampler's generator (``data.pt``), and in the async modes the
-TransferQueue (in-flight prompts are re-issued, finished trajectories restored). What decides the
-next steps' numbers beyond that, and where it comes from:
-
-- the rollout engine's per-request seeds: derived from the policy version (the trainer's global step,
-  which verl passes with every weight update) and the prompt, so a fresh server on a resumed
-  checkpoint seeds as the uninterrupted one did - nothing to save (:mod:`.cpu_rollout`);
-- the canonical batch order: a function of the batch's tokens - nothing to save (:mod:`.trainer_hooks`);
-- the driver's RNG: the v1 trainer draws only uuid4 uids, which never reach a number (the canonical
-  order sorts by tokens) - nothing to save;
-- the async sampler's prompt ledger (epoch numbering, delivered prompts, live and superseded
-  attempts, re-queue counters): **saved here**, as ``global_step_N/true_on_policy_sampler.pt``, by
-  any replay buffer that offers ``state_dict()`` / ``load_state_dict(state)``.
-
-The file is written *before* verl writes ``latest_checkpointed_iteration.txt`` (so a checkpoint the
-tracker names is complete) and read right after verl's own ``_load_checkpoint``.
+verl's ``global_step_N/`` holds the model, optimizer, scheduler, workers' RNG, the dataloader
+position and (async) TransferQueue. Rollout seeds and the canonical batch order are functions of
+the policy version, the prompt and the tokens: nothing to save. The async sampler's prompt ledger
+is saved here as ``global_step_N/true_on_policy_sampler.pt`` (any replay buffer with
+``state_dict()`` / ``load_state_dict``), written *before* verl writes
+``latest_checkpointed_iteration.txt`` and read right after verl's ``_load_checkpoint``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """verl's synchronous replay buffer without its fixed 2-second poll.
 
-verl 0.9.1's sync v1 trainer times ``replay_buffer.sample`` as ``timing_s/gen``. The built-in
-``ReplayBuffer`` lists TransferQueue, and while the batch is not complete it sleeps ``poll_interval``
-before listing again; ``_build_replay_buffer`` never passes that argument, so it is the constructor
-default, 2.0 s, and no config key reaches it. The first listing comes right after dispatch, before
-any rollout can have finished, so every step waits at least one full 2 s sleep, whatever the rollout
-backend: measured here, ``timing_s/gen`` was 2.01 s at response lengths 4 and 48 alike.
-
-:class:`SyncReplayBuffer` is that same ``ReplayBuffer`` (same sampling, eviction and refill code)
-with the interval taken from ``trainer.v1.sampler.sampler_kwargs.poll_interval_s``. It is plugged
-in through verl's public hook ``trainer.v1.sampler.custom_sampler``; nothing of verl is patched.
-verl hands a custom sampler no DAPO group-filter settings, so this one is for runs without
-``algorithm.filter_groups`` (FlashREINFORCE has none: one rollout per prompt, no groups).
+verl 0.9.1's ``ReplayBuffer`` sleeps ``poll_interval`` (a constructor default of 2.0 s that no config
+key reaches) between TransferQueue listings while the batch fills, and its first listing comes before
+any rollout can finish: every step's ``timing_s/gen`` was at least 2 s. :class:`SyncReplayBuffer` is
+the same buffer with the interval from ``trainer.v1.sampler.sampler_kwargs.poll_interval_s``, plugged
+in through verl's public ``trainer.v1.sampler.custom_sampler`` hook (nothing patched). It takes no
+DAPO group filter: FlashREINFORCE has no groups.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
-"""A multi-turn verl agent loop whose tool call has a heavy-tailed latency (the async-sampler benchmark's workload).
+"""A multi-turn verl agent loop whose tool call has a heavy-tailed latency (the async benchmark's workload).
 
-It lives in the adapter layer, not in ``benchmarks/``, because verl's Ray agent-loop workers import it
-by dotted path (``agent_loop_config_path`` / ``tool_config_path``) and only the installed package is
-importable there without a ``PYTHONPATH``.
+- :class:`LatencyTool`, a verl ``BaseTool`` (``configs/tools/latency_tool.yaml``): each ``execute``
+  awaits a Pareto or lognormal latency that is a pure function of (seed, prompt, attempt, turn), so a
+  prompt's first rollout waits the same in every run and trainer mode, and a re-roll draws afresh.
+- :class:`ToolLatencyAgentLoop`, a verl ``AgentLoopBase`` (``configs/agent_loops/tool_latency_agent.yaml``):
+  ``turns`` short generations with a tool call between consecutive ones, the answer joining the
+  context as a ``tool`` message (response mask 0), as verl's ``ToolAgentLoop`` does.
 
-- :class:`LatencyTool`, a verl ``BaseTool`` (loaded by ``rollout.multi_turn.tool_config_path``, see
-  ``configs/tools/latency_tool.yaml``): ``create(create_kwargs={"prompt_index": i})`` opens one
-  trajectory's session; each ``execute(instance_id, {"turn": t})`` awaits ``tool_latency_s(...)``
-  seconds -- Pareto (``min_s`` * Pareto(``alpha``)) or lognormal (median ``min_s``, ``sigma``) --
-  a pure function of (``seed``, prompt index, attempt, turn), and answers
-  ``"p<index> a<attempt> t<turn> <latency>s"``. The attempt is the tool's count of sessions opened
-  for that prompt (one tool per agent-loop worker): the first rollout of a prompt waits the same in
-  every run and trainer mode; a re-roll (the async sampler's lag drop) draws afresh, as a retried
-  call to a real environment would.
-- :class:`ToolLatencyAgentLoop`, a verl ``AgentLoopBase`` (registered by
-  ``rollout.agent.agent_loop_config_path``, see ``configs/agent_loops/tool_latency_agent.yaml``):
-  ``turns`` generations of at most ``tokens_per_turn`` tokens, a tool call between consecutive ones;
-  the tool's answer joins the context as a ``tool`` message (response mask 0) through verl's
-  continuous-token builder, as verl's ``ToolAgentLoop`` does. It calls the tool itself instead of
-  parsing a call from the model's text: the tiny models never write one.
-
-The tool's latency is the trajectory's only wait outside generation, so a trainer that waits for a
-whole batch waits for its slowest trajectory; an asynchronous one does not.
+It lives in the package, not in ``benchmarks/``, because verl's Ray agent-loop workers import it by
+dotted path.
 """
 
 from __future__ import annotations
