@@ -229,3 +229,57 @@ def test_the_kernels_patch_nothing_and_only_the_patches_module_reads_private_reg
             if "_global_mapping" in code or (path.parent.name == "kernels" and "setattr(" in code):
                 offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert offenders == []
+
+
+# ----------------------------------------------------------------------------------------------
+# before any engine starts: verl's launch (before Ray) and the logdiff CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def test_the_launch_refuses_an_uncovered_checkpoint_before_ray(tmp_path, capsys, monkeypatch):
+    """Twin: the shipped Qwen2 config passes the same launch."""
+    import os
+
+    from true_on_policy.cli.check import compose_config
+    from true_on_policy.verl_adapter import launch
+
+    for key in list(os.environ):
+        monkeypatch.setenv(key, os.environ[key])  # prepare_launch exports into os.environ: restore it after
+    (tmp_path / "config.json").write_text(json.dumps(_config("qwen2", final_logit_softcapping=30.0)))
+    uncovered = compose_config(str(REPO / "configs"), "cpu_tiny_qwen2_vllm", [f"actor_rollout_ref.model.path={tmp_path}"])
+    with pytest.raises(SystemExit) as exited:
+        launch.launch_hook(uncovered)
+    assert exited.value.code == 2
+    assert "Qwen2ForCausalLM: soft-capped logits" in capsys.readouterr().err
+    env = launch.prepare_launch(compose_config(str(REPO / "configs"), "cpu_tiny_qwen2_vllm"))
+    assert env["VLLM_TARGET_DEVICE"] == "cpu"
+
+
+def test_logdiff_refuses_an_uncovered_checkpoint_before_starting_an_engine(tmp_path, capsys):
+    from true_on_policy.cli import logdiff
+
+    (tmp_path / "config.json").write_text(json.dumps(_config("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                                       "rope_theta": 1e6})))
+    with pytest.raises(SystemExit) as exited:
+        logdiff.main(["--engine", "vllm", "--model", str(tmp_path)])
+    assert exited.value.code == 2
+    assert "LlamaForCausalLM: RoPE scaling 'yarn'" in capsys.readouterr().err
+
+
+def test_the_tiny_qwen2_tokenizer_survives_transformers_qwen2_tokenizer(tmp_path):
+    """transformers loads a ``model_type: qwen2`` checkpoint's tokenizer as Qwen2Tokenizer (byte-level
+    BPE): the tiny Qwen2's byte-level form gives the shared character ids. Twin: the plain form loses
+    every space and newline (verl's agent loop then refuses the tokenizer)."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Reverse: hello world\n"}]
+    expected = tiny_assets.build_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    tiny_assets.tiny_model_config("qwen2").save_pretrained(tmp_path)
+    loaded = {}
+    for byte_level in (True, False):
+        tiny_assets.build_tokenizer(byte_level=byte_level).save_pretrained(tmp_path)
+        tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+        assert type(tokenizer).__name__ == "Qwen2Tokenizer"
+        loaded[byte_level] = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert list(loaded[True]["input_ids"]) == list(expected["input_ids"])
+    assert len(loaded[False]["input_ids"]) < len(expected["input_ids"])

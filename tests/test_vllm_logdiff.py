@@ -83,7 +83,7 @@ def _save(config, directory, seed):
 
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
-    tiny_assets.build_tokenizer().save_pretrained(directory)
+    tiny_assets.build_tokenizer(byte_level=config.model_type == "qwen2").save_pretrained(directory)
     return str(directory)
 
 

@@ -115,16 +115,28 @@ def build_model(kind: str, seed: int = 0):
     return model.eval()
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer with Qwen's chat markers; no download."""
+def build_tokenizer(byte_level: bool = False):
+    """A character-level fast tokenizer with Qwen's chat markers; no download.
+
+    ``byte_level``: the same ids, stored as a byte-level BPE without merges (the vocabulary in GPT-2's
+    byte alphabet: " " is "Ġ", "\\n" is "Ċ"). transformers loads every ``model_type: qwen2``
+    checkpoint's tokenizer as its ``Qwen2Tokenizer``, which rebuilds the tokenizer that way and
+    would drop the plain form's space and newline.
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    spell = _byte_alphabet() if byte_level else {c: c for c in CHARACTERS}
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + [spell[c] for c in CHARACTERS])}
     assert len(vocab) <= VOCAB_SIZE
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    backend.decoder = decoders.Fuse()
+    if byte_level:
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+    else:
+        backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+        backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+        backend.decoder = decoders.Fuse()
     backend.add_special_tokens(SPECIAL_TOKENS)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -134,6 +146,15 @@ def build_tokenizer():
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def _byte_alphabet() -> dict[str, str]:
+    """Each of :data:`CHARACTERS` as GPT-2's byte-level pre-tokenizer spells it (printable ASCII is
+    itself; the other bytes shift past 255 in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    shifted = [b for b in range(256) if b not in printable]
+    spelled = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+    return {c: spelled[ord(c)] for c in CHARACTERS}
 
 
 def reverse_task(rng: random.Random) -> dict:
@@ -254,7 +275,7 @@ def ensure_assets(root: Path | None = None) -> Path:
             continue
         target.mkdir(parents=True, exist_ok=True)
         build_model(kind).save_pretrained(target, safe_serialization=True)
-        build_tokenizer().save_pretrained(target)
+        build_tokenizer(byte_level=kind == "qwen2").save_pretrained(target)
         (target / stamp_name).write_text(json.dumps({"kind": kind, "seed": 0}))
     target = root / WARM_START_DIR
     if not (target / stamp_name).exists():
