@@ -258,8 +258,9 @@ def make_causal_lm_init(original):
 def make_causal_lm_forward(original):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if ops.enabled() and not (isinstance(getattr(self, "lm_head", None), ConsistentLMHead) and self.__dict__.get(_CHECKED)):
-            check_model(self)
+        if ops.enabled():
+            if not (self.__dict__.get(_CHECKED) and isinstance(getattr(self, "lm_head", None), ConsistentLMHead)):
+                check_model(self)
         return original(self, *args, **kwargs)
 
     return forward
