@@ -5,7 +5,9 @@ cases of this module. Every engine runs with continuous batching (8 requests of 
 tokens at once, max_num_seqs 8), chunked prefill (max_num_batched_tokens 128 < the longest
 prompt), prefix caching on, n = 2 samples per prompt and temperature 0.7. The recorded sampling
 log-probs are compared with ``torch.equal`` to the training forward's (packed, other micro-batch
-composition). Each case with the flag on has its flag-off twin (stock vLLM-CPU kernels) that differs.
+composition). Each architecture with the flag on has its flag-off twin (stock vLLM-CPU kernels) that
+differs: Qwen3 / Qwen3-MoE among the served cases, Qwen2 and Llama on checkpoints of other shapes
+given by path to ``logdiff``.
 """
 
 import json
@@ -21,6 +23,9 @@ pytestmark = pytest.mark.vllm
 
 TEMPERATURE = 0.7
 CASES = [(kind, dtype, flag) for kind in ("dense", "moe") for dtype in ("float32", "bfloat16") for flag in (True, False)]
+# Qwen2 (QKV bias, tied head) and Llama (Llama-3 RoPE, GQA 4:1): one dtype each here; the other dtype,
+# and each flag-off twin, run on checkpoints of other shapes by path (test_logdiff_cli_on_*).
+CASES += [("qwen2", "float32", True), ("llama", "bfloat16", True)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'on' if c[2] else 'off'}")
@@ -73,10 +78,19 @@ def test_weight_reload(served):
     _check(flag, prompts, samples, model, 1.0)
 
 
+def _save(config, directory, seed):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    tiny_assets.build_tokenizer(byte_level=config.model_type == "qwen2").save_pretrained(directory)
+    return str(directory)
+
+
 def _other_shapes_checkpoint(directory):
     """A Qwen3-MoE checkpoint of other shapes than the shipped tiny ones: head_dim 32, GQA 6/2,
     3 layers with a dense one (mlp_only_layers), 8 experts top-3, vocabulary 160, bf16 on disk."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(
         vocab_size=160, hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
@@ -84,22 +98,75 @@ def _other_shapes_checkpoint(directory):
         mlp_only_layers=[1], norm_topk_prob=False, max_position_embeddings=512, rope_theta=1e6,
         tie_word_embeddings=False, eos_token_id=2, pad_token_id=0, bos_token_id=None,
     )
-    torch.manual_seed(11)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
-    tiny_assets.build_tokenizer().save_pretrained(directory)
-    return str(directory)
+    return _save(config, directory, 11)
 
 
-def test_logdiff_cli_on_a_checkpoint_directory(tmp_path, capsys):
+def _qwen2_checkpoint(directory):
+    """A Qwen2 checkpoint of other shapes (R1-Distill-Qwen-like: untied head): hidden 128, GQA 8/2,
+    3 layers, vocabulary 160, rope_theta 1e6, the sliding-window keys of a real Qwen2.5 config.json
+    (use_sliding_window false)."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=160, hidden_size=128, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=192, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=False,
+        use_sliding_window=False, sliding_window=4096, max_window_layers=21, eos_token_id=2, pad_token_id=0,
+    )
+    return _save(config, directory, 12)
+
+
+def _llama_checkpoint(directory):
+    """A Llama checkpoint of other shapes: attention and MLP biases, tied head, 6 query heads over 3
+    kv heads of 16, Llama-3 RoPE scaling with other factors than the shipped tiny Llama's."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=160, hidden_size=96, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=16, intermediate_size=128, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+        max_position_embeddings=512, eos_token_id=2, pad_token_id=0, bos_token_id=None,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    )
+    return _save(config, directory, 13)
+
+
+def _logdiff_cli(capsys, path, dtype):
     from true_on_policy.cli import logdiff
 
-    path = _other_shapes_checkpoint(tmp_path / "ckpt")
-    argv = ["--engine", "vllm", "--model", path, "--dtype", "bfloat16", "--prompts", "4", "--new-tokens", "8", "--json"]
+    argv = ["--engine", "vllm", "--model", path, "--dtype", dtype, "--prompts", "4", "--new-tokens", "8", "--json"]
     assert logdiff.main(argv) == 0
     out = capsys.readouterr().out  # vLLM's logger shares stdout: the JSON list is the last thing printed
     records = {r["deterministic"]: r for r in json.loads(out[out.rindex("[\n {") :])}
-    assert records[True]["max_abs_diff"] == 0.0 and records[True]["frac_equal"] == 1.0
-    assert records[False]["max_abs_diff"] > 0.0
+    assert records[True]["max_abs_diff"] == 0.0 and records[True]["frac_equal"] == 1.0, records
+    assert records[False]["max_abs_diff"] > 0.0, records  # the twin: stock vLLM-CPU differs
+
+
+def test_logdiff_cli_on_a_checkpoint_directory(tmp_path, capsys):
+    _logdiff_cli(capsys, _other_shapes_checkpoint(tmp_path / "ckpt"), "bfloat16")
+
+
+def test_logdiff_cli_on_a_qwen2_checkpoint(tmp_path, capsys):
+    _logdiff_cli(capsys, _qwen2_checkpoint(tmp_path / "qwen2"), "bfloat16")
+
+
+def test_logdiff_cli_on_a_llama_checkpoint(tmp_path, capsys):
+    _logdiff_cli(capsys, _llama_checkpoint(tmp_path / "llama"), "float32")
+
+
+def test_engine_refuses_an_uncovered_feature_before_loading(tmp_path, capfd):
+    """Flag on, a Qwen2 with sliding-window attention: vLLM's engine refuses it by name when its
+    model runner starts loading (the config check precedes the weights). The twin: every served
+    case above starts."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, max_position_embeddings=512, use_sliding_window=True, sliding_window=32,
+                         max_window_layers=0, eos_token_id=2, pad_token_id=0)
+    path = _save(config, tmp_path / "sliding", 14)
+    with pytest.raises(Exception):
+        engine.start(path, "float32", True)
+    text = "".join(capfd.readouterr())
+    assert "UncoveredModelError" in text and "Qwen2ForCausalLM: sliding window attention" in text
 
 
 def test_uncovered_feature_is_refused_by_name(capfd):

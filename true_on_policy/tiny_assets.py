@@ -1,7 +1,8 @@
-"""Offline assets for the embedded CPU default: tiny Qwen3 models, a tokenizer, a verifiable task.
+"""Offline assets for the embedded CPU default: tiny models, a tokenizer, a verifiable task.
 
-Nothing here touches a model hub. Models are transformers' own ``Qwen3ForCausalLM`` and
-``Qwen3MoeForCausalLM`` with random weights from a fixed seed; the tokenizer is a character-level
+Nothing here touches a model hub. Models are transformers' own ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias, tied embeddings) and
+``LlamaForCausalLM`` (Llama-3 RoPE scaling, GQA 4:1, untied) with random weights from a fixed seed; the tokenizer is a character-level
 ``tokenizers`` model with a Qwen-style chat template; the task is string reversal with a verifiable
 reward in [0, 1] (:func:`compute_score`). Everything is built deterministically and cached:
 :func:`ensure_assets` is idempotent.
@@ -24,8 +25,8 @@ import string
 from pathlib import Path
 
 ASSETS_ENV = "TRUE_ON_POLICY_ASSETS"
-MODEL_KINDS = ("dense", "moe")
-MODEL_DIRS = {"dense": "qwen3_tiny", "moe": "qwen3_moe_tiny"}
+MODEL_KINDS = ("dense", "moe", "qwen2", "llama")
+MODEL_DIRS = {"dense": "qwen3_tiny", "moe": "qwen3_moe_tiny", "qwen2": "qwen2_tiny", "llama": "llama_tiny"}
 WARM_START_DIR = "qwen3_tiny_reverse"
 WARM_START_TARGET_LOSS = 0.05  # mean response-token cross-entropy over the last 20 steps
 WARM_START_MAX_STEPS = 2000
@@ -51,7 +52,12 @@ def default_root() -> Path:
 
 
 def tiny_model_config(kind: str):
-    """The transformers config of a tiny model: 2 layers, hidden 64, GQA 4/2 heads of 16."""
+    """The transformers config of a tiny model: 2 layers, hidden 64, query heads 4 of 16.
+
+    ``dense`` / ``moe``: Qwen3 / Qwen3-MoE (q/k norm), GQA 4/2, untied. ``qwen2``: Qwen2 (QKV bias),
+    GQA 4/2, tied embeddings. ``llama``: Llama with Llama-3 RoPE scaling (its low/high-frequency
+    bands fall inside the 1024 positions), GQA 4/1, untied.
+    """
     common = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
@@ -84,6 +90,16 @@ def tiny_model_config(kind: str):
             norm_topk_prob=True,
             **common,
         )
+    if kind == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(intermediate_size=128, **{**common, "tie_word_embeddings": True})
+    if kind == "llama":
+        from transformers import LlamaConfig
+
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return LlamaConfig(intermediate_size=128, rope_parameters=rope, **{**common, "num_key_value_heads": 1})
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {MODEL_KINDS}")
 
 
@@ -99,16 +115,28 @@ def build_model(kind: str, seed: int = 0):
     return model.eval()
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer with Qwen's chat markers; no download."""
+def build_tokenizer(byte_level: bool = False):
+    """A character-level fast tokenizer with Qwen's chat markers; no download.
+
+    ``byte_level``: the same ids, stored as a byte-level BPE without merges (the vocabulary in GPT-2's
+    byte alphabet: " " is "Ġ", "\\n" is "Ċ"). transformers loads every ``model_type: qwen2``
+    checkpoint's tokenizer as its ``Qwen2Tokenizer``, which rebuilds the tokenizer that way and
+    would drop the plain form's space and newline.
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    spell = _byte_alphabet() if byte_level else {c: c for c in CHARACTERS}
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + [spell[c] for c in CHARACTERS])}
     assert len(vocab) <= VOCAB_SIZE
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    backend.decoder = decoders.Fuse()
+    if byte_level:
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+    else:
+        backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+        backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+        backend.decoder = decoders.Fuse()
     backend.add_special_tokens(SPECIAL_TOKENS)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -118,6 +146,15 @@ def build_tokenizer():
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def _byte_alphabet() -> dict[str, str]:
+    """Each of :data:`CHARACTERS` as GPT-2's byte-level pre-tokenizer spells it (printable ASCII is
+    itself; the other bytes shift past 255 in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    shifted = [b for b in range(256) if b not in printable]
+    spelled = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+    return {c: spelled[ord(c)] for c in CHARACTERS}
 
 
 def reverse_task(rng: random.Random) -> dict:
@@ -238,7 +275,7 @@ def ensure_assets(root: Path | None = None) -> Path:
             continue
         target.mkdir(parents=True, exist_ok=True)
         build_model(kind).save_pretrained(target, safe_serialization=True)
-        build_tokenizer().save_pretrained(target)
+        build_tokenizer(byte_level=kind == "qwen2").save_pretrained(target)
         (target / stamp_name).write_text(json.dumps({"kind": kind, "seed": 0}))
     target = root / WARM_START_DIR
     if not (target / stamp_name).exists():

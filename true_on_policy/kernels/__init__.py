@@ -1,1 +1,1 @@
-"""Order-fixed kernels (one switch), the transformers Qwen3 / Qwen3-MoE models on them, and CPU TP/EP."""
+"""Order-fixed kernels (one switch), the covered architectures (one table) and transformers' models on them, and CPU TP/EP."""

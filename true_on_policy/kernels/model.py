@@ -1,19 +1,22 @@
-"""transformers' Qwen3 / Qwen3-MoE models on the consistent ops, for BOTH engines, same module code.
+"""transformers' decoder models on the consistent ops, for BOTH engines, same module code.
 
-Training side (verl's FSDP engine): :func:`patch_transformers` patches the model CLASSES --
+The covered architectures (Qwen3, Qwen3-MoE, Qwen2/Qwen2.5, Llama) and what differs between them
+are described in :mod:`.architectures`; this module's code serves all of them. Training side
+(verl's FSDP engine): :func:`patch_transformers` installs it on each architecture's CLASSES
+(``P`` = its prefix; the list and its checks: :mod:`true_on_policy.transformers_adapter.patches`) --
 
-* ``Qwen3RMSNorm`` / ``Qwen3MoeRMSNorm`` -> :func:`consistent_ops.rms_norm`
-* ``Qwen3RotaryEmbedding`` / ``Qwen3MoeRotaryEmbedding`` -> rows of one fp32 :func:`rope_table`,
-  and the modules' ``apply_rotary_pos_emb`` -> :func:`consistent_ops.apply_rope` (fp32)
-* ``Qwen3MLP`` / ``Qwen3MoeMLP`` -> :func:`consistent_ops.silu` between the (consistent) linears
-* ``Qwen3MoeTopKRouter`` -> fp32 logits + :func:`moe_route`; ``Qwen3MoeExperts`` -> per-expert
-  consistent linears + :func:`moe_combine`
-* the ``nn.Linear`` children of every decoder layer become :class:`ConsistentLinear` and the
-  ``lm_head`` a :class:`ConsistentLMHead` (fp32 logits) -- subclasses of ``nn.Linear`` with the
-  same parameters, so state dicts, FSDP wrapping and forward hooks are unchanged. This happens in
-  the patched ``__init__`` of the decoder layers and causal LMs when :func:`patch_transformers`
-  ran before the model was built, else on the causal LM's first forward with the flag on (or by
-  :func:`convert_model`).
+* ``PRMSNorm`` -> :func:`consistent_ops.rms_norm`
+* ``PRotaryEmbedding`` -> rows of one fp32 :func:`rope_table`, and the module's
+  ``apply_rotary_pos_emb`` -> :func:`consistent_ops.apply_rope` (fp32)
+* ``PMLP`` -> :func:`consistent_ops.silu` between the (consistent) linears
+* MoE router -> fp32 logits + :func:`moe_route`; experts -> per-expert consistent linears +
+  :func:`moe_combine`
+* the ``nn.Linear`` children of every decoder layer (with their biases) become
+  :class:`ConsistentLinear` and the ``lm_head`` (tied or not) a :class:`ConsistentLMHead` (fp32
+  logits) -- subclasses of ``nn.Linear`` with the same parameters, so state dicts, FSDP wrapping
+  and forward hooks are unchanged. This happens in the patched ``__init__`` of the decoder layers
+  and causal LMs when :func:`patch_transformers` ran before the model was built, else on the
+  causal LM's first forward with the flag on (or by :func:`convert_model`).
 * attention: an implementation named :data:`ATTN_IMPLEMENTATION` (``"consistent"``) is
   registered in transformers' ``AttentionInterface`` with a matching ``AttentionMaskInterface``
   entry that hands the 2D padding mask through (HF builds no additive mask). Build the model with
@@ -24,10 +27,10 @@ Training side (verl's FSDP engine): :func:`patch_transformers` patches the model
 
 Every patched forward consults the one flag (:func:`consistent_ops.enabled`): off, it runs
 transformers' original code (the attention then uses SDPA with a boolean mask). With the flag ON,
-anything not covered raises an error naming it: another attention implementation, sliding
-windows, attention dropout, 4D masks, HF ``Cache`` objects, unsupported rope types, an activation
-other than SiLU, linears that are not consistent (built before patching, LoRA wrappers), attention
-modules of other architectures.
+anything not covered raises an error naming it: an uncovered architecture or config feature
+(:func:`architectures.check_config`, at build time and on the first forward), modules other than
+the architecture's entry describes, another attention implementation, 4D masks, HF ``Cache``
+objects, linears that are not consistent (built before patching, LoRA wrappers).
 
 Rollout side: :func:`forward_packed` runs the SAME model (same modules, same hooks) as a ragged,
 continuous batch over per-request :class:`KVCache` objects; the cache travels to the attention
@@ -47,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from true_on_policy.kernels import ops
+from true_on_policy.kernels import architectures, ops
+from true_on_policy.kernels.architectures import UnsupportedFeatureError
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -71,10 +75,6 @@ ROLLOUT_KWARG = "true_on_policy_rollout"  # model(..., true_on_policy_rollout=<_
 def attn_implementation() -> str:
     """The ``attn_implementation`` to build models with: ``"consistent"`` (see patch_transformers)."""
     return ATTN_IMPLEMENTATION
-
-
-class UnsupportedFeatureError(NotImplementedError):
-    """A model feature the consistent path does not cover, met while the flag is on."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,12 +127,7 @@ def _require_consistent_linears(module: nn.Module, names) -> None:
 # Patched forwards (each falls back to transformers' original when the flag is off)
 # ----------------------------------------------------------------------------------------------
 
-_ORIGINALS: dict[tuple[object, str], object] = {}
-
-
-def _make_rms_norm_forward(cls):
-    original = cls.forward
-
+def make_rms_norm_forward(original):
     @functools.wraps(original)
     def forward(self, hidden_states):
         if not ops.enabled():
@@ -168,9 +163,7 @@ def _rope_rows(module, position_ids: torch.Tensor):
     return cos[position_ids], sin[position_ids]
 
 
-def _make_rotary_forward(cls):
-    original = cls.forward
-
+def make_rotary_forward(original):
     @functools.wraps(original)
     def forward(self, x, position_ids):
         if not ops.enabled():
@@ -181,7 +174,7 @@ def _make_rotary_forward(cls):
     return forward
 
 
-def _make_apply_rotary(original):
+def make_apply_rotary(original):
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if not ops.enabled():
@@ -201,9 +194,7 @@ def _require_silu(module) -> None:
         raise UnsupportedFeatureError(f"true_on_policy: activation {act!r} is not supported (only 'silu')")
 
 
-def _make_mlp_forward(cls):
-    original = cls.forward
-
+def make_mlp_forward(original):
     @functools.wraps(original)
     def forward(self, x):
         if not ops.enabled():
@@ -215,9 +206,7 @@ def _make_mlp_forward(cls):
     return forward
 
 
-def _make_router_forward(cls):
-    original = cls.forward
-
+def make_router_forward(original):
     @functools.wraps(original)
     def forward(self, hidden_states):
         if not ops.enabled():
@@ -230,9 +219,7 @@ def _make_router_forward(cls):
     return forward
 
 
-def _make_experts_forward(cls):
-    original = cls.forward
-
+def make_experts_forward(original):
     @functools.wraps(original)
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if not ops.enabled():
@@ -248,50 +235,94 @@ def _make_experts_forward(cls):
     return forward
 
 
-def _make_init(original, convert):
+def make_decoder_layer_init(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        convert(self)
+        _swap_linears(self)
 
     return __init__
 
 
-def _make_causal_lm_forward(original):
+def make_causal_lm_init(original):
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        if ops.enabled():
+            architectures.check_config(config)  # an uncovered feature is refused before the model is built
+        original(self, config, *args, **kwargs)
+        _swap_lm_head(self)
+
+    return __init__
+
+
+def make_causal_lm_forward(original):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if ops.enabled() and not isinstance(getattr(self, "lm_head", None), ConsistentLMHead):
-            convert_model(self)  # a model built before patch_transformers(): same result as building after
-            if not isinstance(getattr(self, "lm_head", None), ConsistentLMHead):
-                raise UnsupportedFeatureError(
-                    f"true_on_policy: {type(self).__name__}.lm_head is a {type(self.lm_head).__name__}, "
-                    "not a plain nn.Linear that could become a ConsistentLMHead"
-                )
+        if ops.enabled():
+            if not (self.__dict__.get(_CHECKED) and isinstance(getattr(self, "lm_head", None), ConsistentLMHead)):
+                check_model(self)
         return original(self, *args, **kwargs)
 
     return forward
+
+
+_CHECKED = "_true_on_policy_checked"
+
+
+def built_features(model: nn.Module) -> dict[str, bool]:
+    """What the transformers model built, in the terms of :class:`architectures.Features`."""
+    from true_on_policy.transformers_adapter import patches
+
+    attention = next(m for m in model.modules() if isinstance(m, patches.covered("attention")))
+    built = {
+        "qkv_bias": getattr(attention.q_proj, "bias", None) is not None,
+        "o_bias": getattr(attention.o_proj, "bias", None) is not None,
+        "qk_norm": hasattr(attention, "q_norm"),
+    }
+    mlp = next((m for m in model.modules() if isinstance(m, patches.covered("mlp"))), None)
+    if mlp is not None:  # none in a model of MoE layers only
+        built["mlp_bias"] = getattr(mlp.gate_proj, "bias", None) is not None
+    return built
+
+
+def check_model(model: nn.Module) -> None:
+    """With the flag on, once per model: its config is covered (:func:`architectures.check_config`),
+    its modules are what the architecture table describes, its linears are consistent (a model
+    built before patch_transformers() is converted here). UnsupportedFeatureError otherwise."""
+    features = architectures.check_config(model.config)
+    if not isinstance(getattr(model, "lm_head", None), ConsistentLMHead):
+        convert_model(model)  # a model built before patch_transformers(): same result as building after
+        if not isinstance(getattr(model, "lm_head", None), ConsistentLMHead):
+            raise UnsupportedFeatureError(
+                f"true_on_policy: {type(model).__name__}.lm_head is a {type(model.lm_head).__name__}, "
+                "not a plain nn.Linear that could become a ConsistentLMHead"
+            )
+    architectures.check_built(features, built_features(model), "transformers")
+    model.__dict__[_CHECKED] = True
 
 
 # ----------------------------------------------------------------------------------------------
 # Attention interface
 # ----------------------------------------------------------------------------------------------
 
-_ATTENTION_CLASSES: tuple[type, ...] = ()
 _UNSUPPORTED_ATTENTION_KWARGS = ("s_aux", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def _mask_interface(
+def mask_function(
     batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs
 ):
-    """Hand HF's 2D boolean padding mask (or None) straight to the attention function."""
+    """transformers mask function ``"consistent"``: HF's 2D boolean padding mask (or None), as is."""
     return attention_mask
 
 
 def _check_attention_call(module, attention_mask, dropout, sliding_window, kwargs) -> None:
-    if not isinstance(module, _ATTENTION_CLASSES):
+    from true_on_policy.transformers_adapter import patches
+
+    if not isinstance(module, patches.covered("attention")):
+        architectures.check_config(module.config)  # names the architecture
         raise UnsupportedFeatureError(
             f"true_on_policy: attention module {type(module).__name__} is not covered "
-            f"(supported: {[c.__name__ for c in _ATTENTION_CLASSES]})"
+            f"(covered: {[c.__name__ for c in patches.covered('attention')]})"
         )
     _require_consistent_linears(module, ("q_proj", "k_proj", "v_proj", "o_proj"))
     if sliding_window is not None:
@@ -417,7 +448,7 @@ def _default_training_attention(query, key, value, seg, pos, valid, scaling, dro
     return torch.where(valid[:, :, None, None], out, 0.0)
 
 
-def _attention_interface(
+def attention_function(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
 ):
     """transformers attention function ``"consistent"``: [B, H, T, D] in, ([B, T, H, D], None) out."""
@@ -445,75 +476,23 @@ def _attention_interface(
 # ----------------------------------------------------------------------------------------------
 
 
-def _families():
-    from transformers.models.qwen3 import modeling_qwen3 as q3
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as q3m
-
-    return [
-        dict(
-            module=q3,
-            norms=[q3.Qwen3RMSNorm],
-            rotary=q3.Qwen3RotaryEmbedding,
-            mlps=[q3.Qwen3MLP],
-            attention=q3.Qwen3Attention,
-            layers=[q3.Qwen3DecoderLayer],
-            lms=[q3.Qwen3ForCausalLM],
-        ),
-        dict(
-            module=q3m,
-            norms=[q3m.Qwen3MoeRMSNorm],
-            rotary=q3m.Qwen3MoeRotaryEmbedding,
-            mlps=[q3m.Qwen3MoeMLP],
-            attention=q3m.Qwen3MoeAttention,
-            layers=[q3m.Qwen3MoeDecoderLayer],
-            lms=[q3m.Qwen3MoeForCausalLM],
-            router=q3m.Qwen3MoeTopKRouter,
-            experts=q3m.Qwen3MoeExperts,
-        ),
-    ]
-
-
-def _set(owner, name, value) -> None:
-    _ORIGINALS.setdefault((owner, name), getattr(owner, name))
-    setattr(owner, name, value)
-
-
 def is_patched() -> bool:
-    return bool(_ORIGINALS)
+    from true_on_policy.transformers_adapter import patches
+
+    return patches.applied()
 
 
 def patch_transformers() -> None:
-    """Patch transformers' Qwen3 / Qwen3-MoE classes and register the attention ``"consistent"``.
+    """Patch transformers' classes of every covered architecture (:mod:`.architectures`) with this
+    module's code and register the attention ``"consistent"``, through the checked
+    :mod:`true_on_policy.transformers_adapter.patches`.
 
     Idempotent; class-level, so it covers every model built afterwards in this process (call it in
     each worker process before the model is built). Behaviour changes only while the flag is on.
     """
-    global _ATTENTION_CLASSES
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from true_on_policy.transformers_adapter import patches
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention_interface)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mask_interface)
-    if _ORIGINALS:
-        return
-    attention_classes = []
-    for fam in _families():
-        for cls in fam["norms"]:
-            _set(cls, "forward", _make_rms_norm_forward(cls))
-        _set(fam["rotary"], "forward", _make_rotary_forward(fam["rotary"]))
-        _set(fam["module"], "apply_rotary_pos_emb", _make_apply_rotary(fam["module"].apply_rotary_pos_emb))
-        for cls in fam["mlps"]:
-            _set(cls, "forward", _make_mlp_forward(cls))
-        for cls in fam["layers"]:
-            _set(cls, "__init__", _make_init(cls.__init__, _swap_linears))
-        for cls in fam["lms"]:
-            _set(cls, "__init__", _make_init(cls.__init__, _swap_lm_head))
-            _set(cls, "forward", _make_causal_lm_forward(cls.forward))
-        if "router" in fam:
-            _set(fam["router"], "forward", _make_router_forward(fam["router"]))
-            _set(fam["experts"], "forward", _make_experts_forward(fam["experts"]))
-        attention_classes.append(fam["attention"])
-    _ATTENTION_CLASSES = tuple(attention_classes)
+    patches.apply()
 
 
 def unpatch_transformers() -> None:
@@ -521,29 +500,22 @@ def unpatch_transformers() -> None:
 
     Modules already converted keep their ConsistentLinear class; with the flag off it is F.linear.
     """
-    global _ATTENTION_CLASSES
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from true_on_policy.transformers_adapter import patches
 
-    for (owner, name), original in reversed(list(_ORIGINALS.items())):
-        setattr(owner, name, original)
-    _ORIGINALS.clear()
-    _ATTENTION_CLASSES = ()
-    AttentionInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
-    AttentionMaskInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
+    patches.revert()
 
 
 def convert_model(model: nn.Module) -> nn.Module:
     """Convert a model built before :func:`patch_transformers` in place (idempotent): the plain
-    ``nn.Linear`` of its Qwen3 / Qwen3-MoE decoder layers become :class:`ConsistentLinear`, the
-    causal LM's ``lm_head`` a :class:`ConsistentLMHead`. The causal LM's forward does this by
-    itself on its first call with the flag on."""
-    layer_classes = tuple(cls for fam in _families() for cls in fam["layers"])
-    lm_classes = tuple(cls for fam in _families() for cls in fam["lms"])
+    ``nn.Linear`` of its decoder layers become :class:`ConsistentLinear`, the causal LM's
+    ``lm_head`` a :class:`ConsistentLMHead`. The causal LM's forward does this by itself on its
+    first call with the flag on."""
+    from true_on_policy.transformers_adapter import patches
+
     for module in model.modules():
-        if isinstance(module, layer_classes):
+        if isinstance(module, patches.covered("decoder_layer")):
             _swap_linears(module)
-        if isinstance(module, lm_classes):
+        if isinstance(module, patches.covered("causal_lm")):
             _swap_lm_head(module)
     return model
 

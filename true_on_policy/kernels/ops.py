@@ -55,7 +55,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from true_on_policy.kernels import native
+from true_on_policy.kernels import architectures, native
 
 __all__ = [
     "TILE_ROWS",
@@ -382,45 +382,50 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return (h / (1.0 + torch.exp(-h))).to(x.dtype)
 
 
-_ROPE_TYPES = ("default", "linear")
-
-
-def _rope_parameters(config) -> dict:
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        return dict(params)
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
-    scaling.setdefault("rope_type", scaling.get("type", "default"))
-    scaling.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return scaling
-
-
 def rope_table(config, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(cos, sin)`` of shape [max_position_embeddings, head_dim], computed once per model.
 
     Invariant: both engines index the SAME table by absolute position, so a position's rotation
     never depends on which other positions were computed with it (torch's ``cos``/``sin`` kernels
-    are not guaranteed position-invariant). The frequencies are HF's default RoPE (``linear``
-    scaling divides them by its factor); any other rope type raises.
+    are not guaranteed position-invariant). ``config``: a model config (mapping or transformers
+    config). The frequencies are HF's: default RoPE, ``linear`` scaling (divided by its factor) or
+    Llama-3's ``llama3`` scaling; any other rope type raises.
     """
-    params = _rope_parameters(config)
+    config = architectures.config_dict(config)
+    params = architectures.rope_parameters(config)
     rope_type = params.get("rope_type", "default")
-    if rope_type not in _ROPE_TYPES:
-        raise NotImplementedError(
-            f"consistent ops: rope type {rope_type!r} is not supported (supported: {_ROPE_TYPES})"
-        )
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if rope_type not in ROPE_TYPES:
+        raise NotImplementedError(f"consistent ops: rope type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1.0):
         raise NotImplementedError(f"consistent ops: partial_rotary_factor={partial} is not supported")
     base = float(params["rope_theta"])
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float32) / dim))
     if rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, params)
+    positions = torch.arange(config["max_position_embeddings"], dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(device), emb.sin().to(device)
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1's frequency scaling, as transformers' ``_compute_llama3_parameters`` computes it."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,7 @@ class RolloutEngine:
     """Continuous batching over per-request KV caches.
 
     Args:
-        model: a transformers causal LM (Qwen3 / Qwen3-MoE structure), in its serving dtype.
+        model: a transformers causal LM (an architecture of kernels/architectures.py), in its serving dtype.
         eos_token_id: ends a request (besides its own stop tokens and its length budget).
         max_num_seqs: most requests in the running batch; the rest wait in arrival order.
         max_model_len: prompt + response budget of one request.

@@ -69,6 +69,7 @@ def prepare_launch(config) -> dict[str, str]:
     from true_on_policy.config import invariants
     from true_on_policy.contract import consistency as contract
     from true_on_policy.contract import determinism_plan as determinism_env
+    from true_on_policy.kernels import architectures
 
     section = recipe_section(config)
     try:
@@ -84,6 +85,10 @@ def prepare_launch(config) -> dict[str, str]:
             "at library level (true_on_policy.kernels.tensor_parallel) and proven bitwise there, but neither verl's FSDP "
             "engine nor the Ray-served CPU rollout shards the model; run CPU jobs with both set to 1"
         )
+
+    if recipe.deterministic and (recipe.platform == "cpu" or recipe.kernels == "project"):
+        # the project's kernels on both sides: an uncovered architecture or feature is refused by name here
+        architectures.check_checkpoint(config.actor_rollout_ref.model.path)
 
     plan = determinism_env.plan_for_config(config)
     # The plan's provenance (versions detected or declared, what was not emitted and why) goes to the log.

@@ -1,4 +1,4 @@
-"""The vLLM backend of the plugin: vLLM's own Qwen3 / Qwen3-MoE model code on the consistent ops.
+"""The vLLM backend of the plugin: vLLM's own model code (kernels/architectures.py) on the consistent ops.
 
 Loaded by vLLM through the ``vllm.general_plugins`` entry point (:mod:`.plugin`) in every vLLM
 process; inert unless the recipe's exported settings ask for it. Everything that touches vLLM's

@@ -26,6 +26,8 @@ from true_on_policy.kernels.model import UnsupportedFeatureError
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import LinearScalingRotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
 from vllm.v1.attention.backend import AttentionMetadataBuilder, AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -40,7 +42,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 
 class ConsistentRMSNorm(RMSNorm):
-    """vLLM's RMSNorm (optionally fused with the residual add) as HF Qwen3RMSNorm on ops.rms_norm."""
+    """vLLM's RMSNorm (optionally fused with the residual add) as HF's RMSNorm on ops.rms_norm."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.variance_size_override is not None or not self.has_weight:
@@ -61,8 +63,15 @@ class ConsistentSiluAndMul(SiluAndMul):
         return ops.silu(x[..., :d]) * x[..., d:]
 
 
-class ConsistentRotaryEmbedding(RotaryEmbedding):
-    """NeoX RoPE from the training side's one fp32 table (:func:`ops.rope_table`), fp32 rotation."""
+class _ConsistentRope:
+    """NeoX RoPE from the training side's one fp32 table (:func:`ops.rope_table`), fp32 rotation.
+
+    Each subclass names its vLLM RoPE class's parameters as the HF ``rope_parameters`` the
+    training side reads from the same config, so both engines build the same table.
+    """
+
+    def _rope_parameters(self) -> dict:
+        return {"rope_type": "default", "rope_theta": float(self.base)}
 
     def _table(self, device):
         cached = self.__dict__.get("_true_on_policy_rope")
@@ -72,11 +81,11 @@ class ConsistentRotaryEmbedding(RotaryEmbedding):
                     f"true_on_policy (vLLM): RoPE with rotary_dim={self.rotary_dim} of head_size={self.head_size}, "
                     f"is_neox_style={self.is_neox_style} is not covered (full NeoX rotation only)"
                 )
-            config = types.SimpleNamespace(
-                rope_parameters={"rope_type": "default", "rope_theta": float(self.base)},
-                head_dim=self.head_size,
-                max_position_embeddings=self.max_position_embeddings,
-            )
+            config = {
+                "rope_parameters": self._rope_parameters(),
+                "head_dim": self.head_size,
+                "max_position_embeddings": self.max_position_embeddings,
+            }
             cos, sin = ops.rope_table(config, device=device)
             cached = (device, cos, sin)
             self.__dict__["_true_on_policy_rope"] = cached
@@ -97,6 +106,43 @@ class ConsistentRotaryEmbedding(RotaryEmbedding):
         q = ops.apply_rope(query.view(n, -1, self.head_size), c, s, 1).reshape(query.shape)
         k = ops.apply_rope(key.view(n, -1, self.head_size), c, s, 1).reshape(key.shape)
         return q, k
+
+
+class ConsistentRotaryEmbedding(_ConsistentRope, RotaryEmbedding):
+    """vLLM's default RoPE (``rope_type: default``) on the one fp32 table."""
+
+
+class ConsistentLinearScalingRotaryEmbedding(_ConsistentRope, LinearScalingRotaryEmbedding):
+    """``rope_type: linear``: frequencies divided by the factor, as the training side's table."""
+
+    def _rope_parameters(self) -> dict:
+        if len(self.scaling_factors) != 1:
+            raise UnsupportedFeatureError(
+                f"true_on_policy (vLLM): linear RoPE scaling with several factors {self.scaling_factors} is not covered"
+            )
+        return {"rope_type": "linear", "rope_theta": float(self.base), "factor": self.scaling_factors[0]}
+
+
+class ConsistentLlama3RotaryEmbedding(_ConsistentRope, Llama3RotaryEmbedding):
+    """``rope_type: llama3`` (Llama 3.1+): the same scaled frequencies as the training side's table."""
+
+    def _rope_parameters(self) -> dict:
+        return {
+            "rope_type": "llama3",
+            "rope_theta": float(self.base),
+            "factor": self.scaling_factor,
+            "low_freq_factor": self.low_freq_factor,
+            "high_freq_factor": self.high_freq_factor,
+            "original_max_position_embeddings": self.orig_max_position,
+        }
+
+
+# vLLM class name -> its consistent replacement (registered by .patches as out-of-tree custom ops)
+CONSISTENT_ROPES = {
+    "RotaryEmbedding": ConsistentRotaryEmbedding,
+    "LinearScalingRotaryEmbedding": ConsistentLinearScalingRotaryEmbedding,
+    "Llama3RotaryEmbedding": ConsistentLlama3RotaryEmbedding,
+}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,9 +10,12 @@ whole footprint.
   weights stay unpacked (stock vLLM-CPU packs them for oneDNN and drops the originals, so verl's
   per-step weight sync cannot reach them; with the flag off they run plain ``F.linear``), and the
   stock attention admits head size 16 (its kernel has a ``vec16`` path; the list stops at 32).
-* :func:`apply_consistent` (flag on): vLLM's Qwen3 / Qwen3-MoE modules on the consistent ops
-  (:mod:`.layers`), the sampler's log-softmax, and a check after the model is loaded that every
-  module of the model runs a consistent op -- anything else raises
+* :func:`apply_consistent` (flag on): vLLM's modules of the covered architectures
+  (:mod:`true_on_policy.kernels.architectures`) on the consistent ops (:mod:`.layers`), the
+  sampler's log-softmax, a check of the model's config before it loads
+  (:func:`~true_on_policy.kernels.architectures.check_config`), and a check after it is loaded that
+  it is what its architecture's entry describes and every module runs a consistent op -- anything
+  else raises
   :class:`~true_on_policy.kernels.model.UnsupportedFeatureError` naming it, so stock kernels never
   run silently with the flag on. Eager mode is required (compiled graphs broke bitwise equality).
 * ``apply_consistent("cuda")`` (``platform: cuda`` + ``kernels: project``, flag on): the same model,
@@ -31,9 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from true_on_policy.contract.stack_versions import VLLM_ADAPTER_VERSION as VLLM_VERSION
+from true_on_policy.kernels import architectures
 from true_on_policy.kernels.model import UnsupportedFeatureError
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# The MoE block whose __init__ / forward are replaced: the table's one MoE architecture's vLLM block.
+_MOE = architectures.by_name("Qwen3MoeForCausalLM")
 
 _APPLIED: set[str] = set()
 
@@ -60,14 +65,13 @@ TARGETS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "logprobs": ("vllm.v1.sample.sampler", "Sampler", "compute_logprobs", ("logits",)),
     "moe.init": (
-        "vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock", "__init__",
-        ("self", "vllm_config", "prefix", "is_fused_checkpoint_transposed"),
+        _MOE.vllm_module, _MOE.moe.vllm_block, "__init__", ("self", "vllm_config", "prefix", "is_fused_checkpoint_transposed"),
     ),
     "moe.weights": (
         "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod",
         "process_weights_after_loading", ("self", "layer"),
     ),
-    "moe.forward": ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock", "forward", ("self", "hidden_states")),
+    "moe.forward": (_MOE.vllm_module, _MOE.moe.vllm_block, "forward", ("self", "hidden_states")),
     "cpu.load_model": ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "load_model", ("self", "load_dummy_weights")),
     "cpu.sample": (_SAMPLER, "TopKTopPSampler", "forward_cpu", _SAMPLER_PARAMS),
     "cuda.load_model": ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "load_model", ("self", "load_dummy_weights")),
@@ -159,7 +163,6 @@ def apply_consistent(device: str = "cpu") -> None:
         _check_version()
     check_targets(device)
     from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.models import qwen3_moe
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.sample.ops import topk_topp_sampler
     from vllm.v1.sample.sampler import Sampler
@@ -169,7 +172,7 @@ def apply_consistent(device: str = "cpu") -> None:
     for name, cls in (
         ("RMSNorm", layers.ConsistentRMSNorm),
         ("SiluAndMul", layers.ConsistentSiluAndMul),
-        ("RotaryEmbedding", layers.ConsistentRotaryEmbedding),
+        *layers.CONSISTENT_ROPES.items(),
     ):
         CustomOp.register_oot(cls, name=name)
     if device == "cpu":
@@ -214,7 +217,8 @@ def apply_consistent(device: str = "cpu") -> None:
     for name in ("cpu.sample",) if device == "cpu" else ("cuda.sample_native", "cuda.sample_cuda"):
         _patch(name, functools.wraps(sample)(lambda self, logits, generators, k, p: sample(self, logits, generators, k, p)))
 
-    original_moe_init = qwen3_moe.Qwen3MoeSparseMoeBlock.__init__
+    moe_block, _, _ = _target("moe.init")
+    original_moe_init = moe_block.__init__
 
     def moe_init(self, vllm_config, prefix="", is_fused_checkpoint_transposed=False):
         original_moe_init(self, vllm_config, prefix, is_fused_checkpoint_transposed)
@@ -243,15 +247,34 @@ def apply_consistent(device: str = "cpu") -> None:
     original_load_model = getattr(owner, attr)
 
     def load_model(self, load_dummy_weights=False):
+        architectures.check_config(self.vllm_config.model_config.hf_config)  # refused by name before loading
         original_load_model(self, load_dummy_weights)
-        verify_model(self.model, self.vllm_config)
+        verify_model(self.model, self.vllm_config, device)
 
     _patch(runner_target, load_model)
     _APPLIED.add("consistent")
 
 
-def verify_model(model, vllm_config) -> None:
-    """Raise UnsupportedFeatureError naming the first part of ``model`` not on a consistent op."""
+# The attention implementation the consistent backend builds on each device (.layers).
+ATTENTION_IMPLS = {"cpu": "ConsistentAttentionImpl", "cuda": "DeviceAttentionImpl"}
+
+
+def built_features(model) -> dict[str, bool]:
+    """What vLLM built, in the terms of :class:`architectures.Features` (first attention and dense MLP)."""
+    attention = next(m for m in model.modules() if hasattr(m, "qkv_proj") and hasattr(m, "o_proj"))
+    built = {
+        "qkv_bias": attention.qkv_proj.bias is not None,
+        "o_bias": attention.o_proj.bias is not None,
+        "qk_norm": hasattr(attention, "q_norm"),
+    }
+    mlp = next((m for m in model.modules() if hasattr(m, "gate_up_proj")), None)
+    if mlp is not None:  # none in a model of MoE layers only
+        built["mlp_bias"] = mlp.gate_up_proj.bias is not None
+    return built
+
+
+def verify_model(model, vllm_config, device: str) -> None:
+    """Raise UnsupportedFeatureError naming the first part of ``model`` not on a consistent op on ``device``."""
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.layers.layernorm import RMSNorm
@@ -259,7 +282,6 @@ def verify_model(model, vllm_config) -> None:
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
-    from vllm.model_executor.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 
     from true_on_policy.vllm_adapter import layers
 
@@ -267,30 +289,40 @@ def verify_model(model, vllm_config) -> None:
         raise UnsupportedFeatureError(f"true_on_policy (vLLM): {what} is not covered with deterministic=true")
 
     name = type(model).__name__
-    if name not in SUPPORTED_ARCHITECTURES:
-        fail(f"model architecture {name} (covered: {SUPPORTED_ARCHITECTURES})")
+    arch = architectures.by_name(name)
+    if arch is None:
+        fail(f"model architecture {name} (covered: {architectures.names()})")
+    if device not in ATTENTION_IMPLS:
+        raise ValueError(f"true_on_policy: no consistent attention for device {device!r} (have {sorted(ATTENTION_IMPLS)})")
+    attention_impl = getattr(layers, ATTENTION_IMPLS[device])
     if not vllm_config.model_config.enforce_eager:
         fail("compiled / CUDA-graph mode (enforce_eager=False); set rollout.enforce_eager=true")
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         fail(f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}")
+    features = architectures.check_config(vllm_config.model_config.hf_config)
+    architectures.check_built(features, built_features(model), "vLLM")
     expected = {
-        RMSNorm: layers.ConsistentRMSNorm,
-        SiluAndMul: layers.ConsistentSiluAndMul,
-        RotaryEmbeddingBase: layers.ConsistentRotaryEmbedding,
+        RMSNorm: (layers.ConsistentRMSNorm,),
+        SiluAndMul: (layers.ConsistentSiluAndMul,),
+        RotaryEmbeddingBase: tuple(layers.CONSISTENT_ROPES.values()),
     }
+    moe_block = None
+    if arch.moe is not None:
+        moe_block = getattr(importlib.import_module(arch.vllm_module), arch.moe.vllm_block)
     moe_experts = set()
     for module in model.modules():
-        if isinstance(module, Qwen3MoeSparseMoeBlock):
+        if moe_block is not None and isinstance(module, moe_block):
             moe_experts.update(id(m) for m in module.experts.modules())
     for path, module in model.named_modules():
         for base, ours in expected.items():
-            if isinstance(module, base) and type(module) is not ours:
+            if isinstance(module, base) and type(module) not in ours:
                 fail(f"{path}: {type(module).__name__}")
         if isinstance(module, LinearBase) and type(module.quant_method) is not UnquantizedLinearMethod:
             fail(f"{path}: linear method {type(module.quant_method).__name__} (quantization, LoRA)")
-        if isinstance(module, Attention) and type(module.impl) is not layers.ConsistentAttentionImpl:
-            fail(f"{path}: attention implementation {type(module.impl).__name__}")
+        if isinstance(module, Attention) and type(module.impl) is not attention_impl:
+            fail(f"{path}: attention implementation {type(module.impl).__name__} on {device} "
+                 f"(the consistent backend builds {attention_impl.__name__})")
         if isinstance(module, ParallelLMHead) and (
             type(module.quant_method) is not UnquantizedEmbeddingMethod or module.tp_size != 1
         ):
@@ -298,4 +330,4 @@ def verify_model(model, vllm_config) -> None:
         if isinstance(module, LogitsProcessor) and (module.soft_cap is not None or module.scale != 1.0):
             fail(f"{path}: logit soft cap {module.soft_cap} / scale {module.scale}")
         if "FusedMoE" in type(module).__name__ and id(module) not in moe_experts:
-            fail(f"{path}: {type(module).__name__} outside a Qwen3-MoE sparse block")
+            fail(f"{path}: {type(module).__name__} outside {name}'s MoE block")

