@@ -237,7 +237,8 @@ def _accept(cfg: Any, overrides: list[str], rows: Sequence[str]) -> list[str]:
     names = list(dict.fromkeys([*(section.get("accept_unverified") or []), *rows]))
     with open_dict(section):
         section.accept_unverified = names
-    return [*overrides, f"true_on_policy.accept_unverified=[{','.join(names)}]"]
+    kept = [o for o in overrides if not o.lstrip("+").startswith("true_on_policy.accept_unverified=")]
+    return [*kept, f"true_on_policy.accept_unverified=[{','.join(names)}]"]
 
 
 if __name__ == "__main__":
