@@ -80,10 +80,13 @@ def masked_sequence_advantages(rewards: torch.Tensor, trajectories: torch.Tensor
 
     No validation and no host read (no ``.item()``, no data-dependent shape): the caller validated
     the rewards, and a batch without any trajectory gives NaN, which the caller must have refused.
+    The mean adds the rows in order (a cumulative sum), so rows that are no trajectory -- verl's
+    padding rows, wherever they sit -- change no bit of it.
     """
     with torch.no_grad():
         zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
-        mean = torch.where(trajectories, rewards, zero).sum() / trajectories.sum().to(rewards.dtype)
+        total = torch.cumsum(torch.where(trajectories, rewards, zero), dim=0)[-1]
+        mean = total / trajectories.sum().to(rewards.dtype)
         return torch.where(trajectories, rewards - mean, zero)
 
 
@@ -263,7 +266,10 @@ def loss_core(
         per_token_weight = (row_advantages / row_tokens).unsqueeze(-1) * ratio
         per_token_weight = torch.where(active, per_token_weight, zero)
 
-    loss = -(per_token_weight * current).sum() / batch_size
+    # Per row, then over rows in order (a cumulative sum: torch's CPU cumsum accumulates sequentially),
+    # so a row that contributes zero -- verl's padding row, wherever it sits -- changes no bit of the
+    # loss without being selected away (selection is a data-dependent shape: a host sync on a device).
+    loss = -torch.cumsum((per_token_weight * current).sum(dim=-1), dim=0)[-1] / batch_size
 
     with torch.no_grad():
         retained_tokens = active.sum(dim=-1)
