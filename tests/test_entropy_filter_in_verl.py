@@ -112,7 +112,7 @@ def actor_config():
 
 @pytest.fixture
 def filter_settings(monkeypatch):
-    settings = settings_module.Settings(delta=DELTA, negative_token_fraction=FRACTION)
+    settings = settings_module.Settings(platform="cpu", delta=DELTA, negative_token_fraction=FRACTION)
     monkeypatch.setenv(settings_module.ENV_VAR, settings.to_json())
 
 
@@ -341,6 +341,17 @@ def mask_with(batch, row, positions, value):
     [
         (lambda batch: None, "needs the entropy filter's per-token keep mask"),
         (lambda batch: filter_carrier(batch)[:, :-1], "must have the response's shape"),
+    ],
+)
+def test_the_loss_refuses_a_missing_or_misshapen_filter_mask(filter_settings, carrier, message):
+    batch = make_batch()
+    with pytest.raises(ValueError, match=message):
+        call_policy_loss(batch, rollout_is_weights=carrier(batch))
+
+
+@pytest.mark.parametrize(
+    ("carrier", "message"),
+    [
         (lambda batch: mask_with(batch, 0, 0, 0.5), "0/1 keep mask .*importance weights"),
         (lambda batch: mask_with(batch, 0, 0, math.nan), "0/1 keep mask"),
         (lambda batch: mask_with(batch, 3, 4, 1.0), "outside the response"),
@@ -349,23 +360,29 @@ def mask_with(batch, row, positions, value):
         (lambda batch: torch.where(batch["mask"], 1.0, 0.0).index_fill(0, torch.tensor([0]), 0.0), "keeps 0 of the 6"),
     ],
 )
-def test_the_loss_refuses_anything_but_a_valid_filter_mask(filter_settings, carrier, message):
+def test_the_driver_refuses_anything_but_a_valid_filter_mask(carrier, message):
+    """Checked once per batch in the driver (the per-micro-batch loss reads no value on the host)."""
+    from true_on_policy.verl_adapter import trainer_hooks
+
     batch = make_batch()
+    trainer_hooks.check_filter_mask(filter_carrier(batch), batch["mask"], FRACTION)  # the twin: the hook's own mask
     with pytest.raises(ValueError, match=message):
-        call_policy_loss(batch, rollout_is_weights=carrier(batch))
+        trainer_hooks.check_filter_mask(carrier(batch), batch["mask"], FRACTION)
 
 
-def test_a_failed_row_keeping_too_many_tokens_is_refused(filter_settings):
+def test_a_failed_row_keeping_too_many_tokens_is_refused():
+    from true_on_policy.verl_adapter import trainer_hooks
+
     batch = make_batch()
     carrier = filter_carrier(batch)
     dropped = ((carrier[0] == 0) & batch["mask"][0]).nonzero().flatten()
     carrier[0, dropped[0]] = 1.0  # failed row 0 now keeps 4 of 6: neither 6 nor ceil(0.5 * 6) = 3
     with pytest.raises(ValueError, match="keeps 4 of the 6 response tokens of row 0"):
-        call_policy_loss(batch, rollout_is_weights=carrier)
+        trainer_hooks.check_filter_mask(carrier, batch["mask"], FRACTION)
 
 
 def test_without_the_filter_importance_weights_are_still_refused(monkeypatch):
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(delta=DELTA).to_json())
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu", delta=DELTA).to_json())
     batch = make_batch()
     with pytest.raises(ValueError, match="rollout_is=null"):
         call_policy_loss(batch, rollout_is_weights=torch.ones(ROWS, RESPONSE_LENGTH))

@@ -103,7 +103,7 @@ def relative_error(actual, expected):
 
 @pytest.fixture
 def flashreinforce_settings(monkeypatch):
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(delta=DELTA).to_json())
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu", delta=DELTA).to_json())
 
 
 # --- (a) the entry point: started first, checked last ---------------------------------------------------
@@ -324,7 +324,7 @@ def test_metrics_are_named_for_flashreinforce_and_match_the_reference(flashreinf
     assert values["actor/flashreinforce/ratio_deviation_mean"] == pytest.approx(stats["ratio_deviation"].item())
 
 
-def call_policy_loss(batch, *, rows=None, global_batch_size=ROWS, **overrides):
+def call_policy_loss(batch, *, rows=None, global_batch_size=ROWS, dp_size=1, **overrides):
     """The registered loss called the way ppo_loss calls it, on ``rows`` of the batch."""
     from true_on_policy.verl_adapter import flashreinforce_registration  # noqa: F401
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
@@ -332,7 +332,7 @@ def call_policy_loss(batch, *, rows=None, global_batch_size=ROWS, **overrides):
     rows = torch.arange(ROWS) if rows is None else torch.tensor(rows)
     config = actor_config()
     config.global_batch_info.update(
-        dp_size=1, batch_num_tokens=None, global_batch_size=global_batch_size, loss_scale_factor=None
+        dp_size=dp_size, batch_num_tokens=None, global_batch_size=global_batch_size, loss_scale_factor=None
     )
     arguments = dict(
         old_log_prob=batch["behaviour"][rows],
@@ -349,7 +349,7 @@ def call_policy_loss(batch, *, rows=None, global_batch_size=ROWS, **overrides):
 
 def test_without_exported_settings_the_loss_and_the_advantage_refuse(monkeypatch):
     batch = make_batch()
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings().to_json())
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu").to_json())
     advantages = verl_advantages(batch)
     _, metrics = call_policy_loss(batch, advantages=advantages)  # the twin: with the launch's settings it runs
     assert metrics["actor/flashreinforce/acceptance_rate"] > 0
@@ -390,9 +390,9 @@ def test_verls_padding_rows_contribute_nothing(flashreinforce_settings):
     [
         (dict(loss_agg_mode="token-mean"), "loss_agg_mode='seq-mean-token-mean'"),
         (dict(rollout_is_weights=torch.ones(ROWS, RESPONSE_LENGTH, dtype=F64)), "rollout_is=null"),
-        (dict(advantages=torch.rand(ROWS, RESPONSE_LENGTH, dtype=F64)), "varies within rows"),
         (dict(config=None), "needs verl's actor config"),
         (dict(global_batch_size=None), "global_batch_size"),
+        (dict(dp_size=None), "dp_size"),
     ],
 )
 def test_policy_loss_refuses_what_flashreinforce_cannot_honour(flashreinforce_settings, overrides, message):
@@ -400,11 +400,37 @@ def test_policy_loss_refuses_what_flashreinforce_cannot_honour(flashreinforce_se
         call_policy_loss(make_batch(), **overrides)
 
 
+def _driver_check(batch, **changes):
+    from true_on_policy.verl_adapter import trainer_hooks
+
+    inputs = dict(mask=batch["mask"], behaviour=batch["behaviour"], advantages=verl_advantages(batch))
+    inputs.update(changes)
+    trainer_hooks.check_flashreinforce_batch(inputs["mask"], inputs["behaviour"], inputs["advantages"], None, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (lambda b: dict(advantages=torch.rand(ROWS, RESPONSE_LENGTH, dtype=F64)), "varies .* within rows"),
+        (lambda b: dict(advantages=verl_advantages(b).index_fill(1, torch.tensor([0]), math.nan)), "not finite"),
+        (lambda b: dict(behaviour=b["behaviour"].index_fill(1, torch.tensor([0]), 0.5)), "finite and <= 0"),
+        (lambda b: dict(behaviour=b["behaviour"].index_fill(1, torch.tensor([0]), -math.inf)), "finite and <= 0"),
+        (lambda b: dict(mask=torch.zeros_like(b["mask"])), "no row with a response token"),
+    ],
+)
+def test_the_driver_refuses_a_batch_the_loss_cannot_honour(flashreinforce_settings, changes, message):
+    """Checked once per batch in the driver: the per-micro-batch loss reads no value on the host."""
+    batch = make_batch()
+    _driver_check(batch)  # the twin: the batch as verl's estimator and the rollout leave it
+    with pytest.raises(ValueError, match=message):
+        _driver_check(batch, **changes(batch))
+
+
 def test_the_gate_uses_the_exported_delta(monkeypatch):
     batch = make_batch()
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(delta=math.inf).to_json())
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu", delta=math.inf).to_json())
     _, open_gate = call_policy_loss(batch)
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(delta=0.0).to_json())
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu", delta=0.0).to_json())
     _, closed_gate = call_policy_loss(batch)
     assert open_gate["actor/flashreinforce/acceptance_rate"] == 1.0
     # only row 0 has behaviour == current exactly (no drift), so only it passes delta = 0
@@ -417,3 +443,36 @@ def test_plain_import_of_verl_registers_flashreinforce_through_the_entry_point(e
     stdout, stderr = (folder / "stdout").read_text(), (folder / "stderr").read_text()
     assert returncode == 0, stderr[-3000:]
     assert stdout.split() == ["true_on_policy.verl_adapter.flashreinforce_registration"] * 2
+
+
+def test_padding_rows_anywhere_change_no_bit_of_the_loss(flashreinforce_settings):
+    """verl's padding rows (no response token) are masked, not selected away (a data-dependent shape
+    is a host sync on a device): the loss adds per row, then over rows in order, so zero rows in the
+    middle of a micro-batch change no bit of the loss, and none of the gradient."""
+    batch = make_batch()
+    order = [0, None, 1, 2, None, None, 3, 4, 5]  # None: a padding row (row 0's data, no response)
+    padded = {"weight": batch["weight"]}
+    for key in ("features", "tokens", "behaviour", "token_level_rewards"):
+        padded[key] = torch.stack([batch[key][row if row is not None else 0] for row in order])
+    padded["mask"] = torch.stack(
+        [batch["mask"][row] if row is not None else torch.zeros(RESPONSE_LENGTH, dtype=torch.bool) for row in order]
+    )
+    losses, gradients = [], []
+    for data, rows in ((batch, None), (padded, list(range(len(order))))):
+        weight = batch["weight"].clone().requires_grad_(True)
+        index = torch.arange(ROWS) if rows is None else torch.tensor(rows)
+        loss, _ = call_policy_loss(
+            data, rows=rows, advantages=verl_advantages(data)[index],
+            log_prob=current_log_probs(data["features"][index], weight, data["tokens"][index]),
+        )
+        loss.backward()
+        losses.append(loss.detach())
+        gradients.append(weight.grad)
+    assert torch.equal(losses[0], losses[1]) and torch.equal(gradients[0], gradients[1])
+    index = torch.tensor([row for row, source in enumerate(order) if source is not None])
+    assert torch.equal(verl_advantages(padded)[index], verl_advantages(batch))  # the batch mean too
+    # twin: one flat sum over the padded [rows, T] layout (what the loss added before) is another number
+    terms = torch.randn(ROWS, RESPONSE_LENGTH, dtype=F64, generator=torch.Generator().manual_seed(3)) * batch["mask"]
+    padded_terms = torch.stack([terms[row] if row is not None else torch.zeros(RESPONSE_LENGTH, dtype=F64) for row in order])
+    assert not torch.equal(terms.sum(), padded_terms.sum())
+    assert torch.equal(torch.cumsum(terms.sum(-1), 0)[-1], torch.cumsum(padded_terms.sum(-1), 0)[-1])

@@ -120,7 +120,7 @@ def test_the_trainer_start_check_refuses_a_recipe_config_without_exported_settin
         launch.trainer_start_check(named)
     # the twins: a plain verl config is none of our business; exported settings pass
     launch.trainer_start_check(OmegaConf.create({"algorithm": {"adv_estimator": "gae"}}))
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings().to_json())
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu").to_json())
     launch.trainer_start_check(config)
 
 

@@ -59,10 +59,19 @@ def test_plugin_is_inert_without_settings():
     assert plugin.patch_set(None) is None
 
 
-@pytest.mark.parametrize(("fields", "named"), [({"kernels": "vendor"}, "'vendor'"), ({"kernels": "engine"}, "platform cpu")])
+@pytest.mark.parametrize(
+    ("fields", "named"), [({"kernels": "vendor"}, "'vendor'"), ({"platform": "cpu", "kernels": "engine"}, "platform cpu")]
+)
 def test_bad_kernels_value_names_key_and_value(fields, named):
     with pytest.raises(ConfigError, match=f"true_on_policy.kernels.*{named}"):
         Settings.from_mapping(fields)
+
+
+def test_kernels_engine_is_refused_once_auto_resolves_to_cpu():
+    auto = Settings.from_mapping({"kernels": "engine"})  # platform: auto, not resolved yet
+    assert auto.on_platform("cuda").resolved_kernels == "engine"
+    with pytest.raises(ConfigError, match="true_on_policy.kernels='engine' on platform cpu"):
+        auto.on_platform("cpu")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,7 +163,8 @@ def test_plan_pins_the_project_attention_and_no_vendor_environment():
     assert p.rollout_config == {f"{denv.ROLLOUT_VLLM}.attention_backend": "CUSTOM"}
     assert any("written, not run on a device" in op for op in p.ops)
     # twin: the engine family on the same stack emits vLLM's batch-invariant mode instead
-    e = denv.plan(True, "cuda", versions={"vllm": "0.28.0", "megatron-core": "0.16.1"}, importer=_no_vllm)
+    e = denv.plan(True, "cuda", versions={"vllm": "0.28.0", "megatron-core": "0.16.1"}, importer=_no_vllm,
+                  training_strategy="megatron", rollout_name="vllm")
     assert e.worker_env["VLLM_BATCH_INVARIANT"] == "1"
 
 
@@ -192,7 +202,7 @@ def test_check_exits_3_naming_the_kernel_family_rows_written_not_run():
 )
 def test_check_refuses_what_cannot_run_the_project_kernels(override, named):
     code, out, err = _check(override)
-    assert code == check_cli.EXIT_MISMATCH, (out, err)
+    assert code == check_cli.EXIT_REFUSED, (out, err)
     assert named in err
 
 

@@ -123,7 +123,7 @@ def test_without_exported_settings_nothing_runs_on_defaults(monkeypatch):
     assert settings_module.current() is None
     with pytest.raises(SettingsNotExported, match="launch hook"):
         settings_module.require("the test")
-    monkeypatch.setenv(settings_module.ENV_VAR, Settings(delta=0.5).to_json())
+    monkeypatch.setenv(settings_module.ENV_VAR, Settings(platform="cpu", delta=0.5).to_json())
     assert settings_module.require("the test").delta == 0.5
 
 
@@ -148,7 +148,7 @@ def test_main_ppo_exits_2_before_ray_naming_key_and_value(config_name, override,
     )
     log = result.stdout + result.stderr
     assert result.returncode == 2, log[-3000:]
-    assert message in result.stderr and "invalid config" in result.stderr
+    assert message in result.stderr and "refused (nothing was started)" in result.stderr
     assert "ray init kwargs" not in log and "Traceback" not in log  # main_ppo prints the former just before ray.init
 
 
@@ -156,10 +156,10 @@ def test_an_internal_error_is_reported_as_one(monkeypatch, capsys):
     from true_on_policy.contract import determinism_plan
     from true_on_policy.verl_adapter import launch
 
-    def broken_plan(config):
+    def broken_plan(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(determinism_plan, "plan_for_config", broken_plan)
+    monkeypatch.setattr(determinism_plan, "plan_for", broken_plan)
     config = compose_config(str(CONFIGS), "cpu_tiny")
     with pytest.raises(KeyError, match="a bug"):
         launch.launch_hook(config)
@@ -174,3 +174,20 @@ def test_a_config_error_in_the_hook_exits_2(capsys):
         launch.launch_hook(config)
     assert exited.value.code == 2
     assert "true_on_policy.negative_token_fraction must be in [0, 1], got 7" in capsys.readouterr().err
+
+
+def test_a_process_parses_the_exported_settings_once(monkeypatch):
+    monkeypatch.setenv(settings_module.ENV_VAR, Settings(platform="cpu", delta=0.25).to_json())
+    first = settings_module.current()
+    assert settings_module.current() is first  # per step / per micro-batch: the cached object
+    monkeypatch.setenv(settings_module.ENV_VAR, Settings(platform="cpu", delta=0.5).to_json())
+    assert settings_module.current().delta == 0.5  # the twin: another export is parsed again
+
+
+def test_exported_settings_carry_a_resolved_platform():
+    assert Settings().platform == "auto"
+    with pytest.raises(ValueError, match="resolved platform"):
+        Settings().to_json()
+    with pytest.raises(ValueError, match="resolved platform"):
+        Settings.from_json('{"platform": "auto"}')
+    assert Settings.from_json(Settings().on_platform("cuda").to_json()).platform == "cuda"

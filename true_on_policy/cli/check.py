@@ -3,17 +3,24 @@
 Composes the config exactly as ``python -m verl.trainer.main_ppo --config-path ... --config-name ...``
 does (Hydra compose API, the user's directory as the primary config source; verl's packaged config
 directory enters through the config's own ``hydra: searchpath: [pkg://verl.trainer.config]``),
-resolves it, applies the determinism plan, prints the side-by-side contract table and exits
+resolves it and asks for the launch's verdict (:func:`true_on_policy.contract.verdict.decide`, the
+function verl's launch hook calls): its text goes to stderr, the side-by-side contract table to
+stdout, and the exit code is the launch's:
 
-* 0 when every row is consistent *and* verified for the installed (or declared) stack versions,
-* 2 on a mismatch (one line per mismatch on stderr) or a bad value (the key, the value, what is expected),
-* 3 when every row is consistent where it can be seen but some rows cannot be verified (one line per
-  row on stderr, with the reason); ``--accept-unverified ROW`` (repeatable) or
-  ``true_on_policy.accept_unverified`` accepts a named row, and exit 0 follows when all are accepted,
+* 0 accepted: every row consistent and verified (or accepted by the config),
+* 2 refused: a bad value (key, value, what is expected), a broken FlashREINFORCE invariant, a
+  platform limit or a contract mismatch,
+* 3 refused only for rows that cannot be verified (each named, with the reason);
+  ``--accept-unverified ROW`` (repeatable) adds ROW to ``true_on_policy.accept_unverified`` (and
+  to the launch command ``--show-command`` prints),
 * 1 when the config cannot be composed, or on an internal error (reported as such).
 
-Extra flags (before the Hydra overrides): ``--json`` prints the contract as JSON instead of the
-table; ``--plan`` also prints the determinism plan with its sources.
+The one difference from the launch: a config whose ``true_on_policy.platform`` names another
+platform than this machine's is evaluated as declared (the verdict says it was not detected here),
+so a device config can be checked on a CPU machine; the launch refuses it.
+
+Extra flags (before the Hydra overrides): ``--json`` prints the verdict (code, text, settings,
+plan, contract) as JSON alone on stdout; ``--plan`` also prints the determinism plan with its sources.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-EXIT_OK, EXIT_ERROR, EXIT_MISMATCH, EXIT_UNVERIFIED = 0, 1, 2, 3
+from true_on_policy.cli.json_output import stdout_to_stderr
+from true_on_policy.contract.verdict import EXIT_ERROR, EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED  # noqa: F401 - the exit codes
+
 
 
 def compose_config(config_path: str, config_name: str, overrides: Sequence[str] = ()) -> Any:
@@ -47,7 +56,7 @@ def compose_config(config_path: str, config_name: str, overrides: Sequence[str] 
         key, raw = _unresolvable(cfg)
         if key is None:
             raise
-        from true_on_policy.contract.determinism_plan import ConfigError
+        from true_on_policy.contract.config_reader import ConfigError
 
         raise ConfigError(key, raw, f"does not resolve ({type(exc).__name__}: {exc})") from exc
     return cfg
@@ -152,90 +161,84 @@ def _split_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    stdout = stdout or sys.stdout
-    stderr = stderr or sys.stderr
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "check":
         argv = argv[1:]
     known, overrides = _split_args(argv)
     args = _parser().parse_args(known)
+    # --json: what composing imports may print (verl, Hydra) goes to stderr; stdout carries the JSON alone.
+    with stdout_to_stderr(args.json):
+        code, out, err = _check(args, overrides)
+    if out:
+        (stdout or sys.stdout).write(out)
+        (stdout or sys.stdout).flush()
+    if err:
+        print(err, file=stderr or sys.stderr)
+    return code
 
-    from true_on_policy.contract import consistency as contract_mod
-    from true_on_policy.contract import determinism_plan as determinism_env
 
+def _check(args: argparse.Namespace, overrides: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout text, stderr text) of one check."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from true_on_policy.contract.determinism_plan import ConfigError
+    from true_on_policy.config.platform import detect_machine
+    from true_on_policy.contract import consistency as contract_mod
+    from true_on_policy.contract import determinism_plan as determinism_env
+    from true_on_policy.contract import verdict as verdict_mod
+    from true_on_policy.contract.config_reader import ConfigError
 
     try:
         cfg = compose_config(args.config_path, args.config_name, overrides)
+        overrides = _accept(cfg, overrides, args.accept_unverified)
     except ConfigError as exc:
-        print(f"true_on_policy check: bad config value: {exc}", file=stderr)
-        return EXIT_MISMATCH
+        return EXIT_REFUSED, "", f"true_on_policy check: bad config value: {exc}"
     except OmegaConfBaseException as exc:  # an override or interpolation that cannot resolve names its key
         key = getattr(exc, "full_key", None)
-        print(f"true_on_policy check: bad config value: {key + ': ' if key else ''}{_describe(exc)}", file=stderr)
-        return EXIT_MISMATCH
+        return EXIT_REFUSED, "", f"true_on_policy check: bad config value: {key + ': ' if key else ''}{_describe(exc)}"
     except Exception as exc:  # noqa: BLE001 - one readable line, the exit code says the rest
-        print(f"true_on_policy check: cannot compose the config: {_describe(exc)}", file=stderr)
-        return EXIT_ERROR
+        return EXIT_ERROR, "", f"true_on_policy check: cannot compose the config: {_describe(exc)}"
     try:
-        recipe = determinism_env.recipe_settings(cfg)
-        plan = determinism_env.plan_for_config(cfg)
-        result = contract_mod.build_contract(cfg, plan=plan)
-        accepted = verdict_acceptance(result, [*recipe.accept_unverified, *args.accept_unverified])
-    except ValueError as exc:  # ConfigError and Settings validation: key, value, what is expected
-        print(f"true_on_policy check: bad config value: {exc}", file=stderr)
-        return EXIT_MISMATCH
+        verdict = verdict_mod.decide(cfg, machine=detect_machine(), launching=False)
     except Exception as exc:  # noqa: BLE001 - a bug here, not a config problem: say so
-        print(f"true_on_policy check: internal error: {_describe(exc)}", file=stderr)
-        return EXIT_ERROR
-    command = launch_command(args.config_path, args.config_name, overrides, plan, args.python)
+        return EXIT_ERROR, "", f"true_on_policy check: internal error: {_describe(exc)}"
+    plan = verdict.plan
+    command = launch_command(args.config_path, args.config_name, overrides, plan, args.python) if plan else None
     if args.command_args:
-        stdout.write("\0".join(command) + "\0")
-        stdout.flush()
-        return EXIT_OK
-    mismatches = contract_mod.compare(result)
-    if args.show_config:
-        from omegaconf import OmegaConf
-
-        print("# resolved config (determinism plan applied)", file=stdout)
-        print(OmegaConf.to_yaml(determinism_env.apply_to_config(cfg, plan)), file=stdout)
+        if command is None:  # refused before a plan exists: the launch would refuse the same way
+            return verdict.code, "", verdict.text
+        return EXIT_OK, "\0".join(command) + "\0", ""
+    out: list[str] = []
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2, default=str), file=stdout)
+        out.append(json.dumps({**verdict.as_dict(), "launch_command": command}, indent=2, default=str))
     else:
-        print(contract_mod.format_table(result, mismatches), file=stdout)
-    if args.plan:
-        print(determinism_env.describe(plan), file=stdout)
-    if args.show_command:
-        import shlex
+        if args.show_config and plan is not None:
+            from omegaconf import OmegaConf
 
-        print("# launch command", file=stdout)
-        print(" ".join(shlex.quote(part) for part in command), file=stdout)
-    if mismatches:
-        for m in mismatches:
-            print(m.line(), file=stderr)
-        return EXIT_MISMATCH
-    open_rows = [(row, reason) for row, reason in contract_mod.unverified(result) if row.field not in accepted]
-    for row, reason in contract_mod.unverified(result):
-        if row.field in accepted:
-            print(f"accepted unverified: {row.field}: {reason}", file=stdout)
-    if open_rows:
-        for row, reason in open_rows:
-            print(f"UNVERIFIED {row.title} [{row.field}]: {reason}", file=stderr)
-        fields = " ".join(f"--accept-unverified {row.field}" for row, _ in open_rows)
-        print(f"cannot verify {len(open_rows)} row(s); to go on anyway: {fields}", file=stderr)
-        return EXIT_UNVERIFIED
-    return EXIT_OK
+            out += ["# resolved config (determinism plan applied)", OmegaConf.to_yaml(determinism_env.apply_to_config(cfg, plan))]
+        if verdict.contract is not None:
+            out.append(contract_mod.format_table(verdict.contract))
+        if args.plan and plan is not None:
+            out.append(determinism_env.describe(plan))
+        if args.show_command and command is not None:
+            import shlex
+
+            out += ["# launch command", " ".join(shlex.quote(part) for part in command)]
+    return verdict.code, "".join(f"{part}\n" for part in out), verdict.text
 
 
-def verdict_acceptance(result: Any, names: Sequence[str]) -> set[str]:
-    """The accepted row names; a name that is no row of the contract is a ValueError naming it."""
-    fields = [row.field for row in result.rows]
-    unknown = sorted(set(names) - set(fields))
-    if unknown:
-        raise ValueError(f"--accept-unverified / true_on_policy.accept_unverified={unknown}: not contract rows; rows are {fields}")
-    return set(names)
+def _accept(cfg: Any, overrides: list[str], rows: Sequence[str]) -> list[str]:
+    """``--accept-unverified ROW``: ROW joins ``true_on_policy.accept_unverified`` in ``cfg`` and in the
+    overrides of the launch command, so the launch decides the same way."""
+    section = cfg.get("true_on_policy") if rows else None
+    if section is None:
+        return list(overrides)
+    from omegaconf import open_dict
+
+    names = list(dict.fromkeys([*(section.get("accept_unverified") or []), *rows]))
+    with open_dict(section):
+        section.accept_unverified = names
+    kept = [o for o in overrides if not o.lstrip("+").startswith("true_on_policy.accept_unverified=")]
+    return [*kept, f"true_on_policy.accept_unverified=[{','.join(names)}]"]
 
 
 if __name__ == "__main__":

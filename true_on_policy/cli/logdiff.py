@@ -33,6 +33,7 @@ import sys
 import torch
 
 from true_on_policy import tiny_assets
+from true_on_policy.cli.json_output import stdout_to_stderr
 
 from true_on_policy.kernels import model as consistent_model
 
@@ -160,7 +161,7 @@ def _model_path(model: str) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m true_on_policy logdiff", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print the JSON list of records only")
+    parser.add_argument("--json", action="store_true", help="print the JSON list of records alone on stdout (logs: stderr)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=3)
@@ -173,27 +174,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 1 or args.micro_batch < 1:
         parser.error("--prompts, --new-tokens and --micro-batch must be >= 1")
-    consistent_model.patch_transformers()
     dtypes = args.dtype or list(DTYPES)
-    if args.engine == "vllm":
-        targets = [_model_path(m) for m in (args.model or args.models)]
-        records = [
-            measure_vllm(kind, path, dtype, flag, args.prompts, args.new_tokens, args.micro_batch, args.temperature)
-            for kind, path in targets
-            for dtype in dtypes
-            for flag in (True, False)
-        ]
-    else:
-        kinds = args.model or args.models
+    kinds = args.model or args.models
+    if args.engine == "cpu":
         unknown = [k for k in kinds if k not in tiny_assets.MODEL_KINDS]
         if unknown:
             parser.error(f"--engine cpu serves the tiny models only, got --model {unknown}")
-        records = [
-            measure(kind, dtype, flag, args.prompts, args.new_tokens, args.micro_batch)
-            for kind in kinds
-            for dtype in dtypes
-            for flag in (True, False)
-        ]
+    # --json: vLLM's logger and its engine-core process write to stdout; only the JSON goes there.
+    with stdout_to_stderr(args.json):
+        consistent_model.patch_transformers()
+        if args.engine == "vllm":
+            targets = [_model_path(m) for m in kinds]
+            records = [
+                measure_vllm(kind, path, dtype, flag, args.prompts, args.new_tokens, args.micro_batch, args.temperature)
+                for kind, path in targets
+                for dtype in dtypes
+                for flag in (True, False)
+            ]
+        else:
+            records = [
+                measure(kind, dtype, flag, args.prompts, args.new_tokens, args.micro_batch)
+                for kind in kinds
+                for dtype in dtypes
+                for flag in (True, False)
+            ]
     if args.json:
         print(json.dumps(records, indent=1))
     else:

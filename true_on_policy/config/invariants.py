@@ -1,5 +1,9 @@
 """FlashREINFORCE's config invariants, checked on the resolved Hydra config before Ray starts.
 
+They apply when the config trains with FlashREINFORCE (:func:`uses_flashreinforce`: its loss or its
+advantage estimator is ``flashreinforce``); a GRPO, GSPO or DAPO config with the true-on-policy flag
+is not held to them.
+
 FlashREINFORCE is one optimizer step on one freshly collected batch whose behaviour log-probs the
 rollout engine recorded, then the batch is discarded. Several of verl's knobs silently break that
 contract (a second epoch or mini-batch trains on stale data without any clip; a KL term or a
@@ -17,6 +21,9 @@ from typing import Any
 
 RELAX_KEY = "true_on_policy.relax_invariants"
 SAMPLE_MEAN = "seq-mean-token-mean"
+FLASHREINFORCE = "flashreinforce"
+LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
+ADV_ESTIMATOR_KEY = "algorithm.adv_estimator"
 
 
 class _Missing:
@@ -72,7 +79,7 @@ def _is_exactly(target: Any) -> Callable[[Any], bool]:
 
 
 def _same_as_train_batch_size(config: Any) -> _Requirement:
-    train_batch_size = _lookup(config, "data.train_batch_size")
+    train_batch_size = lookup(config, "data.train_batch_size")
     return _Requirement(
         key="actor_rollout_ref.actor.ppo_mini_batch_size",
         expected=f"data.train_batch_size ({train_batch_size!r}): one optimizer step per collected batch",
@@ -155,14 +162,10 @@ INVARIANTS: dict[str, Callable[[Any], list[_Requirement]]] = {
         ),
     ],
     "loss_mode": lambda config: [
-        _Requirement(
-            "actor_rollout_ref.actor.policy_loss.loss_mode", "'flashreinforce'", lambda v: v == "flashreinforce"
-        ),
+        _Requirement(LOSS_MODE_KEY, f"'{FLASHREINFORCE}'", lambda v: v == FLASHREINFORCE),
     ],
     "adv_estimator": lambda config: [
-        _Requirement(
-            "algorithm.adv_estimator", "'flashreinforce' (A_i = R_i - batch mean)", lambda v: v == "flashreinforce"
-        ),
+        _Requirement(ADV_ESTIMATOR_KEY, f"'{FLASHREINFORCE}' (A_i = R_i - batch mean)", lambda v: v == FLASHREINFORCE),
     ],
 }
 
@@ -177,7 +180,7 @@ def check_invariants(config: Mapping[str, Any], relax: Iterable[str] = ()) -> li
         if name in relaxed:
             continue
         for requirement in requirements_of(config):
-            found = _lookup(config, requirement.key)
+            found = lookup(config, requirement.key)
             if found is MISSING and requirement.missing_ok:
                 continue
             if found is MISSING or not requirement.holds(found):
@@ -195,6 +198,19 @@ def enforce_invariants(config: Mapping[str, Any], relax: Iterable[str] = ()) -> 
         raise ValueError(f"the config breaks {len(violations)} FlashREINFORCE invariant(s):\n{lines}")
 
 
+def uses_flashreinforce(config: Mapping[str, Any]) -> bool:
+    """The config trains with FlashREINFORCE: its loss or its advantage estimator is ``flashreinforce``.
+
+    Only then do the invariants apply; the true-on-policy flag, the plan and the contract apply to
+    every verl loss and estimator."""
+    return FLASHREINFORCE in (lookup(config, LOSS_MODE_KEY), lookup(config, ADV_ESTIMATOR_KEY))
+
+
+def validate_relax(relax: Iterable[str]) -> frozenset[str]:
+    """The relaxed invariant names; a string or an unknown name is a ValueError naming it."""
+    return _validated_relax(relax)
+
+
 def _validated_relax(relax: Iterable[str]) -> frozenset[str]:
     if isinstance(relax, str):
         raise ValueError(f"{RELAX_KEY} must be a list of invariant names, got the string {relax!r}")
@@ -205,7 +221,7 @@ def _validated_relax(relax: Iterable[str]) -> frozenset[str]:
     return frozenset(names)
 
 
-def _lookup(config: Any, dotted_key: str) -> Any:
+def lookup(config: Any, dotted_key: str) -> Any:
     """The value at ``a.b.c``, or MISSING when any step is absent or does not resolve."""
     node = config
     for part in dotted_key.split("."):

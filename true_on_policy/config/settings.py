@@ -10,11 +10,20 @@ The dataclass is the one schema of the section: ``configs/common/true_on_policy.
 key with the default below (tests/test_settings.py holds them equal), so each key is overridable
 on the command line without ``+``. A bad value raises :class:`ConfigError` naming key and value;
 the launch turns it into exit status 2 before Ray starts.
+
+Parsed once per process: the driver's verdict (:func:`true_on_policy.contract.verdict.decide`) builds
+the one :class:`Settings` and hands it on (plan, contract, export); a worker's :func:`current` parses
+the exported JSON the first time it is asked and returns that same object afterwards.
+
+``platform: auto`` (the default) is resolved from the machine by the verdict
+(:mod:`true_on_policy.config.platform`), never silently assumed; the exported settings always carry
+the resolved platform.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -24,6 +33,9 @@ from typing import Any
 ENV_VAR = "TRUE_ON_POLICY_SETTINGS"
 
 PLATFORMS = ("cpu", "ascend", "cuda")
+# "auto": detected from the machine (true_on_policy.config.platform) and logged with the reason.
+AUTO_PLATFORM = "auto"
+PLATFORM_CHOICES = (AUTO_PLATFORM, *PLATFORMS)
 KERNELS = (None, "engine", "project")
 
 
@@ -46,7 +58,8 @@ class Settings:
     # The one flag: the consistent kernels (order-fixed, rule by rule) on both engines.
     deterministic: bool = True
     # Where the job runs; selects the determinism environment and, for "cpu", the CPU backend.
-    platform: str = "cpu"
+    # "auto": detected from the machine (torch_npu -> ascend, CUDA -> cuda, else cpu), logged with the reason.
+    platform: str = AUTO_PLATFORM
     # Which kernel family the flag switches on, on both sides: "project" (true_on_policy.kernels in the
     # HF training model and, through true_on_policy.vllm_adapter, in vLLM) or "engine" (each engine's
     # own deterministic kernels, pinned by the determinism plan). null = the platform's family:
@@ -86,8 +99,8 @@ class Settings:
     def _validate(self) -> None:
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"true_on_policy.deterministic must be a bool, got {self.deterministic!r}")
-        if self.platform not in PLATFORMS:
-            raise ValueError(f"true_on_policy.platform must be one of {PLATFORMS}, got {self.platform!r}")
+        if self.platform not in PLATFORM_CHOICES:
+            raise ValueError(f"true_on_policy.platform must be one of {PLATFORM_CHOICES}, got {self.platform!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"true_on_policy.kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.platform == "cpu" and self.kernels == "engine":
@@ -123,6 +136,23 @@ class Settings:
                 f"true_on_policy.allow_contract_mismatch must be a bool, got {self.allow_contract_mismatch!r}"
             )
 
+    @property
+    def resolved_kernels(self) -> str:
+        """The kernel family the flag switches on: "project" (the project's kernels on both engines) or
+        "engine" (each engine's own deterministic kernels, pinned by the plan). Needs a resolved platform."""
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"true_on_policy.platform={self.platform!r} is not resolved to one of {PLATFORMS}")
+        return self.kernels or ("project" if self.platform == "cpu" else "engine")
+
+    @property
+    def consistent_kernels(self) -> bool:
+        """The one switch of both engines' kernels: the project's consistent kernels run in this process."""
+        return self.deterministic and self.resolved_kernels == "project"
+
+    def on_platform(self, platform: str) -> Settings:
+        """These settings with ``platform`` resolved (validated again: e.g. kernels=engine on cpu)."""
+        return dataclasses.replace(self, platform=platform)
+
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any] | None) -> Settings:
         """Build from the config section; an unknown key is an error that names it."""
@@ -146,14 +176,46 @@ class Settings:
             section["stack_versions"] = {str(k): str(v) for k, v in dict(versions).items()}
         return cls(**section)
 
+    @classmethod
+    def from_config(cls, config: Any) -> Settings | None:
+        """The ``true_on_policy:`` section of a composed config, resolved and parsed; None without one."""
+        try:
+            section = config.get("true_on_policy")
+        except AttributeError:
+            return None
+        if section is None:
+            return None
+        if hasattr(section, "_get_node"):  # an OmegaConf node: resolve its interpolations first
+            from omegaconf import OmegaConf
+            from omegaconf.errors import OmegaConfBaseException
+
+            try:
+                section = OmegaConf.to_container(section, resolve=True)
+            except OmegaConfBaseException as error:
+                raise ConfigError(f"true_on_policy: the section cannot be resolved: {error}") from error
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"true_on_policy must be a mapping of settings, got {section!r}")
+        return cls.from_mapping(section)
+
     def to_json(self) -> str:
+        """The exported form; the platform must be resolved (workers never see ``auto``)."""
+        _require_resolved(self.platform)
         fields = dataclasses.asdict(self)
         fields["stack_versions"] = dict(self.stack_versions)
         return json.dumps(fields, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Settings:
-        return cls.from_mapping(json.loads(text))
+        settings = cls.from_mapping(json.loads(text))
+        _require_resolved(settings.platform)
+        return settings
+
+
+def _require_resolved(platform: str) -> None:
+    if platform not in PLATFORMS:
+        raise ValueError(
+            f"true_on_policy: exported settings carry a resolved platform (one of {PLATFORMS}), got {platform!r}"
+        )
 
 
 def defaults() -> dict[str, Any]:
@@ -166,9 +228,17 @@ def defaults() -> dict[str, Any]:
 
 
 def current() -> Settings | None:
-    """The settings exported to this process, or None when no launch configured the recipe."""
+    """The settings exported to this process, or None when no launch configured the recipe.
+
+    Parsed once: the same exported text gives the same cached object (per step and per micro-batch
+    callers pay a dictionary lookup, not a parse)."""
     text = os.environ.get(ENV_VAR)
-    return Settings.from_json(text) if text else None
+    return _parsed(text) if text else None
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(text: str) -> Settings:
+    return Settings.from_json(text)
 
 
 def require(what: str) -> Settings:

@@ -1,17 +1,17 @@
-"""The training/rollout consistency contract, computed from the full resolved Hydra config.
+"""The training/rollout consistency contract, computed from the typed views of the resolved config.
 
 Bitwise-equal log-probs on the two engines need the same arithmetic on both: the same parallel
 layout (every TP/EP/CP split changes which partial sums exist and in what order they are added),
 the same dtypes, the same attention kernel family, the same MoE dispatch/combine and row-parallel
 reduction, the same log-prob definition and sampling support, and the same determinism
-environment. :func:`build_contract` reads each of those, per side, from the real verl keys (or,
-where verl has no slot, from the place the project pins it; readers in
-:mod:`true_on_policy.contract.sides`, kernel implementations in
-:mod:`true_on_policy.contract.kernel_families`), :func:`compare` lists what differs and how to fix
-it, :func:`unverified` what holds where visible but cannot be verified, :func:`format_table` prints
-both columns side by side.
+environment. :func:`build_contract` takes each of those, per side, from the views
+(:mod:`true_on_policy.contract.config_views`: the real verl keys read once, typed; where verl has no
+slot, the parsed ``true_on_policy:`` section; per-side values in :mod:`true_on_policy.contract.sides`,
+kernel implementations in :mod:`true_on_policy.contract.kernel_families`), :func:`compare` lists
+what differs and how to fix it, :func:`unverified` what holds where visible but cannot be
+verified, :func:`format_table` prints both columns side by side.
 
-Pure: imports omegaconf only through :mod:`true_on_policy.contract.determinism_plan` helpers, never verl.
+Pure: no verl, no omegaconf import; nothing here reads the config.
 
 Where each field is read from
 -----------------------------
@@ -49,20 +49,20 @@ Rollout side (``actor_rollout_ref.rollout.name``):
   :mod:`true_on_policy.kernels.tensor_parallel` (row-parallel combine: all-gather + ordered fp32 fold;
   experts whole on their rank, no token dispatch); DP 1.
 
-Keys verl has no slot for are pinned in the ``true_on_policy:`` section (parsed once with
-``Settings.from_mapping``): ``cpu_tensor_parallel_size``, ``cpu_expert_parallel_size`` (the CPU
+Keys verl has no slot for are pinned in the ``true_on_policy:`` section (the parsed
+:class:`~true_on_policy.config.settings.Settings` the caller hands in): ``cpu_tensor_parallel_size``, ``cpu_expert_parallel_size`` (the CPU
 training side's TP/EP), ``attention_backend``, ``row_parallel_reduction``, ``moe_dispatcher``,
 ``moe_combine``, ``moe_router_dtype`` (a pin, when set, is the value both sides must have) and
 ``stack_versions`` (declared accelerator-stack versions, used where a package is not installed).
 
-Determinism environment: the plan from :mod:`true_on_policy.contract.determinism_plan` is applied first
-(idempotent), then the training processes' environment (``ray_kwargs.ray_init.runtime_env.env_vars``)
+Determinism environment: the plan from :mod:`true_on_policy.contract.determinism_plan` is laid over
+the views first, then the training processes' environment (``ray_kwargs.ray_init.runtime_env.env_vars``)
 is compared with what the rollout engine's processes end up with (the same runtime env plus what
 vLLM / vllm-ascend force under ``VLLM_BATCH_INVARIANT=1``), on the keys that decide a reduction order.
 
 Why one module of ~680 lines: one row group per function (layout, dtypes, attention, kernels,
 row-parallel, MoE, log-prob, determinism), and a row's meaning is read against its neighbours;
-the per-side readers it calls live in :mod:`.sides`, the kernel families in :mod:`.kernel_families`.
+the per-side values it compares live in :mod:`.sides`, the kernel families in :mod:`.kernel_families`.
 """
 
 from __future__ import annotations
@@ -73,24 +73,20 @@ from typing import Any
 
 from true_on_policy.contract import determinism_plan as denv
 from true_on_policy.contract import kernel_families
+from true_on_policy.contract.config_views import A, M, R, RolloutView, Sides, TrainingView, read_sides
 from true_on_policy.contract.sides import (  # noqa: F401 - re-exported: the contract's vocabulary
     AUTO,
     CPU_EP_KEY,
     CPU_MOE_DISPATCH,
-    CPU_TP_KEY,
     CPU_ROW_PARALLEL,
+    CPU_TP_KEY,
     ENV,
     NA,
     TOP,
     UNVERIFIED,
-    A,
-    M,
-    R,
     Side,
-    _cfg_int,
     _env_display,
     _fmt,
-    _get,
     _int,
     _Layout,
     _logprobs,
@@ -98,7 +94,6 @@ from true_on_policy.contract.sides import (  # noqa: F401 - re-exported: the con
     _rollout_attention,
     _rollout_batch_invariant,
     _rollout_dispatcher,
-    _rollout_env,
     _rollout_layout,
     _rollout_router_dtype,
     _rollout_row_parallel,
@@ -112,6 +107,7 @@ from true_on_policy.contract.sides import (  # noqa: F401 - re-exported: the con
     _training_router_dtype,
     canonical_attention,
     canonical_dtype,
+    vllm_batch_invariant,
 )
 
 
@@ -214,42 +210,46 @@ class Contract:
 
 @dataclasses.dataclass
 class _Ctx:
-    """What every row builder reads: the config with the plan applied, and the parsed section."""
+    """What every row builder reads: both sides' views with the plan laid over them, and the section."""
 
-    cfg: Any
-    platform: str
-    deterministic: bool
-    strategy: str
-    name: str
-    pins: dict[str, Any]
+    t: TrainingView
+    r: RolloutView
+    settings: Any
     plan: Any
     notes: list[str]
-    env: dict[str, str]
     rollout_env: dict[str, str]
     tl: _Layout
     rl: _Layout
-    kernels: str | None = None  # true_on_policy.kernels
+
+    @property
+    def platform(self) -> str:
+        return self.settings.platform
+
+    @property
+    def deterministic(self) -> bool:
+        return self.settings.deterministic
+
+    @property
+    def kernels(self) -> str:
+        return self.settings.resolved_kernels
+
+    @property
+    def strategy(self) -> str:
+        return self.t.strategy
+
+    @property
+    def name(self) -> str:
+        return self.r.name
 
 
-def build_contract(
-    config: Any,
-    *,
-    plan: Any = None,
-    detected: Mapping[str, str | None] | None = None,
-    apply_plan: bool = True,
-) -> Contract:
-    """Compute the two-column contract from the resolved config.
+def build_contract(settings: Any, sides: Sides, plan: Any) -> Contract:
+    """The two-column contract of the views ``sides`` under ``settings`` (platform resolved).
 
-    The ``true_on_policy:`` section is parsed with ``Settings.from_mapping``; the determinism plan for
-    the config is computed (or taken from ``plan``) and merged first, so the contract describes what
-    the launch will run with; ``detected`` feeds installed versions (default: importlib.metadata).
-    A value that cannot be read is a :class:`~true_on_policy.contract.determinism_plan.ConfigError`.
+    The plan's config updates are laid over the views first (:meth:`Sides.overlay`), so the contract
+    describes what the launch will run with. Nothing here reads the config.
     """
-    recipe = denv.recipe_settings(config)
-    if plan is None:
-        plan = denv.plan_for_config(config, detected=detected)
-    cfg = denv.apply_to_config(config, plan) if apply_plan else config
-    ctx = _context(cfg, recipe, plan)
+    applied = sides.overlay(denv.config_updates(plan))
+    ctx = _context(applied, settings, plan)
     rows = [
         *_layout_rows(ctx),
         *_dtype_rows(ctx),
@@ -271,26 +271,32 @@ def build_contract(
     )
 
 
-def _context(cfg: Any, recipe: Any, plan: Any) -> _Ctx:
-    platform, deterministic = recipe.platform, recipe.deterministic
+def contract_for_config(
+    config: Any, settings: Any, *, plan: Any = None, detected: Mapping[str, str | None] | None = None
+) -> Contract:
+    """:func:`build_contract` of a resolved config (read once into its views); the plan computed
+    from it unless given; ``detected`` feeds installed versions (default: importlib.metadata)."""
+    sides = read_sides(config)
+    if plan is None:
+        plan = denv.plan_for(settings, sides, detected=detected)
+    return build_contract(settings, sides, plan)
+
+
+def _context(sides: Sides, settings: Any, plan: Any) -> _Ctx:
+    t, r = sides.training, sides.rollout
     notes: list[str] = list(plan.notes) + [f"not emitted: {s}" for s in plan.skipped]
-    strategy = str(_get(cfg, f"{A}.strategy", "fsdp"))
-    name = str(_get(cfg, f"{R}.name", "vllm"))
-    world = _cfg_int(cfg, "trainer.nnodes", 1) * _cfg_int(cfg, "trainer.n_gpus_per_node", 1)
-    pins = {k: getattr(recipe, k) for k in ("attention_backend", "row_parallel_reduction", "moe_dispatcher", "moe_combine", "moe_router_dtype")}
-    tl = _training_layout(cfg, strategy, world, platform)
-    rl = _rollout_layout(cfg, name, notes)
-    cpu_sides = [s for s, on in ((tl, platform == "cpu"), (rl, name == "cpu")) if on]
+    tl = _training_layout(t, settings)
+    rl = _rollout_layout(r, notes)
+    cpu_sides = [s for s, on in ((tl, settings.platform == "cpu"), (rl, r.name == "cpu")) if on]
     if any(_int(side.tp.value) > 1 or _int(side.ep.value) > 1 for side in cpu_sides):
         notes.append(
             "CPU TP/EP > 1 is true_on_policy.kernels.tensor_parallel.shard_model (gloo, all-gather + ordered fp32 fold), "
             "proven at library level (tests/test_tensor_parallel.py); verl's FSDP trainer and the Ray-served cpu "
             "rollout replica do not shard yet"
         )
-    env = _rollout_env(cfg)
-    engine_bi = name == "vllm" and denv.parse_bool(f"{ENV}.VLLM_BATCH_INVARIANT", env.get("VLLM_BATCH_INVARIANT"))
-    rollout_env = {**env, **(plan.rollout_forced_env if engine_bi else {})}
-    return _Ctx(cfg, platform, deterministic, strategy, name, pins, plan, notes, env, rollout_env, tl, rl, recipe.kernels)
+    engine_bi = r.name == "vllm" and vllm_batch_invariant(r.env)
+    rollout_env = {**r.env, **(plan.rollout_forced_env if engine_bi else {})}
+    return _Ctx(t, r, settings, plan, notes, rollout_env, tl, rl)
 
 
 def _layout_rows(c: _Ctx) -> list[Row]:
@@ -343,8 +349,8 @@ def _layout_rows(c: _Ctx) -> list[Row]:
 
 
 def _dtype_rows(c: _Ctx) -> list[Row]:
-    t_compute = _training_compute_dtype(c.cfg, c.strategy)
-    r_dtype = canonical_dtype(_get(c.cfg, f"{R}.dtype", "bfloat16"))
+    t_compute = _training_compute_dtype(c.t)
+    r_dtype = canonical_dtype(c.r.dtype)
     return [
         Row(
             "compute_dtype",
@@ -356,7 +362,7 @@ def _dtype_rows(c: _Ctx) -> list[Row]:
         Row(
             "param_dtype",
             "parameter dtype (master / served)",
-            _training_master_dtype(c.cfg, c.strategy),
+            _training_master_dtype(c.t),
             Side(r_dtype, f"{R}.dtype (weights synced and cast once)"),
             kind=INFO,
         ),
@@ -364,12 +370,12 @@ def _dtype_rows(c: _Ctx) -> list[Row]:
 
 
 def _attention_row(c: _Ctx) -> Row:
-    t = _training_attention(c.cfg, c.strategy, c.platform, c.deterministic, c.kernels)
-    r = _rollout_attention(c.cfg, c.name, c.platform, c.deterministic, c.kernels)
+    t = _training_attention(c.t, c.settings)
+    r = _rollout_attention(c.r, c.settings)
     unverified = ""
     if t.value == r.value and AUTO not in (t.value, r.value):
         unverified = kernel_families.attention_unverified(c.platform, t.show(), r.show())
-    pin = c.pins["attention_backend"]
+    pin = c.settings.attention_backend
     return Row(
         "attention",
         "attention backend",
@@ -393,10 +399,9 @@ def _kernel_rows(c: _Ctx) -> list[Row]:
     """GEMM / RMSNorm / log-softmax implementation per side (true_on_policy.contract.kernel_families)."""
     rows = []
     for fam in kernel_families.families(
-        c.cfg,
+        c.t,
+        c.r,
         platform=c.platform,
-        strategy=c.strategy,
-        rollout_name=c.name,
         versions=c.plan.versions.effective,
         rollout_env=c.rollout_env,
         kernels=c.kernels,
@@ -423,11 +428,11 @@ def _kernel_rows(c: _Ctx) -> list[Row]:
 
 
 def _row_parallel_row(c: _Ctx) -> Row:
-    t_rp = Side(denv.training_row_parallel(c.cfg), f"{A}.megatron.sequence_parallel (TP>1: true = reduce-scatter + all-gather)")
-    if c.platform == "cpu" and c.strategy not in ("megatron", "torchtitan") and _int(c.tl.tp.value) > 1:
+    t_rp = Side(denv.training_row_parallel(c.t), f"{A}.megatron.sequence_parallel (TP>1: true = reduce-scatter + all-gather)")
+    if c.platform == "cpu" and c.t.megatron is None and c.t.torchtitan is None and _int(c.tl.tp.value) > 1:
         t_rp = Side(CPU_ROW_PARALLEL, f"{CPU_TP_KEY}={c.tl.tp.value} (true_on_policy.kernels.tensor_parallel)")
-    r_rp = _rollout_row_parallel(c.cfg, c.name, c.platform, _int(c.rl.tp.value), c.env)
-    pin = c.pins["row_parallel_reduction"]
+    r_rp = _rollout_row_parallel(c.r, c.platform)
+    pin = c.settings.row_parallel_reduction
     return Row(
         "row_parallel",
         "row-parallel reduction",
@@ -445,20 +450,20 @@ def _row_parallel_row(c: _Ctx) -> Row:
 
 
 def _moe_rows(c: _Ctx) -> list[Row]:
-    pins, platform, name = c.pins, c.platform, c.name
+    settings, platform, name = c.settings, c.platform, c.name
     ep_t, ep_r = _int(c.tl.ep.value), _int(c.rl.ep.value)
-    t_compute = _training_compute_dtype(c.cfg, c.strategy)
-    r_dtype = canonical_dtype(_get(c.cfg, f"{R}.dtype", "bfloat16"))
-    combine = pins["moe_combine"]
-    t_project = denv.project_kernels(platform, c.kernels) and c.strategy != "megatron"
+    t_compute = _training_compute_dtype(c.t)
+    r_dtype = canonical_dtype(c.r.dtype)
+    combine = settings.moe_combine
+    t_project = denv.project_kernels(platform, c.kernels) and c.t.megatron is None
     r_project = denv.project_rollout(name, platform, c.kernels)
     return [
         Row(
             "moe_dispatcher",
             "MoE dispatch",
-            _training_dispatcher(c.cfg, c.strategy, ep_t, platform, c.deterministic, pins["moe_dispatcher"], c.kernels),
-            _rollout_dispatcher(c.cfg, name, ep_r, platform, c.deterministic, pins["moe_dispatcher"], c.kernels),
-            required=pins["moe_dispatcher"] if pins["moe_dispatcher"] and max(ep_t, ep_r) > 1 else None,
+            _training_dispatcher(c.t, ep_t, settings),
+            _rollout_dispatcher(c.r, ep_r, settings),
+            required=settings.moe_dispatcher if settings.moe_dispatcher and max(ep_t, ep_r) > 1 else None,
             required_source=f"{TOP}.moe_dispatcher",
             fix=(
                 f"set {A}.megatron.override_transformer_config.moe_token_dispatcher_type to the rollout family "
@@ -478,9 +483,9 @@ def _moe_rows(c: _Ctx) -> list[Row]:
         Row(
             "moe_router_dtype",
             "MoE router dtype",
-            _training_router_dtype(c.cfg, c.strategy, t_compute.value, platform, c.deterministic, pins["moe_router_dtype"], c.kernels),
-            _rollout_router_dtype(name, r_dtype, c.deterministic, pins["moe_router_dtype"], platform, c.kernels),
-            required=canonical_dtype(pins["moe_router_dtype"]) if pins["moe_router_dtype"] else None,
+            _training_router_dtype(c.t, t_compute.value, settings),
+            _rollout_router_dtype(c.r, r_dtype, settings),
+            required=canonical_dtype(settings.moe_router_dtype) if settings.moe_router_dtype else None,
             required_source=f"{TOP}.moe_router_dtype",
             only_when_deterministic=True,
             fix=(
@@ -493,8 +498,8 @@ def _moe_rows(c: _Ctx) -> list[Row]:
 
 
 def _logprob_rows(c: _Ctx) -> list[Row]:
-    t_lp, r_lp = _logprobs(c.cfg, c.name)
-    t_s, r_s = _sampling(c.cfg)
+    t_lp, r_lp = _logprobs(c.r)
+    t_s, r_s = _sampling(c.r)
     return [
         Row("logprobs", "log-prob definition", t_lp, r_lp, fix=f"set {R}.calculate_log_probs=true and {R}.logprobs_mode=processed_logprobs"),
         Row("sampling", "sampling support", t_s, r_s, fix=f"set {R}.top_p=1.0 and {R}.top_k=-1 (training log-probs are full-vocabulary)"),
@@ -502,13 +507,13 @@ def _logprob_rows(c: _Ctx) -> list[Row]:
 
 
 def _determinism_rows(c: _Ctx) -> list[Row]:
-    t_env, r_env = _reduction_env(c.env, c.platform), _reduction_env(c.rollout_env, c.platform)
+    t_env, r_env = _reduction_env(c.r.env, c.platform), _reduction_env(c.rollout_env, c.platform)
     rows = [
         Row(
             "batch_invariant",
             "batch-invariant kernels",
-            _training_batch_invariant(c.cfg, c.strategy, c.platform, c.deterministic, c.kernels),
-            _rollout_batch_invariant(c.cfg, c.name, c.platform, c.deterministic, c.env, c.kernels),
+            _training_batch_invariant(c.t, c.settings),
+            _rollout_batch_invariant(c.r, c.settings),
             only_when_deterministic=True,
             fix=f"set {TOP}.deterministic=true so the determinism plan switches both engines' kernels",
         ),
@@ -527,7 +532,7 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
                 "eager",
                 "vLLM eager mode",
                 Side(NA, "training runs eagerly"),
-                Side(denv.get_bool(c.cfg, f"{R}.enforce_eager", False), f"{R}.enforce_eager"),
+                Side(c.r.enforce_eager, f"{R}.enforce_eager"),
                 kind=REQUIRE,
                 required=True,
                 required_source="vLLM adapter (compiled graphs broke bitwise equality)",
@@ -536,7 +541,7 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
             )
         )
     if c.name == "vllm" and c.platform == "cpu":
-        sleep = denv.get_bool(c.cfg, f"{R}.enable_sleep_mode", True) or denv.get_bool(c.cfg, f"{R}.free_cache_engine", True)
+        sleep = c.r.enable_sleep_mode or c.r.free_cache_engine
         rows.append(
             Row(
                 "sleep_mode",
@@ -555,7 +560,7 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
                 "kv_block_size",
                 "KV block size",
                 Side(NA, "training has no paged KV cache"),
-                Side(_cfg_int(c.cfg, f"{R}.engine_kwargs.vllm.block_size", 0) or AUTO, f"{R}.engine_kwargs.vllm.block_size"),
+                Side(c.r.vllm.block_size or AUTO, f"{R}.engine_kwargs.vllm.block_size"),
                 kind=REQUIRE,
                 required=128,
                 required_source="determinism plan (fixed KV block size 128)",
@@ -637,7 +642,8 @@ def compare(contract: Contract) -> list[Mismatch]:
 
 
 def format_table(contract: Contract, mismatches: list[Mismatch] | None = None) -> str:
-    """Side-by-side table: one line per field, sources below, then notes."""
+    """Side-by-side table: one line per field, sources below, then notes. The verdict (what holds,
+    what is refused) is :mod:`true_on_policy.contract.verdict`'s text, not repeated here."""
     if mismatches is None:
         mismatches = compare(contract)
     bad = {m.field for m in mismatches}
@@ -678,17 +684,6 @@ def format_table(contract: Contract, mismatches: list[Mismatch] | None = None) -
     if contract.notes:
         lines.append("notes:")
         lines += [f"  - {n}" for n in contract.notes]
-    open_rows = unverified(contract)
-    if open_rows:
-        lines.append(f"{len(open_rows)} unverified row(s):")
-        lines += [f"  {row.field}: {reason}" for row, reason in open_rows]
-    if mismatches:
-        lines.append(f"{len(mismatches)} mismatch(es):")
-        lines += [f"  {m.line()}" for m in mismatches]
-    elif open_rows:
-        lines.append(f"consistent where visible; unverified: {', '.join(row.field for row, _ in open_rows)}")
-    else:
-        lines.append("consistent and verified: every row holds")
     return "\n".join(lines)
 
 

@@ -29,7 +29,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from true_on_policy.contract.config_reader import ConfigError, _get, get_bool, get_int, parse_bool  # noqa: F401
+from true_on_policy.contract.config_reader import ConfigError
+from true_on_policy.contract.config_views import ENV_PATH, MEGATRON_TC, ROLLOUT_VLLM, RolloutView, Sides, TrainingView, read_sides
 from true_on_policy.contract.stack_versions import (  # noqa: F401 - re-exported: the plan's vocabulary
     DISTRIBUTIONS,
     PLATFORM_PACKAGES,
@@ -155,10 +156,6 @@ FIRST_VERSIONS: dict[str, str] = {
     "moe_token_dispatcher_type": "megatron-core core_v0.6.0",
     "attention_backend": "vLLM 0.13.0",
 }
-
-ROLLOUT_VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
-MEGATRON_TC = "actor_rollout_ref.actor.megatron.override_transformer_config"
-ENV_PATH = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 # --------------------------------------------------------------------------------------------
 # the plan
@@ -574,9 +571,9 @@ def plan(
     deterministic: bool,
     platform: str,
     *,
+    training_strategy: str,
+    rollout_name: str,
     versions: Versions | Mapping[str, str | None] | None = None,
-    training_strategy: str | None = None,
-    rollout_name: str | None = None,
     row_parallel: str | None = None,
     moe_router_dtype: str | None = None,
     moe_dispatcher: str | None = None,
@@ -585,7 +582,8 @@ def plan(
 ) -> Plan:
     """Compute the determinism settings for one launch.
 
-    ``row_parallel`` is the training side's row-parallel reduction (``ROW_PARALLEL_*``); on an Ascend
+    ``training_strategy`` / ``rollout_name`` are verl's ``actor.strategy`` / ``rollout.name`` (required:
+    no default could be right on every platform). ``row_parallel`` is the training side's row-parallel reduction (``ROW_PARALLEL_*``); on an Ascend
     release build a reduce-scatter + all-gather training layout switches FlashComm1 on in the rollout.
     ``moe_router_dtype`` / ``moe_dispatcher`` are the project pins from ``true_on_policy``; they go
     into the Megatron transformer config. ``kernels`` is ``true_on_policy.kernels`` ("project" on a
@@ -598,8 +596,8 @@ def plan(
         versions = resolve_versions(platform, detected=dict(versions) if versions is not None else None)
     d = _Draft(
         versions=versions,
-        strategy=training_strategy or ("fsdp" if platform == "cpu" else "megatron"),
-        rollout_name=rollout_name or ("cpu" if platform == "cpu" else "vllm"),
+        strategy=training_strategy,
+        rollout_name=rollout_name,
         row_parallel=row_parallel or ROW_PARALLEL_NONE,
         importer=importer,
         notes=list(versions.conflicts),
@@ -630,72 +628,68 @@ def plan(
     )
 
 
-def training_row_parallel(config: Any) -> str:
+def training_row_parallel(training: TrainingView) -> str:
     """The training side's row-parallel reduction mode, from the engine the config selects."""
-    actor = "actor_rollout_ref.actor"
-    strategy = str(_get(config, f"{actor}.strategy", "fsdp"))
-    if strategy == "megatron":
-        sp = get_bool(config, f"{actor}.megatron.sequence_parallel", True)  # validated even where TP=1 ignores it
-        if get_int(config, f"{actor}.megatron.tensor_model_parallel_size") <= 1:
+    if training.megatron is not None:
+        if training.megatron.tp <= 1:
             return ROW_PARALLEL_NONE
-        return ROW_PARALLEL_RS_AG if sp else ROW_PARALLEL_ALL_REDUCE
-    if strategy == "torchtitan":
-        return ROW_PARALLEL_NONE if get_int(config, f"{actor}.torchtitan.tensor_parallel_size") <= 1 else ROW_PARALLEL_RS_AG
+        return ROW_PARALLEL_RS_AG if training.megatron.sequence_parallel else ROW_PARALLEL_ALL_REDUCE
+    if training.torchtitan is not None:
+        return ROW_PARALLEL_NONE if training.torchtitan.tp <= 1 else ROW_PARALLEL_RS_AG
     return ROW_PARALLEL_NONE
 
 
-def recipe_settings(config: Any):
-    """The validated ``true_on_policy:`` section (:class:`true_on_policy.config.settings.Settings`)."""
-    from omegaconf import OmegaConf  # noqa: PLC0415 - keep the module import-light
-
-    from true_on_policy.config.settings import Settings  # noqa: PLC0415
-
-    section = _get(config, "true_on_policy", {})
-    if OmegaConf.is_config(section):
-        section = OmegaConf.to_container(section, resolve=True)
-    return Settings.from_mapping(section)
-
-
-def refuse_ignored_keys(config: Any, versions: Versions) -> None:
+def refuse_ignored_keys(rollout: RolloutView, versions: Versions) -> None:
     """Under the flag on Ascend, a vllm-ascend key the chosen build ignores is an error, not a no-op."""
     va = versions.get("vllm-ascend")
     line = vllm_ascend_line(va)
-    rl = f"{ROLLOUT_VLLM}.additional_config.rl_config"
-    fc_key = f"{ROLLOUT_VLLM}.additional_config.enable_flashcomm1"
-    fc_env = f"{ENV_PATH}.VLLM_ASCEND_ENABLE_FLASHCOMM1"
-    if line == "release" and _get(config, rl) is not None:
-        raise ConfigError(rl, _get(config, rl), f"vllm-ascend {va} (a release) has no rl_config and ignores it silently")
+    vllm = rollout.vllm
+    if vllm is None:
+        return
+    if line == "release" and vllm.rl_config is not None:
+        raise ConfigError(
+            f"{ROLLOUT_VLLM}.additional_config.rl_config",
+            vllm.rl_config,
+            f"vllm-ascend {va} (a release) has no rl_config and ignores it silently",
+        )
     if line == "main":
-        for key in (fc_key, fc_env):
-            if _get(config, key) is not None:
-                raise ConfigError(key, _get(config, key), f"vllm-ascend {va} (a main build) ignores FlashComm1 (removed by PR #13946)")
+        for key, value in (
+            (f"{ROLLOUT_VLLM}.additional_config.enable_flashcomm1", vllm.flashcomm1_key),
+            (f"{ENV_PATH}.VLLM_ASCEND_ENABLE_FLASHCOMM1", rollout.env.get("VLLM_ASCEND_ENABLE_FLASHCOMM1")),
+        ):
+            if value is not None:
+                raise ConfigError(key, value, f"vllm-ascend {va} (a main build) ignores FlashComm1 (removed by PR #13946)")
 
 
-def plan_for_config(
-    config: Any,
+def plan_for(
+    settings: Any,
+    sides: Sides,
     *,
     detected: Mapping[str, str | None] | None = None,
     importer: Callable[[str], Any] = importlib.import_module,
 ) -> Plan:
-    """The plan for a resolved verl config (the section parsed by ``Settings.from_mapping``; no verl import)."""
-    recipe = recipe_settings(config)
-    versions = resolve_versions(recipe.platform, declared=dict(recipe.stack_versions), detected=detected)
-    rollout_name = str(_get(config, "actor_rollout_ref.rollout.name", "vllm"))
-    if recipe.deterministic and recipe.platform == "ascend" and rollout_name == "vllm":
-        refuse_ignored_keys(config, versions)
+    """The plan for the views of a resolved verl config and its parsed ``true_on_policy:`` section
+    (:class:`true_on_policy.config.settings.Settings`, platform resolved). No verl import."""
+    versions = resolve_versions(settings.platform, declared=dict(settings.stack_versions), detected=detected)
+    if settings.deterministic and settings.platform == "ascend" and sides.rollout.name == "vllm":
+        refuse_ignored_keys(sides.rollout, versions)
     return plan(
-        recipe.deterministic,
-        recipe.platform,
+        settings.deterministic,
+        settings.platform,
         versions=versions,
-        training_strategy=str(_get(config, "actor_rollout_ref.actor.strategy", "fsdp")),
-        rollout_name=rollout_name,
-        row_parallel=training_row_parallel(config),
-        moe_router_dtype=recipe.moe_router_dtype,
-        moe_dispatcher=recipe.moe_dispatcher,
-        kernels=recipe.kernels,
+        training_strategy=sides.training.strategy,
+        rollout_name=sides.rollout.name,
+        row_parallel=training_row_parallel(sides.training),
+        moe_router_dtype=settings.moe_router_dtype,
+        moe_dispatcher=settings.moe_dispatcher,
+        kernels=settings.resolved_kernels,
         importer=importer,
     )
 
+
+def plan_for_config(config: Any, settings: Any, **kwargs: Any) -> Plan:
+    """:func:`plan_for` on a resolved config read into its views (:func:`~.config_views.read_sides`)."""
+    return plan_for(settings, read_sides(config), **kwargs)
 
 
 # --------------------------------------------------------------------------------------------

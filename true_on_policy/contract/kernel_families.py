@@ -11,7 +11,7 @@ implementation each side runs, from the settings that select it, and how the two
   implementations of the same algorithm are paired and their bitwise equality is not established
   (only a device run can establish it). The reason says which.
 
-Pure: reads the resolved config through :mod:`true_on_policy.contract.determinism_plan` getters.
+Pure: works on the typed views of the config (:mod:`true_on_policy.contract.config_views`).
 Upstream files read for each name: docs/parallelism_and_determinism.md ("Kernel families").
 """
 
@@ -19,14 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 from true_on_policy.contract import determinism_plan as denv
-
-A = "actor_rollout_ref.actor"
-R = "actor_rollout_ref.rollout"
-TC = denv.MEGATRON_TC
-RL = f"{denv.ROLLOUT_VLLM}.additional_config.rl_config"
+from true_on_policy.contract.config_views import A, MEGATRON_TC as TC, R, RolloutView, TrainingView
+from true_on_policy.contract.sides import vllm_batch_invariant
 PROJECT = "true_on_policy.kernels (order-fixed consistent kernels)"
 
 OPS = ("gemm", "norm", "log_softmax")
@@ -53,18 +49,18 @@ def _unpinned(why: str) -> Family:
 
 
 def families(
-    cfg: Any,
+    training_view: TrainingView,
+    rollout_view: RolloutView,
     *,
     platform: str,
-    strategy: str,
-    rollout_name: str,
     versions: Mapping[str, str | None],
     rollout_env: Mapping[str, str],
-    kernels: str | None = None,
+    kernels: str,
 ) -> list[OpFamilies]:
-    """GEMM / RMSNorm / log-softmax implementation per side (call only when deterministic)."""
-    training = _training(cfg, platform, strategy, kernels)
-    rollout = _rollout(cfg, platform, rollout_name, versions, rollout_env, kernels)
+    """GEMM / RMSNorm / log-softmax implementation per side. ``kernels`` is the resolved
+    ``true_on_policy.kernels``; ``rollout_env`` what the rollout engine's processes end up with."""
+    training = _training(training_view, platform, kernels)
+    rollout = _rollout(rollout_view, platform, versions, rollout_env, kernels)
     return [_relate(op, training[op], rollout[op], platform) for op in OPS]
 
 
@@ -101,8 +97,9 @@ def _relate(op: str, t: Family, r: Family, platform: str) -> OpFamilies:
     return OpFamilies(op, t, r, reason)
 
 
-def _training(cfg: Any, platform: str, strategy: str, kernels: str | None = None) -> dict[str, Family]:
-    if denv.project_kernels(platform, kernels) and strategy != "megatron":
+def _training(t: TrainingView, platform: str, kernels: str) -> dict[str, Family]:
+    strategy, mg = t.strategy, t.megatron
+    if denv.project_kernels(platform, kernels) and mg is None:
         src = "true_on_policy.deterministic=true (project kernels patched into transformers)"
         return {op: Family(PROJECT, src) for op in OPS}
     log_softmax = Family(
@@ -110,8 +107,8 @@ def _training(cfg: Any, platform: str, strategy: str, kernels: str | None = None
         f"{A}.strategy={strategy}: verl computes training log-probs itself "
         "(megatron: vocab-parallel log-softmax; fsdp: logprobs_from_logits)",
     )
-    if strategy == "megatron" and platform == "ascend":
-        bi_ops = denv.get_bool(cfg, f"{TC}.use_batch_invariant_ops") or denv.get_bool(cfg, f"{TC}.batch_invariant_mode")
+    if mg is not None and platform == "ascend":
+        bi_ops = mg.batch_invariant_ops or mg.batch_invariant_mode
         gemm = (
             Family("batch_invariant_ops.npu_mm_batch_invariant (AscendC)", f"{TC}.use_batch_invariant_ops (MindSpeed)")
             if bi_ops
@@ -121,8 +118,8 @@ def _training(cfg: Any, platform: str, strategy: str, kernels: str | None = None
             "MindSpeed picks a fused npu_rms_norm or a torch RMSNorm (use_fused_rmsnorm); verl's config does not pin it"
         )
         return {"gemm": gemm, "norm": norm, "log_softmax": log_softmax}
-    if strategy == "megatron":
-        bi = denv.get_bool(cfg, f"{TC}.batch_invariant_mode")
+    if mg is not None:
+        bi = mg.batch_invariant_mode
         gemm = (
             Family("megatron-core batch-invariant GEMM", f"{TC}.batch_invariant_mode=true")
             if bi
@@ -136,16 +133,17 @@ def _training(cfg: Any, platform: str, strategy: str, kernels: str | None = None
     }
 
 
-def _rollout(cfg: Any, platform: str, name: str, versions: Mapping[str, str | None], env: Mapping[str, str],
-             kernels: str | None = None) -> dict[str, Family]:
+def _rollout(r: RolloutView, platform: str, versions: Mapping[str, str | None], env: Mapping[str, str],
+             kernels: str) -> dict[str, Family]:
+    name = r.name
     if denv.project_rollout(name, platform, kernels):
         via = "" if name == "cpu" else " through true_on_policy.vllm_adapter"
         return {op: Family(PROJECT, f"{R}.name={name} on {platform} (project kernels{via})") for op in OPS}
     if name != "vllm":
         return {op: _unpinned(f"{R}.name={name}: no kernel setting known to this project") for op in OPS}
-    bi = denv.parse_bool(f"{denv.ENV_PATH}.VLLM_BATCH_INVARIANT", env.get("VLLM_BATCH_INVARIANT"))
+    bi = vllm_batch_invariant(env)
     if platform == "ascend":
-        bi = bi or (denv.get_bool(cfg, f"{RL}.enabled") and denv.get_bool(cfg, f"{RL}.enable_batch_invariant"))
+        bi = bi or (r.vllm.rl_enabled and r.vllm.rl_batch_invariant)
         if not bi:
             off = Family("vllm-ascend default kernels (not batch-invariant)", f"{denv.ENV_PATH}.VLLM_BATCH_INVARIANT unset")
             return {op: off for op in OPS}

@@ -17,7 +17,9 @@ keeps the step size independent of how many rows the gate rejects.
 
 :func:`flashreinforce_loss` is the whole-batch reference. :func:`flashreinforce_loss_from_advantages`
 is the same math for a slice of a batch (precomputed advantages, the full batch's size as the
-denominator); the verl adapter calls it per micro-batch, so there is one implementation.
+denominator). Both validate their inputs (host reads) and run :func:`loss_core`, the arithmetic
+alone, which the verl adapter calls per micro-batch without a host read (it validates once per batch
+in the driver), so there is one implementation.
 :func:`entropy_filter` is the filter alone: its keep decisions depend only on each row's own
 entropies, failure flag and token count, so they can be computed where the entropies are (verl's
 trainer) and handed to the loss as ``kept_tokens``, with the same result as passing the entropies.
@@ -41,6 +43,7 @@ STATS_KEYS = (
     "sequence_kl",
     "admitted",
     "acceptance_rate",
+    "sequence_kl_mean",
     "policy_tokens",
     "retained_tokens",
     "ratio_deviation",
@@ -51,7 +54,8 @@ def sequence_advantages(rewards: torch.Tensor, dtype: torch.dtype | None = None)
     """A_i = R_i - mean_j R_j over the whole batch, without gradient, in ``dtype`` (default: the
     rewards' own floating dtype, or torch's default for integer rewards).
 
-    Shared by the reference loss and verl's ``flashreinforce`` advantage estimator.
+    Validates, then computes with :func:`masked_sequence_advantages` (every row a trajectory), the
+    arithmetic verl's ``flashreinforce`` advantage estimator runs.
     """
     if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
@@ -68,7 +72,22 @@ def sequence_advantages(rewards: torch.Tensor, dtype: torch.dtype | None = None)
         if not torch.isfinite(rewards).all():
             bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
             raise ValueError(f"rewards must be finite; non-finite at rows {bad}")
-        return rewards - rewards.mean()
+        return masked_sequence_advantages(rewards, torch.ones_like(rewards, dtype=torch.bool))
+
+
+def masked_sequence_advantages(rewards: torch.Tensor, trajectories: torch.Tensor) -> torch.Tensor:
+    """A_i = R_i - (mean of R_j over the rows j that are ``trajectories``) for those rows, 0 elsewhere.
+
+    No validation and no host read (no ``.item()``, no data-dependent shape): the caller validated
+    the rewards, and a batch without any trajectory gives NaN, which the caller must have refused.
+    The mean adds the rows in order (a cumulative sum), so rows that are no trajectory -- verl's
+    padding rows, wherever they sit -- change no bit of it.
+    """
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+        total = torch.cumsum(torch.where(trajectories, rewards, zero), dim=0)[-1]
+        mean = total / trajectories.sum().to(rewards.dtype)
+        return torch.where(trajectories, rewards - mean, zero)
 
 
 def flashreinforce_loss(
@@ -152,7 +171,6 @@ def flashreinforce_loss_from_advantages(
     rows, length = _check_log_prob_pair(log_probs, behavior_log_probs)
     device = log_probs.device
     compute_dtype = _compute_dtype(log_probs, behavior_log_probs)
-    zero = torch.zeros((), dtype=compute_dtype, device=device)
 
     _check_mask(action_mask, rows, length, device)
     _check_advantages(advantages, rows, device)
@@ -177,6 +195,51 @@ def flashreinforce_loss_from_advantages(
     if not bool((policy_tokens > 0).all()):
         empty = torch.nonzero(policy_tokens == 0).flatten().tolist()
         raise ValueError(f"every row needs at least one policy token in action_mask; rows {empty} have none")
+    with torch.no_grad():
+        _check_policy_log_probs(torch.where(action_mask, log_probs.detach(), 0), action_mask, "log_probs")
+        _check_policy_log_probs(torch.where(action_mask, behavior_log_probs.detach(), 0), action_mask, "behavior_log_probs")
+        if entropies is not None:
+            _check_policy_entropies(entropies, action_mask)
+        if kept_tokens is None and filter_requested:
+            kept_tokens = _entropy_filter(action_mask, entropies, failures, fraction, policy_tokens)
+
+    loss, stats, non_finite = loss_core(
+        log_probs, behavior_log_probs, advantages, action_mask, batch_size=batch_size, delta=delta, kept_tokens=kept_tokens
+    )
+    if bool(non_finite.any()):
+        where = torch.nonzero(non_finite)[:5].tolist()
+        raise FloatingPointError(
+            f"importance ratio exp(log_probs - behavior_log_probs) is not finite on active tokens "
+            f"(first [row, position]: {where}); the log-ratio overflows {compute_dtype}"
+        )
+    return loss, stats
+
+
+def loss_core(
+    log_probs: torch.Tensor,
+    behavior_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    batch_size: int,
+    delta: float,
+    kept_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The arithmetic of :func:`flashreinforce_loss_from_advantages`, without validation and without
+    a host read: tensors in, tensors out (what verl's per-micro-batch loss runs; the caller validated
+    the inputs once per batch). Returns ``(loss, stats, non_finite)``: ``non_finite`` [rows, T] marks
+    active tokens whose ratio is not finite (the caller raises on it).
+
+    A row without policy tokens (verl's synthetic padding) contributes nothing and is no row of the
+    stats' means; with no row at all, the stats are 0.
+    """
+    device = log_probs.device
+    compute_dtype = _compute_dtype(log_probs, behavior_log_probs)
+    zero = torch.zeros((), dtype=compute_dtype, device=device)
+    policy_tokens = action_mask.sum(dim=-1)
+    rows = policy_tokens > 0
+    # A row without policy tokens divides by 1: its terms are all zero anyway.
+    row_tokens = policy_tokens.clamp(min=1).to(compute_dtype)
 
     # Values at masked-out positions may be anything (padding, NaN, inf); torch.where selects them
     # away before any arithmetic, so they reach neither the loss nor the gradient.
@@ -185,19 +248,11 @@ def flashreinforce_loss_from_advantages(
     with torch.no_grad():
         current_values = current.detach()
         behaviour = torch.where(action_mask, behavior_log_probs.detach().to(compute_dtype), zero)
-        _check_policy_log_probs(current_values, action_mask, "log_probs")
-        _check_policy_log_probs(behaviour, action_mask, "behavior_log_probs")
-        if entropies is not None:
-            _check_policy_entropies(entropies, action_mask)
 
-        sequence_kl = _sequence_bernoulli_kl(behaviour, current_values, action_mask, policy_tokens)
-        admitted = sequence_kl <= delta  # inclusive; delta = inf admits every row
+        sequence_kl = _sequence_bernoulli_kl(behaviour, current_values, action_mask, row_tokens)
+        admitted = (sequence_kl <= delta) & rows  # inclusive; delta = inf admits every row
 
-        kept = action_mask
-        if kept_tokens is not None:
-            kept = kept_tokens
-        elif filter_requested:
-            kept = _entropy_filter(action_mask, entropies, failures, fraction, policy_tokens)
+        kept = action_mask if kept_tokens is None else kept_tokens
         active = kept & admitted.unsqueeze(-1)
 
         # The ratio is exponentiated only where it is used: a rejected row or a filtered token may
@@ -205,35 +260,34 @@ def flashreinforce_loss_from_advantages(
         log_ratio = torch.where(active, current_values - behaviour, zero)
         ratio = torch.exp(log_ratio)
         non_finite = active & ~torch.isfinite(ratio)
-        if bool(non_finite.any()):
-            where = torch.nonzero(non_finite)[:5].tolist()
-            raise FloatingPointError(
-                f"importance ratio exp(log_probs - behavior_log_probs) is not finite on active tokens "
-                f"(first [row, position]: {where}); the log-ratio overflows {compute_dtype}"
-            )
 
         row_advantages = advantages.detach().to(compute_dtype)
         # d loss / d cur_it = -(1/B) * per_token_weight_it: (A_i / T_i) * stopgrad(ratio) where active.
-        per_token_weight = (row_advantages / policy_tokens.to(compute_dtype)).unsqueeze(-1) * ratio
+        per_token_weight = (row_advantages / row_tokens).unsqueeze(-1) * ratio
         per_token_weight = torch.where(active, per_token_weight, zero)
 
-    loss = -(per_token_weight * current).sum() / batch_size
+    # Per row, then over rows in order (a cumulative sum: torch's CPU cumsum accumulates sequentially),
+    # so a row that contributes zero -- verl's padding row, wherever it sits -- changes no bit of the
+    # loss without being selected away (selection is a data-dependent shape: a host sync on a device).
+    loss = -torch.cumsum((per_token_weight * current).sum(dim=-1), dim=0)[-1] / batch_size
 
     with torch.no_grad():
         retained_tokens = active.sum(dim=-1)
         retained_total = retained_tokens.sum()
         ratio_deviation = torch.where(active, (ratio - 1.0).abs(), zero).sum()
         ratio_deviation = ratio_deviation / retained_total.clamp(min=1).to(compute_dtype)
+        row_count = rows.sum().clamp(min=1).to(compute_dtype)
         stats = {
             "advantages": row_advantages,
             "sequence_kl": sequence_kl,
             "admitted": admitted,
-            "acceptance_rate": admitted.to(compute_dtype).mean(),
+            "acceptance_rate": admitted.sum().to(compute_dtype) / row_count,
+            "sequence_kl_mean": torch.where(rows, sequence_kl, zero).sum() / row_count,
             "policy_tokens": policy_tokens,
             "retained_tokens": retained_tokens,
             "ratio_deviation": ratio_deviation,
         }
-    return loss, stats
+    return loss, stats, non_finite
 
 
 # --- the two mechanisms ---------------------------------------------------------------------------

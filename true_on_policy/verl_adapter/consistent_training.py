@@ -1,9 +1,10 @@
 """The project's model code on verl's training side (CPU platform; CUDA with ``kernels: project``).
 
 The model half is :func:`true_on_policy.kernels.model.patch_transformers`: the same module code
-the CPU rollout engine runs, registered as ``attn_implementation="consistent"``. It is
-installed whatever the flag, since the CPU configs name that attention; with the flag off it runs
-the default kernels (SDPA, F.linear), with the flag on the consistent ones.
+the CPU rollout engine runs, registered as ``attn_implementation="consistent"``. On the CPU platform
+it is installed whatever the flag, since the CPU configs name that attention; with the flag off it
+runs the default kernels (SDPA, F.linear), with the flag on the consistent ones. Whether they run is
+``Settings.consistent_kernels``, the one switch the vLLM plugin reads too.
 
 The other half is the log-prob itself: verl's FSDP engine turns logits into token log-probs with
 ``verl.utils.torch_functional.logprobs_from_logits``, bound by name in
@@ -41,15 +42,23 @@ def mask_out_of_vocabulary(logprobs_from_logits, vocab: int):
     return masked
 
 
+def activate(settings) -> None:
+    """The training engine's kernels from the exported settings: the one switch is
+    ``settings.consistent_kernels``; the CPU platform installs the model code with the flag off too."""
+    if settings.platform == "cpu" or settings.consistent_kernels:
+        _activate(settings.consistent_kernels)
+    # else kernels: engine (or kernels: project with the flag off) on a device: verl's own model code
+
+
 @functools.cache
-def activate(deterministic: bool) -> None:
+def _activate(consistent: bool) -> None:
     from true_on_policy.kernels import model as consistent_model
     from true_on_policy.kernels import ops as consistent_ops
     from true_on_policy.verl_adapter import patches
 
     consistent_model.patch_transformers()
     replacement = None
-    if deterministic:
+    if consistent:
         consistent_ops.enable()
         replacement = consistent_logprobs_from_logits
     vocab = os.environ.get(ROLLOUT_VOCAB_ENV)

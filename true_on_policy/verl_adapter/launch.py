@@ -3,28 +3,25 @@
 ``python -m verl.trainer.main_ppo`` imports verl (which loads this plugin), then calls
 ``auto_set_device(config)`` first thing in ``main``, before ``ray.init``; the plugin wraps it
 (:func:`true_on_policy.verl_adapter.patches.install_launch_hook`) to run :func:`launch_hook`.
-That does nothing unless the config has a ``true_on_policy:`` section; then, before any Ray
-process exists, :func:`prepare_launch`
+That does nothing unless the config has a ``true_on_policy:`` section (or trains with
+FlashREINFORCE); then, before any Ray process exists, it
 
-1. validates the section (:class:`true_on_policy.config.settings.Settings`),
-2. enforces the FlashREINFORCE invariants (:mod:`true_on_policy.config.invariants`),
-3. pins the platform's determinism plan into the config (:mod:`true_on_policy.contract.determinism_plan`),
-4. refuses a launch whose training and rollout sides are not pinned identically
-   (:mod:`true_on_policy.contract.consistency`), unless ``true_on_policy.allow_contract_mismatch=true``,
-   and one with contract rows that cannot be verified, unless each is named in
-   ``true_on_policy.accept_unverified`` (the same verdict as ``python -m true_on_policy check``),
-5. exports the settings and the plan's worker environment into the driver's environment and into
-   ``ray_kwargs.ray_init.runtime_env.env_vars`` (which main_ppo merges into ``ray.init``), so
-   every Ray worker sees them before it builds a model.
+1. asks for the verdict, :func:`true_on_policy.contract.verdict.decide` -- the same function
+   ``python -m true_on_policy check`` and the dry runs call -- prints its text on stderr and exits
+   with its code unless it is 0 (nothing was started);
+2. applies it (:func:`apply_verdict`): writes the platform's determinism plan into the config and
+   exports the settings and the plan's worker environment into the driver's environment and into
+   ``ray_kwargs.ray_init.runtime_env.env_vars`` (which main_ppo merges into ``ray.init``), so every
+   Ray worker sees them before it builds a model.
 
-A bad value exits with status 2 naming key and value; any other failure is reported as an
-internal error. Should the hook not run (verl renamed its target, another entry point), verl's
-trainer refuses to start (:func:`trainer_start_check`), and the registered loss and advantage
-refuse to run without exported settings.
+Any exception other than the verdict's is reported as an internal error. Should the hook not run
+(verl renamed its target, another entry point), verl's trainer refuses to start
+(:func:`trainer_start_check`), and the registered loss and advantage refuse to run without exported
+settings.
 
 In every process, :func:`activate_from_environment` (called by the plugin at import) switches on
-what the exported settings ask for: the plan's in-process calls, the trainer hooks, and on the
-CPU platform the CPU backend and the project's kernels.
+what the exported settings ask for: the plan's in-process calls, the trainer hooks, and, from
+``Settings.consistent_kernels`` (the one switch), the project's kernels (with the CPU backend on cpu).
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ import os
 import sys
 
 from true_on_policy.config import settings as settings_module
-from true_on_policy.config.settings import ConfigError, Settings
+from true_on_policy.config.settings import Settings
 
 logger = logging.getLogger("true_on_policy")
 
@@ -43,8 +40,6 @@ logger = logging.getLogger("true_on_policy")
 CPU_PLATFORM_ENV = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cpu"}
 # The plan's in-process calls (e.g. torch.use_deterministic_algorithms on torch_npu), as JSON.
 IN_PROCESS_ENV = "TRUE_ON_POLICY_IN_PROCESS"
-# Exit status of a launch refused for a bad config (as `python -m true_on_policy check` uses for a mismatch).
-EXIT_CONFIG_ERROR = 2
 
 
 def recipe_section(config):
@@ -55,42 +50,22 @@ def recipe_section(config):
         return None
 
 
-def prepare_launch(config) -> dict[str, str]:
-    """Check a config that uses the recipe, pin its determinism plan, export its environment.
+def launch_verdict(config):
+    """The verdict of :mod:`true_on_policy.contract.verdict` for launching ``config`` on this machine."""
+    from true_on_policy.config.platform import detect_machine
+    from true_on_policy.contract import verdict
 
-    Raises :class:`ConfigError` (a ValueError) naming the key and value of every problem found; any
-    other exception is a bug of ours. On success ``config`` carries the plan's values (worker
-    environment, rollout and training engine settings) and the returned environment is in this
-    process's ``os.environ`` too.
-    """
+    return verdict.decide(config, machine=detect_machine(), launching=True)
+
+
+def apply_verdict(config, verdict) -> dict[str, str]:
+    """Write an accepted verdict's plan into ``config`` and export its environment (returned, and in
+    this process's ``os.environ``)."""
     from omegaconf import OmegaConf, open_dict
-    from omegaconf.errors import OmegaConfBaseException
 
-    from true_on_policy.config import invariants
-    from true_on_policy.contract import consistency as contract
     from true_on_policy.contract import determinism_plan as determinism_env
-    from true_on_policy.kernels import architectures
 
-    section = recipe_section(config)
-    try:
-        resolved = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
-    except OmegaConfBaseException as error:
-        raise ConfigError(f"true_on_policy: the section cannot be resolved: {error}") from error
-    recipe = Settings.from_mapping(resolved)
-    invariants.enforce_invariants(config, relax=recipe.relax_invariants)
-    if recipe.platform == "cpu" and (recipe.cpu_tensor_parallel_size > 1 or recipe.cpu_expert_parallel_size > 1):
-        raise ConfigError(
-            "true_on_policy.cpu_tensor_parallel_size / cpu_expert_parallel_size > 1 "
-            f"(got {recipe.cpu_tensor_parallel_size} / {recipe.cpu_expert_parallel_size}): CPU TP/EP is implemented "
-            "at library level (true_on_policy.kernels.tensor_parallel) and proven bitwise there, but neither verl's FSDP "
-            "engine nor the Ray-served CPU rollout shards the model; run CPU jobs with both set to 1"
-        )
-
-    if recipe.deterministic and (recipe.platform == "cpu" or recipe.kernels == "project"):
-        # the project's kernels on both sides: an uncovered architecture or feature is refused by name here
-        architectures.check_checkpoint(config.actor_rollout_ref.model.path)
-
-    plan = determinism_env.plan_for_config(config)
+    recipe, plan = verdict.settings, verdict.plan
     # The plan's provenance (versions detected or declared, what was not emitted and why) goes to the log.
     logger.info("true_on_policy: %s", determinism_env.describe(plan))
     for note in plan.notes:
@@ -99,29 +74,18 @@ def prepare_launch(config) -> dict[str, str]:
     env.update(plan.worker_env)
     if plan.deterministic and plan.in_process:
         env[IN_PROCESS_ENV] = json.dumps([[name, kwargs] for name, kwargs in plan.in_process])
+    rollout_name = verdict.contract.rollout_engine
     if recipe.platform == "cpu":
         env.update(CPU_PLATFORM_ENV)
-        if config.actor_rollout_ref.rollout.name == "vllm":
+        if rollout_name == "vllm":
             env.update(_vllm_cpu_env(config))
-    elif recipe.kernels == "project" and recipe.deterministic and config.actor_rollout_ref.rollout.name == "vllm":
+    elif recipe.consistent_kernels and rollout_name == "vllm":
         env.update(_rollout_vocab_env(config))  # kernels=project on a device: written, not run on a device
     updates = determinism_env.config_updates(plan)
     updates.update({f"{determinism_env.ENV_PATH}.{key}": value for key, value in env.items()})
     with open_dict(config):
         for path, value in updates.items():
             OmegaConf.update(config, path, value, force_add=True)
-
-    result = contract.build_contract(config, plan=plan)
-    mismatches = contract.compare(result)
-    if mismatches and not recipe.allow_contract_mismatch:
-        lines = "\n".join(f"  - {mismatch}" for mismatch in mismatches)
-        raise ConfigError(
-            "training and rollout are not pinned identically, so log-probs cannot match bitwise:\n"
-            f"{lines}\nFix the config, or launch anyway with true_on_policy.allow_contract_mismatch=true."
-        )
-    for mismatch in mismatches:
-        logger.warning("true_on_policy: contract mismatch allowed by config: %s", mismatch)
-    refuse_unverified(result, recipe.accept_unverified)
     os.environ.update(env)
     return env
 
@@ -142,48 +106,39 @@ def _vllm_cpu_env(config) -> dict[str, str]:
     return {**_rollout_vocab_env(config), "VLLM_TARGET_DEVICE": "cpu"}
 
 
-def refuse_unverified(result, accepted) -> None:
-    """Raise unless every contract row that cannot be verified is named in ``accept_unverified``."""
-    from true_on_policy.contract import consistency as contract
-
-    fields = {row.field for row in result.rows}
-    unknown = sorted(set(accepted) - fields)
-    if unknown:
-        raise ConfigError(f"true_on_policy.accept_unverified={unknown}: not contract rows; rows are {sorted(fields)}")
-    open_rows = [(row, reason) for row, reason in contract.unverified(result) if row.field not in accepted]
-    if open_rows:
-        lines = "\n".join(f"  - {row.field}: {reason}" for row, reason in open_rows)
-        names = ", ".join(row.field for row, _ in open_rows)
-        raise ConfigError(
-            "contract rows that cannot be verified for this stack (consistent where visible):\n"
-            f"{lines}\nLaunch anyway only by naming them: true_on_policy.accept_unverified=[{names}]."
-        )
-    for row, reason in contract.unverified(result):
-        logger.warning("true_on_policy: unverified contract row accepted by config: %s: %s", row.field, reason)
-
-
 def launch_hook(config) -> None:
     """What the wrapped ``auto_set_device`` runs first: inert without the section.
 
-    A bad config (:class:`ConfigError`, or a ValueError the pure core raises for a bad value) exits
-    with status 2 and one message naming key and value, before Ray starts; any other exception is
-    reported as an internal error of true_on_policy and re-raised.
+    Prints the verdict's text on stderr; a verdict other than 0 exits with its code before Ray
+    starts. Any other exception is reported as an internal error of true_on_policy and re-raised.
     """
-    if recipe_section(config) is None:
+    from true_on_policy.config.invariants import uses_flashreinforce
+
+    if recipe_section(config) is None and not uses_flashreinforce(config):
         return
     try:
-        env = prepare_launch(config)
-    except ValueError as error:
-        sys.stderr.write(f"true_on_policy: invalid config (nothing was started):\n{error}\n")
-        raise SystemExit(EXIT_CONFIG_ERROR) from error
+        verdict = launch_verdict(config)
     except Exception:
-        sys.stderr.write(
-            "true_on_policy: INTERNAL ERROR while preparing the launch (a bug in true_on_policy, not in your "
-            "config); please report it with the traceback below.\n"
-        )
+        _internal_error()
+        raise
+    sys.stderr.write(verdict.text + "\n")
+    sys.stderr.flush()
+    if verdict.code != 0:
+        raise SystemExit(verdict.code)
+    try:
+        env = apply_verdict(config, verdict)
+    except Exception:
+        _internal_error()
         raise
     if env.get("VERL_PLATFORM") == "cpu":
         _select_cpu_platform()
+
+
+def _internal_error() -> None:
+    sys.stderr.write(
+        "true_on_policy: INTERNAL ERROR while preparing the launch (a bug in true_on_policy, not in your "
+        "config); please report it with the traceback below.\n"
+    )
 
 
 # Why the launch hook could not be installed in this process (verl renamed its target), if so.
@@ -209,16 +164,9 @@ def install_driver_hooks() -> None:
 
 def uses_recipe(config) -> bool:
     """The config has a ``true_on_policy:`` section or names the FlashREINFORCE loss or estimator."""
-    if recipe_section(config) is not None:
-        return True
-    from omegaconf import OmegaConf
+    from true_on_policy.config.invariants import uses_flashreinforce
 
-    from true_on_policy.verl_adapter.flashreinforce_registration import NAME
-
-    return NAME in (
-        OmegaConf.select(config, "algorithm.adv_estimator", default=None),
-        OmegaConf.select(config, "actor_rollout_ref.actor.policy_loss.loss_mode", default=None),
-    )
+    return recipe_section(config) is not None or uses_flashreinforce(config)
 
 
 def trainer_start_check(config) -> None:
@@ -262,17 +210,13 @@ def activate_from_environment() -> Settings | None:
     trainer_hooks.install()
     resume.install()
     if recipe.platform == "cpu":
-        # The project's kernels are the CPU reference path; on Ascend and CUDA the determinism
-        # plan's vendor settings (exported above) pin the engines' own kernels instead (kernels: engine).
-        from true_on_policy.verl_adapter import consistent_training, cpu_platform
+        from true_on_policy.verl_adapter import cpu_platform
 
         cpu_platform.activate()
-        consistent_training.activate(recipe.deterministic)
-    elif recipe.kernels == "project" and recipe.deterministic:
-        # kernels=project on a device platform (the plan admits only cuda + fsdp): the training side
-        # runs the HF model on the project's kernels, as the vLLM plugin does in the rollout.
-        # Written, not run on a device.
-        from true_on_policy.verl_adapter import consistent_training
+    # The project's kernels are the CPU reference path (and, with kernels: project, the CUDA one:
+    # written, not run on a device); with kernels: engine the plan's vendor settings (exported above)
+    # pin the engines' own kernels instead. The vLLM plugin switches on the same property.
+    from true_on_policy.verl_adapter import consistent_training
 
-        consistent_training.activate(True)
+    consistent_training.activate(recipe)
     return recipe

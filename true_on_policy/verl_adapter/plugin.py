@@ -5,11 +5,14 @@ Importing it registers (FlashREINFORCE's loss and advantage estimator, the ``cpu
 ``true_on_policy:`` section. Only settings exported by such a launch switch behaviour on in this
 process (:func:`true_on_policy.verl_adapter.launch.activate_from_environment`).
 
-verl swallows plugin import errors at debug level, so a failure here is reported loudly on stderr
-before it is re-raised.
+verl swallows plugin import errors (``Exception``) at debug level, so a failure here is reported
+loudly on stderr before it is re-raised; in a process the launch configured (the settings are
+exported) it ends the process instead (``SystemExit``, which verl does not swallow): a worker must not
+run on without what its settings ask for (the kernels, the hooks).
 """
 
 import logging
+import os
 import sys
 import traceback
 
@@ -24,10 +27,14 @@ try:
     cpu_rollout.register()
     launch.install_driver_hooks()
     launch.activate_from_environment()
-except Exception:  # pragma: no cover - the message is the point
+except Exception as error:  # pragma: no cover - the message is the point
     message = "true_on_policy: the verl plugin failed to load; FlashREINFORCE and the CPU backend are NOT registered.\n"
     sys.stderr.write(message + traceback.format_exc())
     logger.error(message)
+    from true_on_policy.config.settings import ENV_VAR
+
+    if os.environ.get(ENV_VAR):
+        raise SystemExit(f"true_on_policy: this process runs a true_on_policy launch and cannot activate it: {error!r}") from error
     raise
 
 __all__ = ["cpu_platform", "cpu_rollout", "flashreinforce_registration", "launch"]

@@ -58,7 +58,15 @@ would then silently divide by fewer trajectories than the step sampled: before t
 :func:`require_full_batch` refuses a batch with fewer prompts than ``train_batch_size /
 parameter_sync_step``, naming how many are missing and verl's key that re-rolls them.
 
-All hooks are installed only in a process whose launch configured the recipe.
+5. The FlashREINFORCE batch, checked once (only when the loss is FlashREINFORCE).
+
+The registered loss and estimator read no tensor value on the host per micro-batch (a device
+stall on every NPU/GPU step); what needs host values is checked here, in the driver, once per
+batch, after the last write before ``_update_actor`` (:func:`validate_flashreinforce_batch`).
+
+Hooks 1, 2 and 5 serve the FlashREINFORCE loss and run only when
+``actor.policy_loss.loss_mode=flashreinforce``; 3 and 4 serve every verl algorithm. All hooks are
+installed only in a process whose launch configured the recipe.
 """
 
 from __future__ import annotations
@@ -68,7 +76,8 @@ import functools
 import torch
 
 from true_on_policy.config import settings as settings_module
-from true_on_policy.loss.flashreinforce import entropy_filter
+from true_on_policy.config.invariants import FLASHREINFORCE, LOSS_MODE_KEY, lookup
+from true_on_policy.loss.flashreinforce import entropy_filter, kept_token_count
 from true_on_policy.verl_adapter.flashreinforce_registration import FILTER_MASK_FIELD, METRIC_PREFIX
 
 # Driver-side metric: the fraction of the step's trajectories the filter treats as failed.
@@ -150,6 +159,78 @@ def write_entropy_filter_mask(batch, tq, negative_token_fraction: float, failure
     return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
 
 
+def validate_flashreinforce_batch(batch, tq, negative_token_fraction: float) -> None:
+    """What the FlashREINFORCE loss needs of the batch, checked once in the driver (host reads here,
+    none in the per-micro-batch loss): a row with a response token; finite behaviour log-probs <= 0;
+    one finite advantage per trajectory; with the filter on (q < 1), its 0/1 keep mask in the
+    response, each row keeping all its T_i tokens or ceil(q * T_i). Raises ValueError naming what is wrong.
+    """
+    fields = ["response_mask", "old_log_probs", "advantages"] + ([FILTER_MASK_FIELD] if negative_token_fraction < 1.0 else [])
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    missing = [field for field in fields if field not in data.keys()]
+    if missing:
+        raise ValueError(f"the FlashREINFORCE batch lacks the fields {missing} (the trainer hooks write {FILTER_MASK_FIELD})")
+    padded = data.select(*fields).to_padded_tensor()
+    check_flashreinforce_batch(
+        padded["response_mask"].bool(),
+        padded["old_log_probs"],
+        padded["advantages"],
+        padded[FILTER_MASK_FIELD] if negative_token_fraction < 1.0 else None,
+        negative_token_fraction,
+    )
+
+
+def check_flashreinforce_batch(mask, behaviour, advantages, carrier, negative_token_fraction: float) -> None:
+    """:func:`validate_flashreinforce_batch` on padded tensors ([B, T]; ``carrier`` None when q = 1)."""
+    if not bool(mask.any()):
+        raise ValueError("flashreinforce: the batch has no row with a response token")
+    bad = mask & ~(torch.isfinite(behaviour) & (behaviour <= 0))
+    if bool(bad.any()):
+        raise ValueError(
+            "flashreinforce: the behaviour log-probs (old_log_probs = the rollout's rollout_log_probs) must be finite "
+            f"and <= 0 at response tokens; first bad [row, position]: {torch.nonzero(bad)[:5].tolist()}"
+        )
+    first = advantages.gather(1, mask.to(torch.int32).argmax(dim=-1, keepdim=True))
+    varies = mask & ((advantages != first) | ~torch.isfinite(advantages))
+    if bool(varies.any()):
+        rows = torch.nonzero(varies.any(dim=-1)).flatten()[:5].tolist()
+        raise ValueError(
+            f"loss_mode=flashreinforce needs one finite advantage per trajectory, but it varies (or is not finite) "
+            f"within rows {rows}; use algorithm.adv_estimator=flashreinforce"
+        )
+    if carrier is not None:
+        check_filter_mask(carrier, mask, negative_token_fraction)
+
+
+def check_filter_mask(carrier: torch.Tensor, response_mask: torch.Tensor, fraction: float) -> None:
+    """The entropy filter's carrier is its 0/1 keep mask: 0 outside the response, and each row keeps
+    all its T_i response tokens (success) or ceil(q * T_i) of them (failure)."""
+    ones, zeros = carrier == 1, carrier == 0
+    if not bool((ones | zeros).all()):
+        bad = torch.nonzero(~(ones | zeros))[:5].tolist()
+        raise ValueError(
+            f"'{FILTER_MASK_FIELD}' must be the entropy filter's 0/1 keep mask when negative_token_fraction < 1, "
+            f"but holds other values (importance weights?) at [row, position] {bad}; "
+            "rollout importance weighting is not supported: set algorithm.rollout_correction.rollout_is=null"
+        )
+    outside = ones & ~response_mask
+    if bool(outside.any()):
+        bad = torch.nonzero(outside)[:5].tolist()
+        raise ValueError(f"the entropy filter mask keeps positions outside the response: [row, position] {bad}")
+    for row, (count, total) in enumerate(zip(ones.sum(dim=-1).tolist(), response_mask.sum(dim=-1).tolist())):
+        if count not in (total, kept_token_count(fraction, total)):
+            raise ValueError(
+                f"the entropy filter mask keeps {count} of the {total} response tokens of row {row}; with "
+                f"negative_token_fraction={fraction} a row keeps all of them (success) or "
+                f"{kept_token_count(fraction, total)} (failure)"
+            )
+
+
+def uses_flashreinforce_loss(trainer_config) -> bool:
+    """The trainer's actor loss is FlashREINFORCE (its hooks run only then)."""
+    return lookup(trainer_config, LOSS_MODE_KEY) == FLASHREINFORCE
+
+
 def canonical_order(batch, tq) -> list[int]:
     """Indices that sort ``batch`` by token sequence (a stable sort: equal sequences keep their order)."""
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])
@@ -197,7 +278,8 @@ def install_on(trainer_cls, tq) -> None:
     def old_log_prob(recompute_old_log_prob):
         def compute_old_log_prob(self, batch, metrics):
             batch = recompute_old_log_prob(self, batch, metrics)
-            use_rollout_log_probs_as_old(batch, tq)
+            if uses_flashreinforce_loss(self.config):
+                use_rollout_log_probs_as_old(batch, tq)
             return batch
 
         return compute_old_log_prob
@@ -206,10 +288,12 @@ def install_on(trainer_cls, tq) -> None:
         def compute_advantage_and_filter_mask(self, batch, metrics):
             recipe = settings_module.require("the entropy filter")
             batch = compute_advantage(self, batch, metrics)
-            if recipe.negative_token_fraction < 1.0:
-                batch = write_entropy_filter_mask(
-                    batch, tq, recipe.negative_token_fraction, recipe.failure_reward_threshold, metrics
-                )
+            if uses_flashreinforce_loss(self.config):
+                if recipe.negative_token_fraction < 1.0:
+                    batch = write_entropy_filter_mask(
+                        batch, tq, recipe.negative_token_fraction, recipe.failure_reward_threshold, metrics
+                    )
+                validate_flashreinforce_batch(batch, tq, recipe.negative_token_fraction)
             return batch
 
         return compute_advantage_and_filter_mask

@@ -25,12 +25,15 @@ logger = logging.getLogger("true_on_policy")
 
 
 def patch_set(recipe) -> str | None:
-    """Which patch set the exported settings ask for: "cpu", "cuda", or None (inert)."""
+    """Which patch set the exported settings ask for: "cpu", "cuda", or None (inert).
+
+    The same switch as the training side's: ``Settings.consistent_kernels`` (the CPU platform also
+    needs the compatibility fixes with the flag off)."""
     if recipe is None:
         return None
     if recipe.platform == "cpu":
         return "cpu"
-    if recipe.platform == "cuda" and recipe.kernels == "project" and recipe.deterministic:
+    if recipe.platform == "cuda" and recipe.consistent_kernels:
         return "cuda"
     return None
 
@@ -47,7 +50,7 @@ def register() -> None:
 
         if device == "cpu":
             patches.apply_compatibility()
-            if recipe.deterministic:
+            if recipe.consistent_kernels:
                 patches.apply_consistent("cpu")
         else:
             patches.apply_consistent(device)

@@ -1,0 +1,279 @@
+"""The composed verl config, read once into typed, frozen views of the two sides.
+
+:func:`read_sides` is the only place the plan and the contract read verl's config: every field of
+:class:`TrainingView` and :class:`RolloutView` names the key it comes from and how it is read
+(:mod:`true_on_policy.contract.config_reader`: a bad value names key and value). The engine's own
+sub-view is read for the engine the config selects (``actor.strategy``, ``rollout.name``), nothing
+else. The determinism plan is computed from these views and its updates are laid over them with
+:meth:`Sides.overlay` (the same keys the launch writes into the config), so the contract describes
+what the launch will run without reading the config again.
+
+Keys verl always carries (the strategy, the rollout name and TP, the world size) have no default
+here: missing is an error naming the key, never a guess. Pure: no verl, no omegaconf import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from true_on_policy.contract import config_reader as read
+from true_on_policy.contract.config_reader import ConfigError
+
+A = "actor_rollout_ref.actor"
+R = "actor_rollout_ref.rollout"
+M = "actor_rollout_ref.model"
+MEGATRON = f"{A}.megatron"
+MEGATRON_TC = f"{MEGATRON}.override_transformer_config"
+TORCHTITAN = f"{A}.torchtitan"
+VEOMNI = f"{A}.veomni"
+FSDP = f"{A}.fsdp_config"
+ROLLOUT_VLLM = f"{R}.engine_kwargs.vllm"
+ROLLOUT_SGLANG = f"{R}.engine_kwargs.sglang"
+RL_CONFIG = f"{ROLLOUT_VLLM}.additional_config.rl_config"
+ENV_PATH = "ray_kwargs.ray_init.runtime_env.env_vars"
+
+REQUIRED = object()  # a key verl always carries: missing is an error, not a default
+
+
+def _key(path: str, kind: str, default: Any = None, **options: Any) -> Any:
+    """A view field read from ``path`` with the converter ``kind`` (see :func:`_convert`)."""
+    return dataclasses.field(metadata={"path": path, "kind": kind, "default": default, **options})
+
+
+def _convert(meta: Mapping[str, Any], value: Any) -> Any:
+    path, kind, default = meta["path"], meta["kind"], meta["default"]
+    if value is None and default is REQUIRED:
+        raise ConfigError(path, None, "required (verl's config always carries it; is the config composed from verl's ppo_trainer?)")
+    if kind == "int":
+        return read.integer(path, value, default, meta.get("minimum", 1))
+    if kind == "bool":
+        return read.parse_bool(path, value, default)
+    if kind == "text":
+        return read.text(path, value, default)
+    if kind == "float":
+        return read.number(path, value, default, float)
+    if kind == "number_int":
+        return read.number(path, value, default, int)
+    if kind == "mapping":
+        return read.mapping(path, value)
+    if kind == "raw":
+        return value
+    if kind == "env":
+        return {str(k): str(v) for k, v in read.mapping(path, value).items()}
+    raise AssertionError(kind)
+
+
+def _read(cls, config: Any):
+    return cls(**{f.name: _convert(f.metadata, read.lookup(config, f.metadata["path"])) for f in dataclasses.fields(cls)})
+
+
+def _overlay(view, updates: Mapping[str, Any]):
+    """``view`` with the fields whose key ``updates`` sets re-read from that value (env: merged)."""
+    if view is None:
+        return None
+    changes = {}
+    for f in dataclasses.fields(view):
+        if "path" not in f.metadata:
+            changes[f.name] = _overlay(getattr(view, f.name), updates)
+            continue
+        path = f.metadata["path"]
+        if f.metadata["kind"] == "env":
+            prefix = f"{path}."
+            extra = {k[len(prefix):]: str(v) for k, v in updates.items() if k.startswith(prefix)}
+            if extra:
+                changes[f.name] = {**getattr(view, f.name), **extra}
+        elif path in updates:
+            changes[f.name] = _convert(f.metadata, updates[path])
+    return dataclasses.replace(view, **changes)
+
+
+# --------------------------------------------------------------------------------------------
+# the training side
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronView:
+    tp: int = _key(f"{MEGATRON}.tensor_model_parallel_size", "int", 1)
+    ep: int = _key(f"{MEGATRON}.expert_model_parallel_size", "int", 1)
+    etp: int | None = _key(f"{MEGATRON}.expert_tensor_parallel_size", "int")  # null = TP
+    pp: int = _key(f"{MEGATRON}.pipeline_model_parallel_size", "int", 1)
+    cp: int = _key(f"{MEGATRON}.context_parallel_size", "int", 1)
+    sequence_parallel: bool = _key(f"{MEGATRON}.sequence_parallel", "bool", True)  # validated even where TP=1 ignores it
+    dtype: str = _key(f"{MEGATRON}.dtype", "text", "bfloat16")
+    attention_backend: str | None = _key(f"{MEGATRON_TC}.attention_backend", "text")  # null = verl's default flash
+    flash_attn_npu_batch_invariant: bool = _key(f"{MEGATRON_TC}.use_flash_attn_npu_batch_invariant", "bool", False)
+    batch_invariant_mode: bool = _key(f"{MEGATRON_TC}.batch_invariant_mode", "bool", False)
+    batch_invariant_ops: bool = _key(f"{MEGATRON_TC}.use_batch_invariant_ops", "bool", False)
+    dispatcher: str | None = _key(f"{MEGATRON_TC}.moe_token_dispatcher_type", "text")  # null = verl's default alltoall
+    router_dtype: str | None = _key(f"{MEGATRON_TC}.moe_router_dtype", "text")  # null = the compute dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchtitanView:
+    tp: int = _key(f"{TORCHTITAN}.tensor_parallel_size", "int", 1)
+    ep: int = _key(f"{TORCHTITAN}.expert_parallel_size", "int", 1)
+    pp: int = _key(f"{TORCHTITAN}.pipeline_parallel_size", "int", 1)
+    cp: int = _key(f"{TORCHTITAN}.context_parallel_size", "int", 1)
+    dtype: str = _key(f"{TORCHTITAN}.dtype", "text", "bfloat16")
+    attn_type: str = _key(f"{TORCHTITAN}.attn_type", "text", "flex")
+
+
+@dataclasses.dataclass(frozen=True)
+class VeomniView:
+    ep: int = _key(f"{VEOMNI}.expert_parallel_size", "int", 1)
+    ulysses: int = _key(f"{VEOMNI}.ulysses_parallel_size", "int", 1)
+    attn_implementation: str = _key(f"{VEOMNI}.attn_implementation", "text", "flash_attention_2")
+    mixed_precision: bool = _key(f"{VEOMNI}.mixed_precision", "bool", True)
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpView:
+    param_dtype: str | None = _key(f"{FSDP}.mixed_precision.param_dtype", "text")  # null = verl's default bf16
+    model_dtype: str = _key(f"{FSDP}.model_dtype", "text", "fp32")
+    ulysses: int = _key(f"{FSDP}.ulysses_sequence_parallel_size", "int", 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TrainingKeys:
+    strategy: str = _key(f"{A}.strategy", "text", REQUIRED)
+    nnodes: int = _key("trainer.nnodes", "int", REQUIRED)
+    gpus_per_node: int = _key("trainer.n_gpus_per_node", "int", REQUIRED)
+    attn_implementation: str | None = _key(f"{M}.override_config.attn_implementation", "text")  # null = flash_attention_2
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingView(_TrainingKeys):
+    """What the training engine (``actor.strategy``) is configured to run."""
+
+    # the selected engine's own keys (None for the others)
+    megatron: MegatronView | None = None
+    torchtitan: TorchtitanView | None = None
+    veomni: VeomniView | None = None
+    fsdp: FsdpView | None = None
+
+    @property
+    def world(self) -> int:
+        return self.nnodes * self.gpus_per_node
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self.strategy not in ("megatron", "torchtitan", "veomni")
+
+
+def read_training(config: Any) -> TrainingView:
+    base = _read(_TrainingKeys, config)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    engine = {
+        "megatron": ("megatron", MegatronView),
+        "torchtitan": ("torchtitan", TorchtitanView),
+        "veomni": ("veomni", VeomniView),
+    }.get(base.strategy, ("fsdp", FsdpView))  # fsdp, fsdp2, fsdp_turbo and any data-parallel engine
+    return TrainingView(**fields, **{engine[0]: _read(engine[1], config)})
+
+
+# --------------------------------------------------------------------------------------------
+# the rollout side
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmView:
+    attention_backend: str | None = _key(f"{ROLLOUT_VLLM}.attention_backend", "text")  # null = vLLM auto-selects
+    all2all_backend: str | None = _key(f"{ROLLOUT_VLLM}.all2all_backend", "text")  # null = allgather_reducescatter
+    block_size: int | None = _key(f"{ROLLOUT_VLLM}.block_size", "int")
+    decode_context_parallel_size: int = _key(f"{ROLLOUT_VLLM}.decode_context_parallel_size", "int", 1)
+    prefill_context_parallel_size: int = _key(f"{ROLLOUT_VLLM}.prefill_context_parallel_size", "int", 1)
+    compilation_config: dict = _key(f"{ROLLOUT_VLLM}.compilation_config", "mapping")
+    # vllm-ascend's additional_config: rl_config (main builds) and FlashComm1 (releases)
+    rl_config: Any = _key(RL_CONFIG, "raw")
+    rl_enabled: bool = _key(f"{RL_CONFIG}.enabled", "bool", False)
+    rl_training_consistency: bool = _key(f"{RL_CONFIG}.enable_training_consistency", "bool", False)
+    rl_batch_invariant: bool = _key(f"{RL_CONFIG}.enable_batch_invariant", "bool", False)
+    flashcomm1_key: Any = _key(f"{ROLLOUT_VLLM}.additional_config.enable_flashcomm1", "raw")
+
+    @property
+    def flashcomm1(self) -> bool:
+        return read.parse_bool(f"{ROLLOUT_VLLM}.additional_config.enable_flashcomm1", self.flashcomm1_key, False)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """vLLM's sequence-parallel compilation pass (reduce-scatter + all-gather row-parallel layers)."""
+        pass_config = self.compilation_config.get("pass_config") or {}
+        pc = f"{ROLLOUT_VLLM}.compilation_config.pass_config"
+        if not hasattr(pass_config, "get"):
+            raise ConfigError(pc, pass_config, "a mapping")
+        return read.parse_bool(f"{pc}.enable_sp", pass_config.get("enable_sp")) or read.parse_bool(
+            f"{pc}.enable_sequence_parallelism", pass_config.get("enable_sequence_parallelism")
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SglangView:
+    attention_backend: str | None = _key(f"{ROLLOUT_SGLANG}.attention_backend", "text")
+    decode_context_parallel_size: int = _key(f"{ROLLOUT_SGLANG}.decode_context_parallel_size", "int", 1)
+    prefill_context_parallel_size: int = _key(f"{ROLLOUT_SGLANG}.prefill_context_parallel_size", "int", 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RolloutKeys:
+    name: str = _key(f"{R}.name", "text", REQUIRED)
+    tp: int = _key(f"{R}.tensor_model_parallel_size", "int", REQUIRED)
+    dp: int = _key(f"{R}.data_parallel_size", "int", 1)
+    ep: int = _key(f"{R}.expert_parallel_size", "int", 1)  # as declared; vLLM's EP group is TP*DP
+    pp: int = _key(f"{R}.pipeline_model_parallel_size", "int", 1)
+    dtype: str = _key(f"{R}.dtype", "text", "bfloat16")
+    temperature: float = _key(f"{R}.temperature", "float", 1.0)
+    top_p: float = _key(f"{R}.top_p", "float", 1.0)
+    top_k: int = _key(f"{R}.top_k", "number_int", -1)
+    calculate_log_probs: bool = _key(f"{R}.calculate_log_probs", "bool", False)
+    logprobs_mode: str = _key(f"{R}.logprobs_mode", "text", "processed_logprobs")
+    enforce_eager: bool = _key(f"{R}.enforce_eager", "bool", False)
+    enable_sleep_mode: bool = _key(f"{R}.enable_sleep_mode", "bool", True)
+    free_cache_engine: bool = _key(f"{R}.free_cache_engine", "bool", True)
+    # the environment of every Ray worker (training and rollout alike); the plan adds its keys here
+    env: dict = _key(ENV_PATH, "env")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutView(_RolloutKeys):
+    """What the rollout engine (``rollout.name``) is configured to run."""
+
+    vllm: VllmView | None = None
+    sglang: SglangView | None = None
+
+    @property
+    def engine_kwargs(self) -> VllmView | SglangView | None:
+        return self.sglang if self.name == "sglang" else self.vllm
+
+
+def read_rollout(config: Any) -> RolloutView:
+    base = _read(_RolloutKeys, config)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    if base.name == "sglang":
+        return RolloutView(**fields, sglang=_read(SglangView, config))
+    if base.name == "cpu":
+        return RolloutView(**fields)
+    return RolloutView(**fields, vllm=_read(VllmView, config))
+
+
+# --------------------------------------------------------------------------------------------
+# both
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sides:
+    training: TrainingView
+    rollout: RolloutView
+
+    def overlay(self, updates: Mapping[str, Any]) -> Sides:
+        """These views with ``updates`` (dotted key -> value, e.g. a plan's config updates) applied."""
+        return Sides(_overlay(self.training, updates), _overlay(self.rollout, updates))
+
+
+def read_sides(config: Any) -> Sides:
+    """Both sides of a resolved verl config (a DictConfig or nested mappings)."""
+    return Sides(read_training(config), read_rollout(config))

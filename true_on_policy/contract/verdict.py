@@ -1,0 +1,237 @@
+"""The launch verdict: one function that decides whether a composed config may launch.
+
+``python -m true_on_policy check``, the recipe scripts' ``--dry-run`` (which run ``check``) and
+verl's launch hook (:mod:`true_on_policy.verl_adapter.launch`) all call :func:`decide` and exit with
+its code, printing its text. It runs, in order, on the config as composed:
+
+1. the ``true_on_policy:`` section (:class:`~true_on_policy.config.settings.Settings`, parsed once);
+2. the platform: ``auto`` is detected from the machine, an explicit one must be this machine's
+   (``check`` evaluates a device config on another machine as declared and says so);
+3. the FlashREINFORCE invariants, when the loss or the estimator is FlashREINFORCE, and the
+   FlashREINFORCE-only settings otherwise;
+4. the platform's limits (CPU TP/EP is library level only) and, when the project's kernels run,
+   the checkpoint's architecture (:func:`~true_on_policy.kernels.architectures.check_checkpoint`);
+5. the determinism plan and the consistency contract on the config's typed views (read once);
+6. the contract's mismatches (refused unless ``allow_contract_mismatch``) and unverified rows
+   (refused unless each is named in ``accept_unverified``).
+
+Exit codes: 0 accepted, 2 refused (a bad value, a broken invariant, a platform mismatch or limit, a
+contract mismatch), 3 refused only for unverified rows. Anything else raised is a bug of ours
+(``check`` exits 1, the launch reports an internal error). Pure: no verl import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from true_on_policy.config import invariants
+from true_on_policy.config.platform import Machine
+from true_on_policy.config.settings import AUTO_PLATFORM, ConfigError, Settings
+from true_on_policy.contract import consistency
+from true_on_policy.contract import determinism_plan as denv
+from true_on_policy.contract.config_views import read_sides
+from true_on_policy.kernels import architectures
+
+EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_UNVERIFIED = 0, 1, 2, 3
+PREFIX = "true_on_policy: "
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The answer for one composed config: what ``check`` and the launch both print and exit with."""
+
+    code: int
+    lines: tuple[str, ...]
+    settings: Settings | None = None  # the parsed section, platform resolved
+    plan: Any = None  # determinism_plan.Plan
+    contract: consistency.Contract | None = None
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "lines": list(self.lines),
+            "settings": dataclasses.asdict(self.settings) if self.settings else None,
+            "plan": self.plan.as_dict() if self.plan is not None else None,
+            "contract": self.contract.as_dict() if self.contract is not None else None,
+        }
+
+
+def decide(
+    config: Mapping[str, Any],
+    *,
+    machine: Machine,
+    launching: bool,
+    detected: Mapping[str, str | None] | None = None,
+    importer: Callable[[str], Any] = importlib.import_module,
+) -> Verdict:
+    """The verdict for a composed, resolved verl config on ``machine``.
+
+    ``launching``: the launch refuses an explicit platform that is not this machine's; ``check``
+    (False) evaluates the declared platform and notes that it was not detected here. ``detected``
+    and ``importer`` feed installed versions and vLLM's module to the plan (defaults: this machine).
+    """
+    try:
+        settings = Settings.from_config(config)
+    except ConfigError as error:
+        return _refused([f"bad config value: {error}"])
+    flashreinforce = invariants.uses_flashreinforce(config)
+    if settings is None:
+        if flashreinforce:
+            return _refused([
+                "bad config value: the config trains with FlashREINFORCE (actor_rollout_ref.actor.policy_loss.loss_mode / "
+                "algorithm.adv_estimator = flashreinforce) but has no true_on_policy: section; compose "
+                "common/true_on_policy (configs/common/true_on_policy.yaml)"
+            ])
+        return Verdict(EXIT_OK, (PREFIX + "no true_on_policy: section: the launch runs plain verl, nothing is checked",))
+
+    refusals: list[str] = []
+    notes: list[str] = []
+    settings = _resolve_platform(settings, machine, launching, refusals, notes)
+    if settings is None:
+        return _refused(refusals)
+    refusals += _algorithm_refusals(config, settings, flashreinforce, notes)
+    refusals += _platform_limits(settings)
+    refusals += _architecture_refusals(config, settings)
+
+    plan = contract = None
+    try:
+        sides = read_sides(config)
+        plan = denv.plan_for(settings, sides, detected=detected, importer=importer)
+        contract = consistency.build_contract(settings, sides, plan)
+    except ConfigError as error:
+        refusals.append(f"bad config value: {error}")
+    if contract is None:
+        return _refused(refusals, notes, settings, plan)
+
+    mismatches = consistency.compare(contract)
+    if mismatches and not settings.allow_contract_mismatch:
+        refusals += [m.line() for m in mismatches]
+        refusals.append(
+            "training and rollout are not pinned identically, so log-probs cannot match bitwise: fix the config, or "
+            "launch anyway with true_on_policy.allow_contract_mismatch=true"
+        )
+    else:
+        notes += [f"contract mismatch allowed by true_on_policy.allow_contract_mismatch: {m.line()}" for m in mismatches]
+    open_rows, accepted_lines = _unverified(contract, settings, refusals)
+    notes += accepted_lines
+    if refusals:
+        return _refused(refusals, notes, settings, plan, contract)
+    if open_rows:
+        names = ",".join(row.field for row, _ in open_rows)
+        flags = " ".join(f"--accept-unverified {row.field}" for row, _ in open_rows)
+        lines = [
+            PREFIX + "refused: contract rows that cannot be verified for this stack (consistent where visible):",
+            *(f"UNVERIFIED {row.title} [{row.field}]: {reason}" for row, reason in open_rows),
+            f"launch anyway only by naming them: true_on_policy.accept_unverified=[{names}] (check: {flags})",
+            *notes,
+        ]
+        return Verdict(EXIT_UNVERIFIED, tuple(lines), settings, plan, contract)
+    headline = "consistent and verified" if not mismatches and not accepted_lines else "accepted as configured"
+    return Verdict(
+        EXIT_OK,
+        (PREFIX + f"launch accepted ({headline}; platform {settings.platform}, deterministic={settings.deterministic})", *notes),
+        settings,
+        plan,
+        contract,
+    )
+
+
+def _refused(refusals, notes=(), settings=None, plan=None, contract=None) -> Verdict:
+    lines = (PREFIX + "refused (nothing was started):", *refusals, *notes)
+    return Verdict(EXIT_REFUSED, lines, settings, plan, contract)
+
+
+def _resolve_platform(settings: Settings, machine: Machine, launching: bool, refusals: list[str], notes: list[str]):
+    """The settings with the platform resolved (None when that itself is a bad value)."""
+    declared = settings.platform
+    if declared == AUTO_PLATFORM:
+        notes.append(f"platform: true_on_policy.platform=auto detected {machine.platform} ({machine.reason})")
+        platform = machine.platform
+    else:
+        platform = declared
+        if declared != machine.platform:
+            if launching:
+                refusals.append(
+                    f"bad config value: true_on_policy.platform={declared!r} but this machine is {machine.platform} "
+                    f"({machine.reason}); set true_on_policy.platform={machine.platform} (or auto), or launch on a "
+                    f"{declared} machine"
+                )
+            else:
+                notes.append(
+                    f"platform: evaluated as declared, true_on_policy.platform={declared!r}; this machine is "
+                    f"{machine.platform} ({machine.reason}), so a launch here is refused"
+                )
+        else:
+            notes.append(f"platform: true_on_policy.platform={declared!r} is this machine ({machine.reason})")
+    try:
+        return settings.on_platform(platform)
+    except ConfigError as error:
+        refusals.append(f"bad config value: {error}")
+        return None
+
+
+def _algorithm_refusals(config: Mapping[str, Any], settings: Settings, flashreinforce: bool, notes: list[str]) -> list[str]:
+    """FlashREINFORCE's invariants when it trains; its settings left at their defaults when it does not."""
+    try:
+        if flashreinforce:
+            return [str(v) for v in invariants.check_invariants(config, relax=settings.relax_invariants)]
+        invariants.validate_relax(settings.relax_invariants)
+    except ValueError as error:
+        return [f"bad config value: {error}"]
+    if settings.relax_invariants:
+        notes.append(
+            f"true_on_policy.relax_invariants={list(settings.relax_invariants)} has no effect: the FlashREINFORCE "
+            "invariants apply when actor_rollout_ref.actor.policy_loss.loss_mode or algorithm.adv_estimator is flashreinforce"
+        )
+    if settings.negative_token_fraction < 1.0:
+        return [
+            f"bad config value: true_on_policy.negative_token_fraction={settings.negative_token_fraction!r} is "
+            "FlashREINFORCE's entropy filter (its keep mask travels in rollout_is_weights, which another loss reads as "
+            "importance weights); with loss_mode "
+            f"{invariants.lookup(config, invariants.LOSS_MODE_KEY)!r} leave it at 1.0"
+        ]
+    return []
+
+
+def _platform_limits(settings: Settings) -> list[str]:
+    if settings.platform == "cpu" and (settings.cpu_tensor_parallel_size > 1 or settings.cpu_expert_parallel_size > 1):
+        return [
+            "bad config value: true_on_policy.cpu_tensor_parallel_size / cpu_expert_parallel_size > 1 "
+            f"(got {settings.cpu_tensor_parallel_size} / {settings.cpu_expert_parallel_size}): CPU TP/EP is implemented "
+            "at library level (true_on_policy.kernels.tensor_parallel) and proven bitwise there, but neither verl's FSDP "
+            "engine nor the Ray-served CPU rollout shards the model; run CPU jobs with both set to 1"
+        ]
+    return []
+
+
+def _architecture_refusals(config: Mapping[str, Any], settings: Settings) -> list[str]:
+    """The project's kernels refuse, by name, an architecture or feature they do not cover."""
+    if not settings.consistent_kernels:
+        return []
+    try:
+        path = config["actor_rollout_ref"]["model"]["path"]
+    except (KeyError, TypeError):
+        return ["bad config value: actor_rollout_ref.model.path is required"]
+    try:
+        architectures.check_checkpoint(path)
+    except architectures.UnsupportedFeatureError as error:
+        return [f"uncovered model: actor_rollout_ref.model.path={path!r}: {error}"]
+    return []
+
+
+def _unverified(contract, settings: Settings, refusals: list[str]):
+    """(rows still open, lines for the accepted ones); an accepted name that is no row is refused."""
+    fields = [row.field for row in contract.rows]
+    unknown = sorted(set(settings.accept_unverified) - set(fields))
+    if unknown:
+        refusals.append(f"bad config value: true_on_policy.accept_unverified={unknown}: not contract rows; rows are {fields}")
+    rows = consistency.unverified(contract)
+    accepted = [f"accepted unverified: {row.field}: {reason}" for row, reason in rows if row.field in settings.accept_unverified]
+    return [(row, reason) for row, reason in rows if row.field not in settings.accept_unverified], accepted
