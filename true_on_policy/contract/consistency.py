@@ -46,7 +46,7 @@ Rollout side (``actor_rollout_ref.rollout.name``):
   enable_sp, additional_config.rl_config.*, additional_config.enable_flashcomm1}``.
 * cpu: the project's CPU engine, the consistent kernels; TP = ``rollout.tensor_model_parallel_size``,
   EP = ``rollout.expert_parallel_size`` (as declared: no vLLM TP*DP rule), sharded by
-  :mod:`true_on_policy.kernels.tensor_parallel` (row-parallel combine: all-gather + ordered fp32 fold;
+  :mod:`true_on_policy.kernels.tensor_parallel` (row-parallel combine: all-gather + the reduction tree's top levels;
   experts whole on their rank, no token dispatch); DP 1.
 
 Keys verl has no slot for are pinned in the ``true_on_policy:`` section (parsed once with
@@ -283,7 +283,7 @@ def _context(cfg: Any, recipe: Any, plan: Any) -> _Ctx:
     cpu_sides = [s for s, on in ((tl, platform == "cpu"), (rl, name == "cpu")) if on]
     if any(_int(side.tp.value) > 1 or _int(side.ep.value) > 1 for side in cpu_sides):
         notes.append(
-            "CPU TP/EP > 1 is true_on_policy.kernels.tensor_parallel.shard_model (gloo, all-gather + ordered fp32 fold), "
+            "CPU TP/EP > 1 is true_on_policy.kernels.tensor_parallel.shard_model (gloo, all-gather + the reduction tree's top levels), "
             "proven at library level (tests/test_tensor_parallel.py); verl's FSDP trainer and the Ray-served cpu "
             "rollout replica do not shard yet"
         )
