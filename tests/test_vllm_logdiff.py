@@ -10,6 +10,7 @@ composition). Each case with the flag on has its flag-off twin (stock vLLM-CPU k
 
 import json
 
+import other_checkpoints
 import pytest
 import torch
 
@@ -73,33 +74,26 @@ def test_weight_reload(served):
     _check(flag, prompts, samples, model, 1.0)
 
 
-def _other_shapes_checkpoint(directory):
-    """A Qwen3-MoE checkpoint of other shapes than the shipped tiny ones: head_dim 32, GQA 6/2,
-    3 layers with a dense one (mlp_only_layers), 8 experts top-3, vocabulary 160, bf16 on disk."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    config = Qwen3MoeConfig(
-        vocab_size=160, hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
-        head_dim=32, intermediate_size=160, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
-        mlp_only_layers=[1], norm_topk_prob=False, max_position_embeddings=512, rope_theta=1e6,
-        tie_word_embeddings=False, eos_token_id=2, pad_token_id=0, bos_token_id=None,
-    )
-    torch.manual_seed(11)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
-    tiny_assets.build_tokenizer().save_pretrained(directory)
-    return str(directory)
-
-
-def test_logdiff_cli_on_a_checkpoint_directory(tmp_path, capsys):
+def test_logdiff_cli_on_a_checkpoint_directory_at_tp_1_and_2_with_ep(tmp_path, capsys):
+    """Top-3 routing over 8 experts split over 2 EP ranks, and TP 1: both 0.0 against the unsharded
+    training forward with the flag on, with the same tokens and bits at TP 1 and 2; flag off at TP 1
+    differs, and the flag-off EP engine is skipped with its reason (the stock kernel crashes)."""
     from true_on_policy.cli import logdiff
 
-    path = _other_shapes_checkpoint(tmp_path / "ckpt")
-    argv = ["--engine", "vllm", "--model", path, "--dtype", "bfloat16", "--prompts", "4", "--new-tokens", "8", "--json"]
+    path = other_checkpoints.moe_checkpoint(tmp_path / "ckpt")
+    argv = ["--engine", "vllm", "--model", path, "--dtype", "bfloat16", "--prompts", "4", "--new-tokens", "8",
+            "--tp", "1", "--tp", "2", "--ep", "--json"]
     assert logdiff.main(argv) == 0
     out = capsys.readouterr().out  # vLLM's logger shares stdout: the JSON list is the last thing printed
-    records = {r["deterministic"]: r for r in json.loads(out[out.rindex("[\n {") :])}
-    assert records[True]["max_abs_diff"] == 0.0 and records[True]["frac_equal"] == 1.0
-    assert records[False]["max_abs_diff"] > 0.0
+    records = {(r["deterministic"], r["tp"], r["ep"]): r for r in json.loads(out[out.rindex("[\n {") :])}
+    assert sorted(records) == [(False, 1, 1), (False, 2, 2), (True, 1, 1), (True, 2, 2)]
+    for key in ((True, 1, 1), (True, 2, 2)):
+        assert records[key]["max_abs_diff"] == 0.0 and records[key]["frac_equal"] == 1.0, records[key]
+    tp2 = records[True, 2, 2]
+    assert tp2["baseline_tp"] == 1 and tp2["samples_with_baseline_tokens"] == 1.0
+    assert tp2["max_abs_diff_to_baseline"] == 0.0
+    assert records[False, 1, 1]["max_abs_diff"] > 0.0
+    assert records[False, 2, 2]["skipped"] == logdiff.STOCK_EP_CRASH
 
 
 def test_uncovered_feature_is_refused_by_name(capfd):
