@@ -325,28 +325,41 @@ def test_tree_top_is_rank_order_and_identical_on_every_rank(ranks):
 def _check(*overrides: str, config: str = "cpu_tiny") -> tuple[int, str]:
     out, err = io.StringIO(), io.StringIO()
     code = check_cli.main(["--config-path", str(CONFIGS), "--config-name", config, *overrides], stdout=out, stderr=err)
-    return code, err.getvalue()
+    return code, out.getvalue() + err.getvalue()
 
 
-def test_contract_refuses_rollout_tp2_against_training_tp1():
+def test_contract_accepts_another_tp_or_ep_with_the_invariant_kernels_and_says_why():
     assert tp.ROW_PARALLEL_REDUCTION == contract_mod.CPU_ROW_PARALLEL
     assert tp.MOE_DISPATCH == contract_mod.CPU_MOE_DISPATCH
-    code, err = _check("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    for config, overrides in [
+        ("cpu_tiny_vllm_tp2", ()),  # training TP 1 on 2 FSDP ranks, vLLM rollout TP 2
+        ("cpu_tiny_moe_vllm_ep2", ()),  # ... rollout TP 2 with expert parallelism
+        ("cpu_tiny", ("actor_rollout_ref.rollout.tensor_model_parallel_size=2",)),  # the cpu engine
+        ("cpu_tiny_moe", ("actor_rollout_ref.rollout.expert_parallel_size=2",)),
+    ]:
+        code, err = _check(*overrides, config=config)
+        assert code == check_cli.EXIT_OK, (config, err)
+        assert "TP-invariant kernels (CPU, flag on): training and rollout TP / EP may differ" in err, err
+
+
+def test_twin_with_the_flag_off_another_tp_or_ep_is_a_mismatch():
+    """Where the kernels cannot absorb a difference (flag off: stock kernels, an all-reduce) TP must match."""
+    code, err = _check("true_on_policy.deterministic=false", config="cpu_tiny_vllm_tp2")
     assert code == check_cli.EXIT_MISMATCH
-    assert "[tp]: training=1" in err and "rollout=2" in err and contract_mod.CPU_TP_KEY in err
-    assert "[row_parallel]" in err
-    code, err = _check(
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-        f"{contract_mod.CPU_TP_KEY}=2",
-        "trainer.n_gpus_per_node=2",
-    )
-    assert code == check_cli.EXIT_OK, err
-
-
-def test_contract_refuses_mismatched_ep_on_cpu():
-    code, err = _check("actor_rollout_ref.rollout.expert_parallel_size=2", config="cpu_tiny_moe")
+    assert "[tp]: training=1" in err and "rollout=2" in err and "[row_parallel]" in err
+    code, err = _check("true_on_policy.deterministic=false", "actor_rollout_ref.rollout.expert_parallel_size=2",
+                       config="cpu_tiny_moe")
     assert code == check_cli.EXIT_MISMATCH and "[ep]" in err and "[moe_dispatcher]" in err
-    code, err = _check(
-        "actor_rollout_ref.rollout.expert_parallel_size=2", f"{contract_mod.CPU_EP_KEY}=2", config="cpu_tiny_moe"
-    )
-    assert code == check_cli.EXIT_OK, err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("actor_rollout_ref.rollout.tensor_model_parallel_size=16",), "tensor_parallel_size=16 is not supported"),
+        (("actor_rollout_ref.rollout.tensor_model_parallel_size=4",), "num_key_value_heads=2 does not divide by "
+                                                                       "tensor_parallel_size=4"),
+    ],
+)
+def test_contract_refuses_a_tp_the_kernels_or_the_model_cannot_take(overrides, message):
+    code, err = _check(*overrides, config="cpu_tiny_vllm_tp2")
+    assert code == check_cli.EXIT_MISMATCH and message in err, err
