@@ -51,7 +51,9 @@ def sequence_advantages(rewards: torch.Tensor, dtype: torch.dtype | None = None)
     """A_i = R_i - mean_j R_j over the whole batch, without gradient, in ``dtype`` (default: the
     rewards' own floating dtype, or torch's default for integer rewards).
 
-    Shared by the reference loss and verl's ``flashreinforce`` advantage estimator.
+    The mean is taken over the rewards in ascending order, so it depends on the batch's rewards, not
+    on the order of its rows (verl reorders the batch to balance data-parallel ranks: DP 1 and DP 2
+    get the same baseline bits). Shared by the reference loss and verl's ``flashreinforce`` advantage estimator.
     """
     if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
@@ -68,7 +70,7 @@ def sequence_advantages(rewards: torch.Tensor, dtype: torch.dtype | None = None)
         if not torch.isfinite(rewards).all():
             bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
             raise ValueError(f"rewards must be finite; non-finite at rows {bad}")
-        return rewards - rewards.mean()
+        return rewards - torch.sort(rewards).values.mean()
 
 
 def flashreinforce_loss(
