@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from kernel_helpers import spawn_ranks
 from true_on_policy.cli import check as check_cli
 from true_on_policy.contract import consistency as contract_mod
 from true_on_policy.kernels import tensor_parallel as tp
@@ -183,48 +182,43 @@ def _previous_reduction_order():
         ops.k_leaves, ops.local_leaves = saved
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        from true_on_policy.kernels import model as cm
-        from true_on_policy.kernels import ops
+def _worker(rank: int) -> dict:
+    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels import ops
 
-        cm.patch_transformers()
-        g = torch.Generator().manual_seed(7)
-        prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n, _ in REQUESTS]
-        generate = [k for _, k in REQUESTS]
-        results = {"collective": _collective_check()}
-        with ops.consistent(True):
-            for kind in KINDS:
-                ep = 2 if kind == "moe" else 1
-                for dname, dtype in DTYPES.items():
-                    sharded = _model(kind, dtype, 2, ep)
-                    kv_heads = sharded.config.num_key_value_heads
-                    tokens, rollout = _rollout(sharded, prompts, generate, seed=11)
-                    train = {name: _train(sharded, tokens, groups) for name, groups in GROUPINGS.items()}
-                    full = _model(kind, dtype)
-                    res = dict(tokens=tokens, rollout=rollout, train=train, kv_heads=kv_heads)
-                    res["tp1_tokens"], res["tp1_rollout"] = _rollout(full, prompts, generate, seed=11)
-                    res["tp1_train"] = _train(full, tokens, GROUPINGS["regrouped"])
-                    if kind == "moe":  # EP alone (TP 1): each slot's row from its expert's rank
-                        res["ep2_only_train"] = _train(_model(kind, dtype, 1, 2), tokens, GROUPINGS["one_batch"])
-                    results[kind, dname] = res
-            with _previous_reduction_order():  # the twin: TP-split chunk boundaries
-                tokens = results["dense", "fp32"]["tokens"]
-                results["previous_order"] = dict(
-                    tp2=_train(_model("dense", torch.float32, 2), tokens, GROUPINGS["one_batch"]),
-                    tp1=_train(_model("dense", torch.float32), tokens, GROUPINGS["one_batch"]),
-                )
-            results["grads"] = {kind: _grad_check(kind, results[kind, "fp32"]["tokens"]) for kind in KINDS}
-        with ops.consistent(False):  # the twin: same sharding, default kernels + plain all_reduce
-            for kind in KINDS:
-                sharded = _model(kind, torch.bfloat16, 2, 2 if kind == "moe" else 1)
+    cm.patch_transformers()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n, _ in REQUESTS]
+    generate = [k for _, k in REQUESTS]
+    results = {"collective": _collective_check()}
+    with ops.consistent(True):
+        for kind in KINDS:
+            ep = 2 if kind == "moe" else 1
+            for dname, dtype in DTYPES.items():
+                sharded = _model(kind, dtype, 2, ep)
+                kv_heads = sharded.config.num_key_value_heads
                 tokens, rollout = _rollout(sharded, prompts, generate, seed=11)
-                results["flag_off", kind] = dict(rollout=rollout, train=_train(sharded, tokens, GROUPINGS["regrouped"]))
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+                train = {name: _train(sharded, tokens, groups) for name, groups in GROUPINGS.items()}
+                full = _model(kind, dtype)
+                res = dict(tokens=tokens, rollout=rollout, train=train, kv_heads=kv_heads)
+                res["tp1_tokens"], res["tp1_rollout"] = _rollout(full, prompts, generate, seed=11)
+                res["tp1_train"] = _train(full, tokens, GROUPINGS["regrouped"])
+                if kind == "moe":  # EP alone (TP 1): each slot's row from its expert's rank
+                    res["ep2_only_train"] = _train(_model(kind, dtype, 1, 2), tokens, GROUPINGS["one_batch"])
+                results[kind, dname] = res
+        with _previous_reduction_order():  # the twin: TP-split chunk boundaries
+            tokens = results["dense", "fp32"]["tokens"]
+            results["previous_order"] = dict(
+                tp2=_train(_model("dense", torch.float32, 2), tokens, GROUPINGS["one_batch"]),
+                tp1=_train(_model("dense", torch.float32), tokens, GROUPINGS["one_batch"]),
+            )
+        results["grads"] = {kind: _grad_check(kind, results[kind, "fp32"]["tokens"]) for kind in KINDS}
+    with ops.consistent(False):  # the twin: same sharding, default kernels + plain all_reduce
+        for kind in KINDS:
+            sharded = _model(kind, torch.bfloat16, 2, 2 if kind == "moe" else 1)
+            tokens, rollout = _rollout(sharded, prompts, generate, seed=11)
+            results["flag_off", kind] = dict(rollout=rollout, train=_train(sharded, tokens, GROUPINGS["regrouped"]))
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,17 +226,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("tp"))
 
 
 def _max_diff(a, b) -> float:

@@ -13,14 +13,12 @@ each rank's weighted partial sum all give other bits.
 from __future__ import annotations
 
 import contextlib
-import socket
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from kernel_helpers import spawn_ranks
 from true_on_policy.kernels import native, ops
 from true_on_policy.kernels import tensor_parallel as tp
 
@@ -193,40 +191,27 @@ def test_twin_adding_the_ranks_weighted_partial_sums_is_another_order():
 WORLD = 4
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        results = {}
-        for i, (m, k, n) in enumerate(SHAPES):
-            x, w, b = _inputs(m, k, n, torch.bfloat16, seed=i)
-            for t, group in ((4, None), (2, pairs[rank // 2])):
-                r = dist.get_rank(group)
-                shard = slice(r * k // t, (r + 1) * k // t)
-                partial = ops.linear(x[:, shard], w[:, shard], None, torch.float32, k_parts=t)
-                results[i, t] = ops.linear_epilogue(tp.tree_all_reduce(partial, group), b, torch.float32)
-            # the twin: the previous per-rank chunk order, then gloo's all_reduce of the partials
-            shard = slice(rank * k // WORLD, (rank + 1) * k // WORLD)
-            plain = ops.matmul_tiles(x[None, :, shard].float(), w[:, shard].float().t()[None])[0]
-            dist.all_reduce(plain)
-            results[i, "previous"] = plain + b.float()
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int) -> dict:
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    results = {}
+    for i, (m, k, n) in enumerate(SHAPES):
+        x, w, b = _inputs(m, k, n, torch.bfloat16, seed=i)
+        for t, group in ((4, None), (2, pairs[rank // 2])):
+            r = dist.get_rank(group)
+            shard = slice(r * k // t, (r + 1) * k // t)
+            partial = ops.linear(x[:, shard], w[:, shard], None, torch.float32, k_parts=t)
+            results[i, t] = ops.linear_epilogue(tp.tree_all_reduce(partial, group), b, torch.float32)
+        # the twin: the previous per-rank chunk order, then gloo's all_reduce of the partials
+        shard = slice(rank * k // WORLD, (rank + 1) * k // WORLD)
+        plain = ops.matmul_tiles(x[None, :, shard].float(), w[:, shard].float().t()[None])[0]
+        dist.all_reduce(plain)
+        results[i, "previous"] = plain + b.float()
+    return results
 
 
 @pytest.fixture(scope="module")
 def gloo_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp4")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("tp4"))
 
 
 def test_gloo_tp4_and_tp2_give_the_unsharded_bits_on_every_rank(gloo_ranks):

@@ -54,7 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -299,22 +299,25 @@ def k_leaves(k: int) -> int:
     return min(k & -k, wanted)
 
 
-def tree_combine(parts: list[torch.Tensor]) -> torch.Tensor:
+def tree_combine(parts: Iterable[torch.Tensor]) -> torch.Tensor:
     """The fixed pairwise tree over ``parts`` (a power-of-two count): adjacent pairs first.
 
     ``((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))``, elementwise fp32 adds, so the sum over a
     contiguous, aligned block of ``2^j`` parts is a subtree: a rank's partial of a row-parallel
-    linear is one, and the ranks' partials combined here (in rank order) are the whole tree's top levels.
+    linear is one, and the ranks' partials combined here (in rank order) are the whole tree's top
+    levels. ``parts`` is consumed in order, at most log2(n) + 1 partial sums alive.
     """
-    if not parts or len(parts) & (len(parts) - 1):
-        raise ValueError(f"tree_combine: needs a power-of-two number of parts, got {len(parts)}")
-    stack: list[tuple[int, torch.Tensor]] = []  # (leaves below, sum): at most log2(n) + 1 alive
+    stack: list[tuple[int, torch.Tensor]] = []  # (parts below, their sum)
+    count = 0
     for part in parts:
+        count += 1
         size = 1
         while stack and stack[-1][0] == size:
             part = stack.pop()[1] + part
             size *= 2
         stack.append((size, part))
+    if not count or count & (count - 1):
+        raise ValueError(f"tree_combine: needs a power-of-two number of parts, got {count}")
     return stack[0][1]
 
 
@@ -326,20 +329,10 @@ def matmul_tree(a: torch.Tensor, b: torch.Tensor, leaves: int) -> torch.Tensor:
     a contiguous, aligned block of ``2^j`` leaves is exactly that subtree of the whole product's tree.
     """
     k = a.shape[-1]
-    if leaves == 1:
-        return matmul_tiles(a, b)
     width = k // leaves
     if width * leaves != k:
         raise ValueError(f"matmul_tree: K = {k} does not split into {leaves} equal leaves")
-    stack: list[tuple[int, torch.Tensor]] = []
-    for start in range(0, k, width):
-        part = matmul_tiles(a[..., start : start + width], b[:, start : start + width])
-        size = 1
-        while stack and stack[-1][0] == size:
-            part = stack.pop()[1] + part
-            size *= 2
-        stack.append((size, part))
-    return stack[0][1]
+    return tree_combine(matmul_tiles(a[..., s : s + width], b[:, s : s + width]) for s in range(0, k, width))
 
 
 def local_leaves(k: int, k_parts: int) -> int:
