@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -326,3 +327,10 @@ def verify_model(model, vllm_config) -> None:
             fail(f"{path}: logit soft cap {module.soft_cap} / scale {module.scale}")
         if "FusedMoE" in type(module).__name__ and id(module) not in moe_experts:
             fail(f"{path}: {type(module).__name__} outside a Qwen3-MoE sparse block")
+    # One line per worker (vLLM's INFO logs do not reach verl's driver log): what ran, and where.
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    sys.stderr.write(
+        f"true_on_policy (vLLM): {name} verified on the consistent kernels: TP rank "
+        f"{get_tensor_model_parallel_rank()}/{tp}, EP {ep}\n"
+    )
