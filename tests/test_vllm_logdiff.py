@@ -76,8 +76,9 @@ def test_weight_reload(served):
 
 def test_logdiff_cli_on_a_checkpoint_directory_at_tp_1_and_2_with_ep(tmp_path, capsys):
     """Top-3 routing over 8 experts split over 2 EP ranks, and TP 1: both 0.0 against the unsharded
-    training forward with the flag on, with the same tokens and bits at TP 1 and 2; flag off at TP 1
-    differs, and the flag-off EP engine is skipped with its reason (the stock kernel crashes)."""
+    training forward with the flag on, and greedy decoding gives the same tokens and log-prob bits at
+    TP 1 and 2; flag off at TP 1 differs, and the flag-off EP engine is skipped with its reason (the
+    stock kernel crashes)."""
     from true_on_policy.cli import logdiff
 
     path = other_checkpoints.moe_checkpoint(tmp_path / "ckpt")
@@ -89,9 +90,9 @@ def test_logdiff_cli_on_a_checkpoint_directory_at_tp_1_and_2_with_ep(tmp_path, c
     assert sorted(records) == [(False, 1, 1), (False, 2, 2), (True, 1, 1), (True, 2, 2)]
     for key in ((True, 1, 1), (True, 2, 2)):
         assert records[key]["max_abs_diff"] == 0.0 and records[key]["frac_equal"] == 1.0, records[key]
-    tp2 = records[True, 2, 2]
-    assert tp2["baseline_tp"] == 1 and tp2["samples_with_baseline_tokens"] == 1.0
-    assert tp2["max_abs_diff_to_baseline"] == 0.0
+    tp2 = records[True, 2, 2]  # greedy: the same tokens and log-probs as vLLM at TP 1
+    assert tp2["baseline_tp"] == 1 and tp2["greedy_samples_with_baseline_tokens"] == 1.0
+    assert tp2["greedy_max_abs_diff_to_baseline"] == 0.0
     assert records[False, 1, 1]["max_abs_diff"] > 0.0
     assert records[False, 2, 2]["skipped"] == logdiff.STOCK_EP_CRASH
 

