@@ -18,6 +18,24 @@ import json
 import time
 
 
+def best_generate_times(engines: dict, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    """Per engine, the best of ``repeats`` times (s) to generate the batch, the engines alternating
+    within each repeat (after a short warm-up); every engine is shut down afterwards."""
+    from true_on_policy.vllm_adapter import engine
+
+    for llm in engines.values():  # warm-up
+        engine.generate(llm, prompts[:2], 4)
+    best = {name: float("inf") for name in engines}
+    for _ in range(repeats):
+        for name, llm in engines.items():
+            start = time.perf_counter()
+            engine.generate(llm, prompts, new_tokens)
+            best[name] = min(best[name], time.perf_counter() - start)
+    for llm in engines.values():
+        llm.llm_engine.engine_core.shutdown()
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="dense")
@@ -40,16 +58,7 @@ def main() -> None:
 
         prompts = make_prompts(args.prompts, AutoConfig.from_pretrained(path).vocab_size)
         tokens = args.prompts * args.new_tokens
-        for llm in engines.values():  # warm-up
-            engine.generate(llm, prompts[:2], 4)
-        best = {name: float("inf") for name in engines}
-        for _ in range(args.repeats):
-            for name, llm in engines.items():
-                start = time.perf_counter()
-                engine.generate(llm, prompts, args.new_tokens)
-                best[name] = min(best[name], time.perf_counter() - start)
-        for llm in engines.values():
-            llm.llm_engine.engine_core.shutdown()
+        best = best_generate_times(engines, prompts, args.new_tokens, args.repeats)
     record = {
         "case": f"vllm-cpu generate {kind} {args.dtype}: {args.prompts} prompts x {args.new_tokens} tokens",
         "stock_s": best["stock"],

@@ -5,10 +5,13 @@ is an autograd Function), a full model training forward + backward (packed and p
 rollout (chunked prefill + decode steps over KV caches, then the rollout engine's sampled tokens
 and recorded log-probs) for the tiny dense and MoE models in fp32 and bf16. The inputs and the
 weights come from one ``torch.Generator`` (not from transformers' initialisers), so they depend on
-nothing but this file. ``tests/data/kernel_goldens.pt`` holds what the original kernels computed
-(``python tests/kernel_goldens.py --write``, run once on the kernels before any speed-up, commit
-0c2b828), with the torch build and CPU capability they were computed on;
-``tests/test_kernel_goldens.py`` asserts ``torch.equal`` for every entry.
+nothing but this file. ``tests/data/kernel_goldens.pt`` holds what the kernels' torch code (the
+specification, :func:`native.disabled`) computes (``python tests/kernel_goldens.py --write``), with the
+torch build and CPU capability they were computed on; ``tests/test_kernel_goldens.py`` asserts
+``torch.equal`` for every entry. History: first written from the original kernels (commit 0c2b828);
+rewritten once, when the linear's reduction over K became the TP-invariant tree (issue 21: every
+``linear/``, ``model/`` and new ``linear/tree/`` entry changed, every other op's entry kept its bits;
+``tests/test_tp_invariant_kernels.py`` holds the old order's twin).
 """
 
 from __future__ import annotations
@@ -101,6 +104,17 @@ def _op_cases(out: dict) -> None:
             out[f"log_softmax/{dname}/t{t}"] = ops.log_softmax(logits, t)
             out[f"token_log_probs/{dname}/t{t}"] = ops.token_log_probs(logits, labels, t)
         out[f"log_softmax/{dname}/vocab1000"] = ops.log_softmax(_randn(g, 3, 1000, dtype=dtype, scale=5.0))
+
+    # the linear's reduction tree: leaves with a chunked tail (K = 1048: 8 leaves of 131), 32 leaves of
+    # one chunk (K = 4096), a row-parallel shard's subtree (TP 4, rank 1) and a narrow product (N = 4)
+    for k in (1048, 4096):
+        x = _randn(g, 70, k)
+        w = _randn(g, 40, k, scale=0.05)
+        out[f"linear/tree/k{k}"] = ops.linear(x, w)
+        out[f"linear/tree/k{k}_tp4_rank1"] = ops.linear(
+            x[:, k // 4 : k // 2], w[:, k // 4 : k // 2], None, torch.float32, k_parts=4
+        )
+    out["linear/tree/n4"] = ops.linear(_randn(g, 9, 64), _randn(g, 4, 64, scale=0.1))
 
 
 def _attention_cases(out: dict, g: torch.Generator) -> None:
@@ -298,7 +312,10 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help=f"(re)write {GOLDEN_PATH}")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    goldens = compute()
+    from true_on_policy.kernels import native
+
+    with native.disabled():  # the specification's bits; the C++ fast path is held equal to them
+        goldens = compute()
     size = sum(v.numel() * v.element_size() for v in goldens.values())
     print(f"{len(goldens)} entries, {size / 1e6:.2f} MB")
     if args.write:
@@ -319,9 +336,9 @@ def load() -> dict[str, torch.Tensor]:
     if stored["environment"] != here:
         raise RuntimeError(
             f"{GOLDEN_PATH.name} was written with {stored['environment']}, this is {here}: GEMM and exp bits "
-            "depend on both. Regenerate it from the ORIGINAL kernels (commit 0c2b828: "
-            "git archive 0c2b828 true_on_policy | tar -x -C /tmp/orig; cd /tmp && PYTHONPATH=/tmp/orig "
-            "python <repo>/tests/kernel_goldens.py --write), then run the test on the current kernels."
+            "depend on both. Regenerate it from the kernels' torch code of a commit whose goldens passed here "
+            "(git archive <commit> true_on_policy tests | tar -x -C /tmp/ref; cd /tmp/ref && PYTHONPATH=/tmp/ref "
+            "python tests/kernel_goldens.py --write), then run the test on the current kernels."
         )
     return stored["tensors"]
 

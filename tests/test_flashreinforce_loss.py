@@ -13,6 +13,7 @@ from true_on_policy.loss.flashreinforce import (
     STATS_KEYS,
     flashreinforce_loss,
     flashreinforce_loss_from_advantages,
+    sequence_advantages,
 )
 
 F64 = torch.float64
@@ -88,6 +89,20 @@ def test_advantage_baseline_is_the_whole_batch_mean():
     assert stats["advantages"].tolist() == [2.0, -1.0, -1.0]
     # one token per row, ratio 1: grad = -(1/3) * A_i
     torch.testing.assert_close(current.grad, torch.tensor([[-2 / 3], [1 / 3], [1 / 3]], dtype=F64), rtol=1e-12, atol=0)
+
+
+def test_advantage_baseline_does_not_depend_on_the_row_order():
+    """verl reorders a batch to balance data-parallel ranks (a different order at DP 1 and DP 2): the
+    baseline is the same bits for every order of the rows, so each row's advantage is too. Twin: a
+    plain mean over the rows as they come changes its last bits under a reordering."""
+    generator = torch.Generator().manual_seed(0)
+    plain_differs = 0
+    for _ in range(50):
+        rewards = torch.rand(32, generator=generator)
+        order = torch.randperm(32, generator=generator)
+        assert torch.equal(sequence_advantages(rewards)[order], sequence_advantages(rewards[order]))
+        plain_differs += not torch.equal(rewards.mean(), rewards[order].mean())
+    assert plain_differs > 0
 
 
 # --- the trust-region gate ------------------------------------------------------------------------

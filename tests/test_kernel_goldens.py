@@ -1,8 +1,9 @@
 """Every consistent kernel, a model's training forward/backward and its rollout keep their bits.
 
-``tests/data/kernel_goldens.pt`` was written by ``python tests/kernel_goldens.py --write`` with the
-original (unoptimised) kernels; any speed-up must reproduce every entry with ``torch.equal``.
-Its twin shows the check has teeth: the kernels' own sibling (a different K chunk) changes bits.
+``tests/data/kernel_goldens.pt`` was written by ``python tests/kernel_goldens.py --write`` from the
+kernels' torch code; any speed-up must reproduce every entry with ``torch.equal``. Its twins show
+the check has teeth: the kernels' own siblings (a different K chunk, the linear's previous order)
+change bits.
 """
 
 from __future__ import annotations
@@ -54,4 +55,20 @@ def test_twin_a_different_k_chunk_breaks_the_goldens(goldens, monkeypatch):
         actual = kernel_goldens.compute(("ops",))
     expected = {k: v for k, v in goldens.items() if not k.startswith("model/")}
     bad = _mismatches(expected, actual)
-    assert any(name.startswith("linear/fp32/m") and "k200" in name for name in bad), bad
+    assert "matmul_tiles/k300" in bad and "linear/tree/k1048" in bad, bad
+
+
+def test_twin_the_previous_linear_order_breaks_the_goldens(goldens, monkeypatch):
+    """The goldens were rewritten for the reduction tree (issue 21): the previous order -- K chunks
+    added left to right, no leaves -- gives other linear bits, which the goldens catch; the ops
+    without a linear keep theirs."""
+    from true_on_policy.kernels import ops
+
+    monkeypatch.setattr(ops, "k_leaves", lambda k: 1)
+    monkeypatch.setattr(ops, "local_leaves", lambda k, parts: 1)
+    with threads(2):
+        actual = kernel_goldens.compute(("ops",))
+    expected = {k: v for k, v in goldens.items() if not k.startswith("model/")}
+    bad = _mismatches(expected, actual)
+    assert any(name.startswith("linear/fp32/m") and "k64" in name for name in bad), bad
+    assert all(name.startswith("linear/") for name in bad), bad

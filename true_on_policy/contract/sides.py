@@ -50,7 +50,7 @@ ENV = ENV_PATH
 # collectives; the same strings as true_on_policy.kernels.tensor_parallel.{ROW_PARALLEL_REDUCTION, MOE_DISPATCH}.
 CPU_TP_KEY = f"{TOP}.cpu_tensor_parallel_size"
 CPU_EP_KEY = f"{TOP}.cpu_expert_parallel_size"
-CPU_ROW_PARALLEL = "all_gather+ordered_fold"
+CPU_ROW_PARALLEL = "all_gather+tree_top"
 CPU_MOE_DISPATCH = "replicated"
 
 

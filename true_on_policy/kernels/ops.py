@@ -8,12 +8,15 @@ that with plain PyTorch by construction, on four rules:
 
 1. Visible tokens are chosen by selection (``torch.where`` / ``-inf``), never by adding a large
    negative number; padding, packing and garbage (NaN/inf) in masked slots never reach a row.
-2. Every reduction has a fixed order. Matrix products run as ONE ``torch.bmm`` over row tiles of a
+2. Every reduction has a fixed order. Matrix products run as ``torch.bmm`` over row tiles of a
    fixed height (:data:`TILE_ROWS`; a call with few rows, i.e. decode, may use a shorter tile where
    that provably keeps a row's bits: :func:`tile_rows`) with the reduced dimension split into fixed
-   chunks (:data:`K_CHUNK`) whose fp32 partials are added left to right; last-dim sums are a fixed
-   pairwise tree of elementwise adds (:func:`fixed_sum`); attention reduces over KV blocks of a
-   fixed size (:data:`KV_BLOCK`) aligned at absolute positions.
+   chunks (:data:`K_CHUNK`) whose fp32 partials are added left to right; a linear's reduced dimension
+   is first split into :func:`k_leaves` leaves combined by a fixed pairwise tree, a function of the
+   unsharded size, so a tensor-parallel shard is a subtree and every TP size up to :data:`MAX_TP`
+   computes the same bits; last-dim sums are a fixed pairwise tree of elementwise adds
+   (:func:`fixed_sum`); attention reduces over KV blocks of a fixed size (:data:`KV_BLOCK`) aligned
+   at absolute positions.
 3. Attention is an online softmax with the same block size and rescale cadence for a whole sequence
    (training, prefill) and for one query over a KV cache (decode).
 4. One precision policy: fp32 accumulation everywhere, fp32 softmax and full-vocabulary
@@ -40,8 +43,9 @@ The ops themselves always compute the consistent way, except under :class:`Fault
 only the diagnosis tool flips to plant a known inconsistency in the real kernels. Pure torch; no
 verl, no transformers import.
 
-Why one module of ~700 lines: it is the specification of the four rules, op by op; the ops share
-the switch, the tile constants and the reduction helpers (:func:`fixed_sum`, :func:`matmul_tiles`),
+Why one module of ~900 lines: it is the specification of the four rules, op by op; the ops share
+the switch, the tile constants and the reduction helpers (:func:`fixed_sum`, :func:`matmul_tiles`,
+:func:`matmul_tree`),
 and reading them side by side is how one checks that training and decode do the same arithmetic.
 """
 
@@ -50,7 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +76,13 @@ __all__ = [
     "consistent",
     "fixed_sum",
     "matmul_tiles",
+    "matmul_tree",
+    "MAX_TP",
+    "k_leaves",
+    "local_leaves",
+    "tree_combine",
     "linear",
+    "linear_epilogue",
     "rms_norm",
     "silu",
     "rope_table",
@@ -81,6 +91,8 @@ __all__ = [
     "attention_plan",
     "AttentionPlan",
     "moe_route",
+    "moe_experts",
+    "moe_select",
     "moe_combine",
     "log_softmax",
     "token_log_probs",
@@ -226,18 +238,20 @@ SHORT_TILE_ROWS = (4, 8, 16, 32)  # the shorter tiles a call with few rows (deco
 BLAS_MIN_WORK = 400  # below R * K * N = 400 torch's CPU bmm runs a naive loop, not BLAS: other row bits
 
 
-def tile_rows(m: int, k: int, n: int, full: int, device: torch.device) -> int:
+def tile_rows(m: int, k: int, n: int, full: int, device: torch.device, leaves: int = 1) -> int:
     """Height of the row tiles of an [m, k] @ [k, n] product whose tile is ``full`` rows high.
 
     On CPU a call with few rows (decode) uses the shortest of :data:`SHORT_TILE_ROWS` that holds
-    them, iff torch's bmm takes its BLAS path at that height for every K chunk (R * chunk * N >=
-    :data:`BLAS_MIN_WORK`). On that path a row's bits are the same for every tile height R >= 4
+    them, iff torch's bmm takes its BLAS path at that height for every product it runs -- each K chunk
+    of each of the ``leaves`` tree leaves (:func:`matmul_tree`; R * chunk * N >= :data:`BLAS_MIN_WORK`).
+    On that path a row's bits are the same for every tile height R >= 4
     -- MKL computes each entry as one fma chain over k (``tests/test_native_ops.py``) -- while
     R = 1, 2 and the naive loop differ (``benchmarks/probe_bmm_tile_height.py``), so the row keeps
     the full tile's bits at a fraction of its work. Anywhere else (other devices, many rows): ``full``.
     """
     if m < full and device.type == "cpu":
-        k_min = k % K_CHUNK or min(k, K_CHUNK)  # the shortest chunk: the tail, if any
+        leaf = k // leaves
+        k_min = leaf % K_CHUNK or min(leaf, K_CHUNK)  # the shortest chunk: a leaf's tail, if any
         for r in SHORT_TILE_ROWS:
             if m <= r < full and r * k_min * n >= BLAS_MIN_WORK:
                 return r
@@ -251,7 +265,8 @@ def matmul_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     the other rows, or on the thread count -- as long as R and N are fixed by the caller. Each
     chunk's reduced dim is <= :data:`K_CHUNK` (measured: a bmm of K <= 128 keeps a row's result
     for any batch count and 1 or 2 threads; an unsplit K = 1024 does not), and the chunk partials
-    are summed left to right with elementwise adds.
+    are summed left to right with elementwise adds. (Attention's products; a linear's are
+    :func:`matmul_tree`, whose leaves are these.)
     """
     k = a.shape[-1]
     if k <= K_CHUNK:
@@ -264,21 +279,109 @@ def matmul_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Linear
+# Linear: a fixed reduction tree over K, the same bits at every tensor-parallel size
 # ----------------------------------------------------------------------------------------------
 
+MAX_TP = 8  # the largest tensor-parallel size a row-parallel linear keeps its bits at (any power of two up to it)
 
-def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> torch.Tensor:
+
+def k_leaves(k: int) -> int:
+    """Leaves of the reduction tree over a linear's reduced dimension of ``k`` (the UNSHARDED size).
+
+    The smallest power of two that is >= :data:`MAX_TP` and makes leaves <= :data:`K_CHUNK` wide,
+    capped at the largest power of two dividing ``k`` (leaves are equal). A function of ``k`` alone,
+    so a row-parallel rank holding ``k / t`` columns (t a power of two <= :data:`MAX_TP` dividing k)
+    holds exactly ``leaves / t`` whole leaves: a complete subtree.
+    """
+    if k < 1:
+        return 1
+    wanted = max(MAX_TP, 1 << (-(-k // K_CHUNK) - 1).bit_length())
+    return min(k & -k, wanted)
+
+
+def tree_combine(parts: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The fixed pairwise tree over ``parts`` (a power-of-two count): adjacent pairs first.
+
+    ``((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))``, elementwise fp32 adds, so the sum over a
+    contiguous, aligned block of ``2^j`` parts is a subtree: a rank's partial of a row-parallel
+    linear is one, and the ranks' partials combined here (in rank order) are the whole tree's top
+    levels. ``parts`` is consumed in order, at most log2(n) + 1 partial sums alive.
+    """
+    stack: list[tuple[int, torch.Tensor]] = []  # (parts below, their sum)
+    count = 0
+    for part in parts:
+        count += 1
+        size = 1
+        while stack and stack[-1][0] == size:
+            part = stack.pop()[1] + part
+            size *= 2
+        stack.append((size, part))
+    if not count or count & (count - 1):
+        raise ValueError(f"tree_combine: needs a power-of-two number of parts, got {count}")
+    return stack[0][1]
+
+
+def matmul_tree(a: torch.Tensor, b: torch.Tensor, leaves: int) -> torch.Tensor:
+    """fp32 ``a @ b`` for ``a`` [G, R, K], ``b`` [G, K, N], K split into ``leaves`` equal leaves.
+
+    Each leaf is :func:`matmul_tiles` (one bmm per K chunk of the leaf, added in order), the leaves
+    are combined by :func:`tree_combine`. Row invariance as :func:`matmul_tiles`; and the product of
+    a contiguous, aligned block of ``2^j`` leaves is exactly that subtree of the whole product's tree.
+    """
+    k = a.shape[-1]
+    width = k // leaves
+    if width * leaves != k:
+        raise ValueError(f"matmul_tree: K = {k} does not split into {leaves} equal leaves")
+    return tree_combine(matmul_tiles(a[..., s : s + width], b[:, s : s + width]) for s in range(0, k, width))
+
+
+def local_leaves(k: int, k_parts: int) -> int:
+    """Leaves of one of ``k_parts`` equal shards of a reduced dimension of ``k * k_parts`` (see :func:`k_leaves`)."""
+    if k_parts < 1 or k_parts & (k_parts - 1) or k_parts > MAX_TP:
+        raise ValueError(
+            f"linear: k_parts={k_parts}; a row-parallel split must be a power of two <= MAX_TP={MAX_TP}"
+        )
+    leaves = k_leaves(k * k_parts)
+    if leaves % k_parts:
+        raise ValueError(
+            f"linear: a reduced dimension of {k * k_parts} has {leaves} tree leaves, which {k_parts} shards "
+            "cannot hold as whole subtrees"
+        )
+    return leaves // k_parts
+
+
+def linear_epilogue(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The end of every linear: fp32 ``acc`` + bias in fp32, then one cast to ``out_dtype``."""
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc if out_dtype == torch.float32 else acc.to(out_dtype)
+
+
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype,
+                    k_parts: int = 1) -> torch.Tensor:
+    k = x.shape[-1]
+    n = weight.shape[0]
+    leaves = local_leaves(k, k_parts)
+    narrow = n < native.FMA_CHAIN_MIN_N
+    if narrow:  # zero output features appended: MKL runs its N-invariant fma-chain kernel from 12 columns
+        weight = F.pad(weight, (0, 0, 0, native.FMA_CHAIN_MIN_N - n))
+        if bias is not None:
+            bias = F.pad(bias, (0, native.FMA_CHAIN_MIN_N - n))
+    out = _padded_linear_forward(x, weight, bias, out_dtype, leaves)
+    return out[..., :n] if narrow else out
+
+
+def _padded_linear_forward(x, weight, bias, out_dtype, leaves: int) -> torch.Tensor:
     k = x.shape[-1]
     n = weight.shape[0]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
-    height = tile_rows(m, k, n, TILE_ROWS, x.device)
+    height = tile_rows(m, k, n, TILE_ROWS, x.device, leaves)
     with _no_autocast(x.device):
         if x.device.type == "cpu" and (lib := native.lib()) is not None:
             # from C++: the same aten calls, or for a few rows the same entries as fma chains
             chain = m <= native.CHAIN_MAX_ROWS and native.fma_chain_lib(n) is not None
-            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, chain)
+            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, leaves, chain)
         if m == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
         tiles = -(-m // height)
@@ -293,23 +396,19 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             b = w.as_strided((tiles, k, n), (0, 1, k))
         else:
             b = w.t().unsqueeze(0).expand(tiles, k, n)
-        out = matmul_tiles(a, b).view(tiles * height, n)[:m]
-        if bias is not None:
-            out = out + bias.to(torch.float32)
-        if out_dtype != torch.float32:
-            out = out.to(out_dtype)
-        return out.view(*x.shape[:-1], n)
+        out = matmul_tree(a, b, leaves).view(tiles * height, n)[:m]
+        return linear_epilogue(out, bias, out_dtype).view(*x.shape[:-1], n)
 
 
 class _Linear(torch.autograd.Function):
     """Forward: the tile kernel. Backward: plain matmuls (gradients need not be batch-invariant)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):
+    def forward(ctx, x, weight, bias, out_dtype, k_parts):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return _linear_forward(x, weight, bias, out_dtype)
+        return _linear_forward(x, weight, bias, out_dtype, k_parts)
 
     @staticmethod
     def backward(ctx, grad):
@@ -324,26 +423,36 @@ class _Linear(torch.autograd.Function):
                 grad_w = (g.t() @ x.reshape(-1, k).to(torch.float32)).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = g.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    k_parts: int = 1,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` with a per-row result independent of the batch.
+    """``x @ weight.T + bias`` with a per-row result independent of the batch and of TP sharding.
 
     Invariant: rows are padded to tiles of :data:`TILE_ROWS` (or :func:`tile_rows`' shorter
-    tile, with the same row bits) and multiplied in fp32 by
-    :func:`matmul_tiles` (reduced dim split in :data:`K_CHUNK` chunks, partials added in order),
-    the bias is added in fp32, and the output is cast once to ``out_dtype`` (default: ``x``'s
-    dtype). So a row's output is the same bits for any number of rows (1 = decode, thousands =
-    training), any position in the batch and 1 or 2 threads.
+    tile, with the same row bits) and multiplied in fp32 by :func:`matmul_tree` -- the reduced dim
+    split into :func:`k_leaves` leaves (each in :data:`K_CHUNK` chunks added in order) combined by a
+    fixed pairwise tree -- the bias is added in fp32, and the output is cast once to ``out_dtype``
+    (default: ``x``'s dtype). So a row's output is the same bits for any number of rows (1 = decode,
+    thousands = training), any position in the batch and 1 or 2 threads. Each entry is computed
+    alone (fewer than 12 output features get zero features appended: MKL's kernel for narrow
+    products differs), so a column-parallel shard computes its columns' bits.
+
+    ``k_parts`` > 1: ``weight`` holds one of ``k_parts`` contiguous shards of the reduced dim (a
+    row-parallel rank); the result is that shard's subtree. :func:`tree_combine` of all ranks'
+    fp32 subtrees, in rank order, then :func:`linear_epilogue` is bitwise the unsharded linear.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if needs_grad and torch.is_grad_enabled():
-        return _Linear.apply(x, weight, bias, out_dtype)
-    return _linear_forward(x, weight, bias, out_dtype)
+        return _Linear.apply(x, weight, bias, out_dtype, k_parts)
+    return _linear_forward(x, weight, bias, out_dtype, k_parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -819,29 +928,65 @@ def moe_route(
     return weights, experts
 
 
-def moe_experts(hidden, top_k_index, gate_up, down):
+def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, gather=None):
     """Every (token, slot) pair through its expert: [tokens, top_k, hidden] in slot order.
 
     Pairs are grouped by expert with a stable sort (token order inside an expert), each expert runs
     ``down(silu(gate) * up)`` on its rows with :func:`linear`, and the rows go back to their slots.
     ``gate_up[e]`` is [2 * inter, hidden] (gate rows first), ``down[e]`` is [hidden, inter]. Both
-    engines call this one function, so the expert arithmetic cannot drift between them.
+    engines call this one function, so the expert arithmetic cannot drift between them. Sharded:
+
+    * ``experts`` (expert parallelism): the global ids of the experts ``gate_up``/``down`` hold, in
+      their order; pairs routed to other experts get zero rows (:func:`moe_select` takes each slot
+      from the rank that holds its expert).
+    * ``k_parts`` > 1 (expert tensor parallelism): every expert's intermediate dim is split in
+      ``k_parts`` shards and these weights hold one (gate rows then up rows of the shard; the down
+      projection's columns): the down projection is the shard's fp32 subtree (:func:`linear`),
+      ``gather(partials)`` returns every shard's, in shard order, and :func:`tree_combine` plus
+      :func:`linear_epilogue` finish it -- bitwise the unsharded experts.
     """
     tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
+    held = list(range(len(gate_up))) if experts is None else [int(e) for e in experts]
+    if len(held) != len(gate_up):
+        raise ValueError(f"moe_experts: {len(gate_up)} expert weights for expert ids {held}")
+    if k_parts > 1 and gather is None:
+        raise ValueError("moe_experts: k_parts > 1 needs gather (the shards' partials in shard order)")
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
-    outputs, start = [], 0
-    for expert, count in enumerate(counts):
+    counts = torch.bincount(flat, minlength=max(held, default=-1) + 1).tolist()
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    pair_ids, outputs = [], []
+    out_dtype = torch.float32 if k_parts > 1 else hidden.dtype
+    for local, expert in enumerate(held):
+        count = counts[expert]
         if count == 0:
             continue
-        pairs = order[start : start + count]
-        start += count
+        pairs = order[starts[expert] : starts[expert] + count]
         x = hidden[pairs // top_k]
-        gate, up = linear(x, gate_up[expert]).chunk(2, dim=-1)
-        outputs.append(linear(silu(gate) * up, down[expert]))
-    grouped = torch.cat(outputs) if outputs else hidden.new_zeros(0, hidden.shape[-1])
-    return grouped[torch.argsort(order)].view(tokens, top_k, -1)
+        gate, up = linear(x, gate_up[local]).chunk(2, dim=-1)
+        outputs.append(linear(silu(gate) * up, down[local], None, out_dtype, k_parts=k_parts))
+        pair_ids.append(pairs)
+    width = hidden.shape[-1]
+    grouped = torch.cat(outputs) if outputs else hidden.new_zeros(0, width, dtype=out_dtype)
+    if k_parts > 1:  # every rank ran every pair: the same rows in the same order
+        grouped = linear_epilogue(tree_combine(gather(grouped)), None, hidden.dtype)
+    per_slot = hidden.new_zeros(tokens * top_k, width)
+    if outputs:
+        per_slot[torch.cat(pair_ids)] = grouped
+    return per_slot.view(tokens, top_k, width)
+
+
+def moe_select(per_slot_by_rank: list[torch.Tensor], owner: torch.Tensor) -> torch.Tensor:
+    """Expert parallelism: slot (t, s) taken from rank ``owner[t, s]``'s :func:`moe_experts` rows.
+
+    A selection, no arithmetic: the result is bitwise the unsharded experts' per-slot rows whatever
+    rank holds which expert, and :func:`moe_combine` then adds them in slot order.
+    """
+    stacked = torch.stack(per_slot_by_rank)  # [ranks, T, k, H]
+    index = owner.long()[None, :, :, None].expand(1, *stacked.shape[1:])
+    return stacked.gather(0, index)[0]
 
 
 def moe_combine(expert_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Tensor and expert parallelism for the CPU backend, with an order-fixed collective.
+"""Tensor and expert parallelism for the CPU backend, with the same bits at every TP / EP size.
 
 :func:`shard_model` shards a transformers Qwen3 / Qwen3-MoE model (built after
 :func:`consistent_model.patch_transformers`) in place over a ``torch.distributed`` process group
@@ -7,7 +7,7 @@ linears combine their partial results with a collective -- so it serves BOTH pat
 :func:`consistent_model.forward_packed`: the training forward (packed, no caches) and the rollout
 (prefill/decode over per-request KV caches, which then hold the rank's local KV heads).
 
-Layout (``tp_size`` and ``ep_size`` are each 1 or the group size; the group is shared):
+Layout (``tp_size`` and ``ep_size`` are each 1 or the group size, a power of two <= ``ops.MAX_TP``):
 
 * attention: ``q_proj``/``k_proj``/``v_proj`` column-parallel by whole heads (rank r owns query
   heads ``[r*Hq/tp, (r+1)*Hq/tp)`` and KV heads ``[r*Hkv/tp, ...)``, so grouped-query pairing is
@@ -15,32 +15,27 @@ Layout (``tp_size`` and ``ep_size`` are each 1 or the group size; the group is s
 * dense MLP: ``gate_proj``/``up_proj`` column-parallel, ``down_proj`` row-parallel.
 * MoE (``ep_size`` > 1): experts split in contiguous ranges (rank r owns experts
   ``[r*E/ep, (r+1)*E/ep)``); activations are replicated under TP, so there is no token dispatch:
-  every rank runs the fp32 router on all tokens (replicated), runs its own experts on the tokens
-  routed to them, combines them with :func:`consistent_ops.moe_combine` in slot order with
-  non-local slots selected to exactly 0, and the partials are combined by the ordered fold.
-  With ``ep_size`` = 1 the experts stay whole on every rank (no collective).
+  every rank runs the fp32 router on all tokens (replicated) and its own experts on the tokens
+  routed to them; the per-slot rows are all-gathered and each slot is taken from the rank holding
+  its expert (:func:`ops.moe_select`, no arithmetic), then combined in slot order
+  (:func:`ops.moe_combine`). With ``ep_size`` = 1 the experts stay whole on every rank.
 * ``lm_head``: vocabulary-parallel; the fp32 logit slices are all-gathered and concatenated in
   rank order (no reduction). Embeddings and norms are replicated.
 
-The collective: a row-parallel layer's partial outputs (fp32, from the consistent kernels) are
-combined by :func:`ordered_all_reduce` = ``all_gather`` of the partials, then a left-to-right fp32
-fold ``p_0 + p_1 + ... + p_{n-1}`` computed identically on every rank. ``all_gather`` moves bits
-without arithmetic, so the result does not depend on the collective's algorithm (ring, tree,
-halving-doubling), its chunking or its start rank -- unlike a ring ``all_reduce``, whose summation
-order for an element depends on which chunk the element falls in once there are 3 or more ranks.
-With 2 ranks any all-reduce computes ``p_0 + p_1`` or ``p_1 + p_0``, the same bits (IEEE addition
-is commutative); the ordered fold is what keeps the guarantee for any group size.
-
-What is and is not equal (see docs/parallelism_and_determinism.md): rollout TPn/EPn == training
-TPn/EPn bitwise (the local math is the batch-invariant consistent kernels, the combine is the
-fixed fold); TP1 vs TP2 is NOT equal in general (a reduction split in two partials is a
-different addition order, the LM head's bmm has a different N) -- which is why the contract
-requires both sides to pin the same TP/EP.
+Why every TP size gives the unsharded bits (flag on): a column-parallel shard computes its output
+features alone (each entry of :func:`ops.linear` is independent of the others), and a row-parallel
+layer's reduced dim is a fixed pairwise tree over :func:`ops.k_leaves` leaves, a function of the
+UNSHARDED size; a rank's contiguous shard is a complete subtree (:func:`ops.linear`'s
+``k_parts``), and :func:`tree_all_reduce` = ``all_gather`` of the fp32 subtrees, then the tree's top
+levels (:func:`ops.tree_combine`) in rank order, identically on every rank. ``all_gather`` moves bits
+without arithmetic, so the collective's algorithm (ring, tree, halving-doubling), chunking or start
+rank changes nothing -- unlike an ``all_reduce``, whose order also depends on the group size.
 
 Backward (training): autograd Functions with the usual Megatron pairing -- the column-parallel
-input is an identity whose gradient is all-reduced (ordered fold), the row-parallel combine is a
-fold whose gradient passes through, the logit all-gather's gradient is the rank's slice. Gradients
-need not be batch-invariant; they are correct (tested against TP1 within fp32 tolerance).
+input is an identity whose gradient is all-reduced (the same tree), the row-parallel combine passes
+its gradient through, the logit all-gather's gradient is the rank's slice, the EP selection's is the
+rank's owned slots. Gradients need not be batch-invariant; they are correct (tested against TP1
+within fp32 tolerance).
 
 With the consistent flag off the sharded modules run the default kernels (``F.linear``) and a
 plain ``dist.all_reduce`` (SUM): a serving engine's default numerics.
@@ -64,9 +59,11 @@ __all__ = [
     "ROW_PARALLEL_REDUCTION",
     "MOE_DISPATCH",
     "ParallelLayout",
-    "ordered_fold",
-    "ordered_all_reduce",
+    "all_gather_list",
+    "tree_all_reduce",
     "all_gather_last_dim",
+    "select_owned",
+    "check_sharding",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelLMHead",
@@ -75,8 +72,8 @@ __all__ = [
 ]
 
 # How the contract names this backend's collectives (true_on_policy.contract.consistency reads the same strings).
-ROW_PARALLEL_REDUCTION = "all_gather+ordered_fold"
-MOE_DISPATCH = "replicated"  # EP on CPU: tokens are already on every rank; no dispatch, ordered-fold combine
+ROW_PARALLEL_REDUCTION = "all_gather+tree_top"
+MOE_DISPATCH = "replicated"  # EP on CPU: tokens are already on every rank; no dispatch, slot rows selected by owner
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,35 +81,31 @@ MOE_DISPATCH = "replicated"  # EP on CPU: tokens are already on every rank; no d
 # ----------------------------------------------------------------------------------------------
 
 
-def ordered_fold(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``parts[0] + parts[1] + ...`` in fp32, left to right (elementwise, correctly rounded adds)."""
-    out = parts[0].to(torch.float32)
-    for part in parts[1:]:
-        out = out + part.to(torch.float32)
-    return out
-
-
 def _world(group) -> int:
     return dist.get_world_size(group)
 
 
-def _gather(x: torch.Tensor, group) -> list[torch.Tensor]:
+def all_gather_list(x: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's ``x``, in rank order (a copy: no arithmetic)."""
+    if _world(group) == 1:
+        return [x]
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_world(group))]
     dist.all_gather(parts, x, group=group)
     return parts
 
 
-def ordered_all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
-    """The sum over ranks of ``x`` as fp32, in rank order, the same bits on every rank.
+def tree_all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum over ranks of ``x`` as fp32, the same bits on every rank and at every group size.
 
     ``all_gather`` of the fp32 partials (a copy: no arithmetic, so the collective's algorithm
-    cannot change a bit), then :func:`ordered_fold` over the ranks 0, 1, ..., n-1.
+    cannot change a bit), then :func:`ops.tree_combine` over the ranks 0, 1, ..., n-1: the top
+    levels of the reduction tree whose lower levels each rank computed (:func:`ops.linear`'s ``k_parts``).
     """
     x32 = x.to(torch.float32)
     if _world(group) == 1:
         return x32.clone()
-    return ordered_fold(_gather(x32, group))
+    return ops.tree_combine(all_gather_list(x32, group))
 
 
 def _plain_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -125,7 +118,7 @@ def all_gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
     """The ranks' ``x`` concatenated along the last dim in rank order (no reduction)."""
     if _world(group) == 1:
         return x
-    return torch.cat(_gather(x, group), dim=-1)
+    return torch.cat(all_gather_list(x, group), dim=-1)
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -138,16 +131,16 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ordered_all_reduce(grad, ctx.group).to(grad.dtype), None
+        return tree_all_reduce(grad, ctx.group).to(grad.dtype), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
-    """Forward: combine the ranks' partials (ordered fold, or a plain all-reduce with the flag off);
-    backward: the (replicated) gradient goes to every rank's partial unchanged."""
+    """Forward: combine the ranks' partials (the tree's top levels, or a plain all-reduce with the flag
+    off); backward: the (replicated) gradient goes to every rank's partial unchanged."""
 
     @staticmethod
     def forward(ctx, partial, group, ordered):
-        return ordered_all_reduce(partial, group) if ordered else _plain_all_reduce(partial, group)
+        return tree_all_reduce(partial, group) if ordered else _plain_all_reduce(partial, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -179,7 +172,7 @@ def copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
 def reduce_from_region(partial: torch.Tensor, group, ordered: bool = True) -> torch.Tensor:
     if _tracks_grad(partial):
         return _ReduceFromRegion.apply(partial, group, ordered)
-    return ordered_all_reduce(partial, group) if ordered else _plain_all_reduce(partial, group)
+    return tree_all_reduce(partial, group) if ordered else _plain_all_reduce(partial, group)
 
 
 def gather_from_region(x: torch.Tensor, group) -> torch.Tensor:
@@ -219,18 +212,18 @@ class ColumnParallelLinear(cm.ConsistentLinear):
 
 
 class RowParallelLinear(cm.ConsistentLinear):
-    """Input features split across ranks; the fp32 partial products are combined by the ordered
-    fold (flag on) or a plain all-reduce (flag off), the bias added once, then cast once."""
+    """Input features split across ranks. Flag on: each rank's fp32 subtree of the reduction tree
+    (:func:`ops.linear` with ``k_parts``), the tree's top levels over the all-gathered subtrees, the
+    bias and the cast of :func:`ops.linear_epilogue` -- bitwise the unsharded linear. Flag off: a plain
+    all-reduce of the partial products."""
 
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if ops.enabled():
-            partial = ops.linear(x, self.weight, None, out_dtype=torch.float32)
+            partial = ops.linear(x, self.weight, None, torch.float32, k_parts=_world(self.tp_group))
             out = reduce_from_region(partial, self.tp_group, ordered=True)
-            if self.bias is not None:
-                out = out + self.bias.to(torch.float32)
-            return out.to(x.dtype)
+            return ops.linear_epilogue(out, self.bias, x.dtype)
         out = reduce_from_region(F.linear(x, self.weight), self.tp_group, ordered=False)
         return out if self.bias is None else out + self.bias
 
@@ -245,51 +238,54 @@ class VocabParallelLMHead(cm.ConsistentLMHead):
         return gather_from_region(local, self.tp_group)
 
 
+class _SelectOwned(torch.autograd.Function):
+    """Forward: every rank's per-slot expert rows, gathered, each slot taken from the rank that holds its
+    expert (:func:`ops.moe_select`); backward: this rank's rows get the gradient of the slots it owns
+    (every rank computes the same replicated loss from the selected rows)."""
+
+    @staticmethod
+    def forward(ctx, per_slot, owner, group):
+        ctx.save_for_backward(owner)
+        ctx.rank = dist.get_rank(group)
+        return ops.moe_select(all_gather_list(per_slot, group), owner)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (owner,) = ctx.saved_tensors
+        return torch.where((owner == ctx.rank)[..., None], grad, torch.zeros((), dtype=grad.dtype)), None, None
+
+
+def select_owned(per_slot: torch.Tensor, owner: torch.Tensor, group) -> torch.Tensor:
+    if _tracks_grad(per_slot):
+        return _SelectOwned.apply(per_slot, owner, group)
+    return ops.moe_select(all_gather_list(per_slot, group), owner)
+
+
 def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
-    """The local experts' weighted outputs for all tokens, combined over ranks (see module doc)."""
+    """The experts of all ranks for all tokens (see module doc): flag on, each slot's row from the rank
+    holding its expert, combined in slot order; flag off, local weighted sums and a plain all-reduce."""
     group, lo, n_local = self.ep_group, self.expert_offset, self.num_local_experts
-    x = copy_to_region(hidden_states, group)
-    weights = copy_to_region(top_k_weights, group)
-    tokens, top_k = top_k_index.shape
-    flat = top_k_index.reshape(-1)
-    local = (flat >= lo) & (flat < lo + n_local)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-    starts = [sum(counts[:e]) for e in range(self.num_experts)]
-    consistent = ops.enabled()
-    if consistent:  # the same checks as the unsharded experts' consistent forward
+    x = copy_to_region(hidden_states, group)  # a rank's experts see only their pairs: input grads are summed
+    if ops.enabled():  # the same checks as the unsharded experts' consistent forward
         cm._require_silu(self)  # noqa: SLF001
         layout = (("has_bias", False), ("is_transposed", False), ("has_gate", True), ("is_concatenated", True))
         for flag, wanted in layout:
             if getattr(self, flag, wanted) != wanted:
                 raise cm.UnsupportedFeatureError(f"true_on_policy: experts with {flag}={not wanted} are not supported")
-    pair_ids, outputs = [], []
+        experts = range(lo, lo + n_local)
+        per_slot = ops.moe_experts(x, top_k_index, self.gate_up_proj, self.down_proj, experts=experts)
+        per_slot = select_owned(per_slot, top_k_index // n_local, group)  # experts in contiguous ranges
+        return ops.moe_combine(per_slot, top_k_weights).to(hidden_states.dtype)
+    weights = copy_to_region(top_k_weights, group)  # each rank's sum holds only its slots' weights
+    tokens, top_k = top_k_index.shape
+    out = x.new_zeros(tokens, x.shape[-1])
     for expert in range(lo, lo + n_local):
-        count = counts[expert]
-        if count == 0:
-            continue
-        pairs = order[starts[expert] : starts[expert] + count]
-        rows = x[pairs // top_k]
-        if consistent:
-            gate, up = ops.linear(rows, self.gate_up_proj[expert - lo]).chunk(2, dim=-1)
-            out = ops.linear(ops.silu(gate) * up, self.down_proj[expert - lo])
-        else:
-            gate, up = F.linear(rows, self.gate_up_proj[expert - lo]).chunk(2, dim=-1)
-            out = F.linear(self.act_fn(gate) * up, self.down_proj[expert - lo])
-        pair_ids.append(pairs)
-        outputs.append(out)
-    hidden = hidden_states.shape[-1]
-    per_slot = x.new_zeros(tokens * top_k, hidden)
-    if outputs:
-        per_slot = per_slot.index_put((torch.cat(pair_ids),), torch.cat(outputs))
-    per_slot = per_slot.view(tokens, top_k, hidden)
-    # non-local slots: output 0 and weight 0 selected (not multiplied), so they add exactly +0.0
-    weights = torch.where(local.view(tokens, top_k), weights, torch.zeros((), dtype=weights.dtype))
-    if consistent:
-        partial = ops.moe_combine(per_slot, weights)  # fp32, slot order
-        return reduce_from_region(partial, group, ordered=True).to(hidden_states.dtype)
-    partial = (per_slot * weights.to(per_slot.dtype)[..., None]).sum(dim=1)
-    return reduce_from_region(partial, group, ordered=False).to(hidden_states.dtype)
+        token, slot = torch.nonzero(top_k_index == expert, as_tuple=True)
+        if token.numel():
+            gate, up = F.linear(x[token], self.gate_up_proj[expert - lo]).chunk(2, dim=-1)
+            rows = F.linear(self.act_fn(gate) * up, self.down_proj[expert - lo])
+            out = out.index_add(0, token, rows * weights[token, slot, None].to(rows.dtype))
+    return reduce_from_region(out, group, ordered=False).to(hidden_states.dtype)
 
 
 _EP_CLASSES: dict[type, type] = {}
@@ -344,6 +340,35 @@ def _row(linear: nn.Linear, group, rank: int, parts: int) -> None:
     linear.tp_group = group
 
 
+def check_sharding(config, tp_size: int, ep_size: int = 1) -> None:
+    """Refuse, naming the key and value, a TP / EP size the consistent kernels do not keep bitwise.
+
+    TP and EP must be powers of two <= :data:`ops.MAX_TP` (the reduction tree's leaves hold whole
+    subtrees only up to it); the query and KV head counts, the MLP's intermediate size and, with
+    experts split by TP (EP 1), the experts' intermediate size must divide by TP; the experts by EP.
+    ``config`` is the model's transformers config. Checked before a model is sharded or an engine starts.
+    """
+    for name, size in (("tensor_parallel_size", tp_size), ("expert_parallel_size", ep_size)):
+        if not isinstance(size, int) or size < 1 or size & (size - 1) or size > ops.MAX_TP:
+            raise ValueError(
+                f"true_on_policy: {name}={size!r} is not supported: the consistent kernels keep their bits at "
+                f"powers of two up to MAX_TP={ops.MAX_TP} (true_on_policy.kernels.ops)"
+            )
+    num_experts = getattr(config, "num_experts", 0) or 0
+    divisible = [("num_attention_heads", tp_size), ("num_key_value_heads", tp_size), ("intermediate_size", tp_size)]
+    if num_experts and ep_size == 1:
+        divisible.append(("moe_intermediate_size", tp_size))
+    if ep_size > 1:
+        if not num_experts:
+            raise ValueError(f"true_on_policy: expert_parallel_size={ep_size} for a model without experts")
+        divisible.append(("num_experts", ep_size))
+    for key, size in divisible:
+        value = getattr(config, key, None)
+        if value is not None and value % size:
+            what = "tensor_parallel_size" if key != "num_experts" else "expert_parallel_size"
+            raise ValueError(f"true_on_policy: the model's {key}={value} does not divide by {what}={size}")
+
+
 def shard_model(model: nn.Module, *, tp_size: int, ep_size: int = 1, group=None) -> nn.Module:
     """Shard a Qwen3 / Qwen3-MoE causal LM in place for ``group`` (default: the world group).
 
@@ -362,17 +387,13 @@ def shard_model(model: nn.Module, *, tp_size: int, ep_size: int = 1, group=None)
     for name, size in (("tp_size", tp_size), ("ep_size", ep_size)):
         if size not in (1, world):
             raise ValueError(f"shard_model: {name}={size}; it must be 1 or the group size {world}")
+    check_sharding(model.config, tp_size, ep_size)
     attention_classes, mlp_classes, expert_classes, lm_classes = _classes()
     if not isinstance(model, lm_classes):
         raise cm.UnsupportedFeatureError(f"shard_model: {type(model).__name__} is not a Qwen3 / Qwen3-MoE causal LM")
     config = model.config
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
-    if hq % tp_size or hkv % tp_size:
-        raise ValueError(f"shard_model: {hq} query / {hkv} KV heads do not split over TP {tp_size}")
-    num_experts = getattr(config, "num_experts", 0) or 0
-    if ep_size > 1 and (num_experts == 0 or num_experts % ep_size):
-        raise ValueError(f"shard_model: {num_experts} experts do not split over EP {ep_size}")
     cm.convert_model(model)  # plain nn.Linear -> ConsistentLinear (idempotent)
     for module in list(model.modules()):
         if tp_size > 1 and isinstance(module, attention_classes):

@@ -54,8 +54,10 @@ def sequence_advantages(rewards: torch.Tensor, dtype: torch.dtype | None = None)
     """A_i = R_i - mean_j R_j over the whole batch, without gradient, in ``dtype`` (default: the
     rewards' own floating dtype, or torch's default for integer rewards).
 
-    Validates, then computes with :func:`masked_sequence_advantages` (every row a trajectory), the
-    arithmetic verl's ``flashreinforce`` advantage estimator runs.
+    The mean adds the rewards in ascending order, so it depends on the batch's rewards, not on the
+    order of its rows (verl reorders the batch to balance data-parallel ranks: DP 1 and DP 2 get the
+    same baseline bits). Validates, then computes with :func:`masked_sequence_advantages` (every row
+    a trajectory), the arithmetic verl's ``flashreinforce`` advantage estimator runs.
     """
     if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
@@ -80,12 +82,13 @@ def masked_sequence_advantages(rewards: torch.Tensor, trajectories: torch.Tensor
 
     No validation and no host read (no ``.item()``, no data-dependent shape): the caller validated
     the rewards, and a batch without any trajectory gives NaN, which the caller must have refused.
-    The mean adds the rows in order (a cumulative sum), so rows that are no trajectory -- verl's
-    padding rows, wherever they sit -- change no bit of it.
+    The mean adds the values in ascending order one after another (a cumulative sum of the sorted
+    values): the row order changes no bit of it, and rows that are no trajectory -- verl's padding
+    rows, wherever they sit -- enter as zeros, exact no-ops of that sum.
     """
     with torch.no_grad():
         zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
-        total = torch.cumsum(torch.where(trajectories, rewards, zero), dim=0)[-1]
+        total = torch.cumsum(torch.sort(torch.where(trajectories, rewards, zero)).values, dim=0)[-1]
         mean = total / trajectories.sum().to(rewards.dtype)
         return torch.where(trajectories, rewards - mean, zero)
 

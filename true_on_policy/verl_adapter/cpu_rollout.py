@@ -105,7 +105,9 @@ class CPUServer:
             eos_token_id=eos,
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len or (config.prompt_length + config.response_length),
-            seed=config.seed + replica_rank,
+            # not + replica_rank: a request's sample must not depend on which replica serves it, so
+            # the batch is the same at every data-parallel size (the number of replicas)
+            seed=config.seed,
         )
         self._futures: dict[str, asyncio.Future] = {}
         self._work = asyncio.Event()

@@ -41,10 +41,16 @@ def _environment(values: dict[str, str]):
                 os.environ[k] = v
 
 
-def start(path: str, dtype: str, deterministic: bool, **engine_kwargs):
-    """``vllm.LLM`` on the checkpoint ``path`` (eager, block size 16, prefix caching, chunked prefill)."""
+def start(path: str, dtype: str, deterministic: bool, tp: int = 1, ep: bool = False, **engine_kwargs):
+    """``vllm.LLM`` on the checkpoint ``path`` (eager, block size 16, prefix caching, chunked prefill),
+    at tensor-parallel size ``tp`` (worker processes) with expert parallelism iff ``ep``. A TP / EP the
+    consistent kernels do not keep bitwise is refused, naming it, before the engine starts."""
+    from transformers import AutoConfig
     from vllm import LLM
 
+    from true_on_policy.kernels.tensor_parallel import check_sharding
+
+    check_sharding(AutoConfig.from_pretrained(path), tp, tp if ep else 1)
     settings = Settings(deterministic=deterministic, platform="cpu")
     for key, value in ENGINE_ENV.items():  # read again by the client later (e.g. collective_rpc)
         os.environ.setdefault(key, value)
@@ -60,7 +66,10 @@ def start(path: str, dtype: str, deterministic: bool, **engine_kwargs):
         enable_chunked_prefill=True,
         max_num_batched_tokens=128,
         seed=0,
-        distributed_executor_backend="uni",  # the worker inside the engine-core process (one start, not two)
+        # TP 1: the worker inside the engine-core process (one start, not two); else one process per rank
+        distributed_executor_backend="uni" if tp == 1 else "mp",
+        tensor_parallel_size=tp,
+        enable_expert_parallel=ep,
         logprobs_mode="processed_logprobs",  # after temperature, as verl's vLLM rollout sets it
     )
     kwargs.update(engine_kwargs)

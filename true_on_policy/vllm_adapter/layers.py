@@ -12,6 +12,15 @@ what the training forward (:mod:`true_on_policy.kernels.model`) computes for the
   weight, so each projection's bits are those of the training model's separate ``nn.Linear``.
 * attention: keys/values stored unpacked in vLLM's paged cache, gathered per request and run
   through :func:`ops.attention` (absolute-position KV blocks, the same rescale cadence).
+
+Tensor / expert parallelism (vLLM's own sharding, any TP a power of two <= ``ops.MAX_TP``): a
+column-parallel shard (qkv, gate_up, the vocabulary-parallel LM head) computes its features' bits
+and vLLM gathers them (the logits: all-gather, never a reduction); a row-parallel layer
+(:func:`row_parallel_forward`: o_proj, down_proj) all-gathers the ranks' fp32 subtrees of the
+reduction tree and folds its top levels; the vocabulary-parallel embedding's all-reduce adds
+exact ``-0.0`` (:func:`vocab_parallel_embedding_forward`); the MoE block splits experts by TP
+(intermediate dim, fp32 subtrees gathered) or by EP (each slot's row from its expert's rank). So
+every TP / EP size computes the unsharded model's bits.
 """
 
 from __future__ import annotations
@@ -170,8 +179,65 @@ def linear_apply(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> to
 
 
 def lm_head_logits(lm_head, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """fp32 logits from the consistent linear (the training side's ConsistentLMHead)."""
+    """fp32 logits from the consistent linear (the training side's ConsistentLMHead); at TP > 1 this
+    rank's vocabulary shard, which vLLM's logits processor all-gathers."""
     return ops.linear(hidden_states, lm_head.weight, bias, out_dtype=torch.float32)
+
+
+def _tp_group():
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group()
+
+
+def _gather_list(group, x: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``x`` of vLLM's group ``group``, in rank order (an all-gather: no arithmetic)."""
+    if group.world_size == 1:
+        return [x]
+    return list(group.all_gather(x.unsqueeze(0).contiguous(), dim=0).unbind(0))
+
+
+def row_parallel_forward(layer, input_: torch.Tensor):
+    """vLLM's ``RowParallelLinear.forward`` on the reduction tree: each rank's fp32 subtree over its
+    input shard (:func:`ops.linear` with ``k_parts`` = TP), all-gathered, the tree's top levels
+    (:func:`ops.tree_combine`), the bias once and one cast (:func:`ops.linear_epilogue`)."""
+    tp = layer.tp_size
+    if tp > 1 and not layer.reduce_results:
+        raise UnsupportedFeatureError(
+            f"true_on_policy (vLLM): a row-parallel linear without reduce_results at TP {tp} is not covered"
+        )
+    if layer.input_is_parallel or tp == 1:
+        x = input_
+    else:
+        x = input_.chunk(tp, dim=-1)[layer.tp_rank].contiguous()
+    bias = None if layer.skip_bias_add else layer.bias
+    if tp == 1:
+        out = ops.linear(x, layer.weight, bias)
+    else:
+        partial = ops.linear(x, layer.weight, None, torch.float32, k_parts=tp)
+        out = ops.linear_epilogue(ops.tree_combine(_gather_list(_tp_group(), partial)), bias, x.dtype)
+    if not layer.return_bias:
+        return out
+    return out, (layer.bias if layer.skip_bias_add else None)
+
+
+def vocab_parallel_embedding_forward(layer, input_: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``VocabParallelEmbedding.forward`` whose all-reduce returns each token's row bitwise:
+    the ranks not holding the token contribute ``-0.0``, and ``x + (-0.0) == x`` for every x
+    (``+0.0`` would turn a ``-0.0`` entry into ``+0.0``), in any order of any all-reduce."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+    from vllm.model_executor.layers.vocab_parallel_embedding import get_masked_input_and_mask
+
+    if layer.tp_size == 1:
+        return layer.quant_method.embedding(layer, input_.long())
+    shard = layer.shard_indices
+    masked, hidden = get_masked_input_and_mask(
+        input_, shard.org_vocab_start_index, shard.org_vocab_end_index, shard.num_org_vocab_padding,
+        shard.added_vocab_start_index, shard.added_vocab_end_index,
+    )
+    rows = layer.quant_method.embedding(layer, masked.long())
+    rows.masked_fill_(hidden.unsqueeze(-1), -0.0)
+    return tensor_model_parallel_all_reduce(rows)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -184,23 +250,55 @@ def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
 
     The expert weights are vLLM's ``w13_weight`` [E, 2I, H] (gate rows, then up rows: HF's
     ``gate_up_proj``) and ``w2_weight`` [E, H, I], used unpacked, exactly as the training side's
-    experts use ``gate_up_proj``/``down_proj``.
+    experts use ``gate_up_proj``/``down_proj``. Sharded (activations are replicated over the ranks):
+    with expert parallelism a rank holds whole experts (``expert_map``) and each slot's row is taken
+    from the rank holding its expert (:func:`ops.moe_select`); with TP alone every expert's
+    intermediate dim is split and the down projections' fp32 subtrees are gathered and folded
+    (:func:`ops.moe_experts` with ``k_parts``). Either way: the unsharded experts' bits.
     """
     top_k, renormalize, num_experts = block.true_on_policy_moe
     holders = [m for m in block.experts.modules() if hasattr(m, "w13_weight")]
     if len(holders) != 1:
         raise UnsupportedFeatureError(f"true_on_policy (vLLM): {len(holders)} expert weight holders in one MoE block")
-    w13, w2 = holders[0].w13_weight, holders[0].w2_weight
-    if w13.shape[0] != num_experts:
-        raise UnsupportedFeatureError(
-            f"true_on_policy (vLLM): {w13.shape[0]} local experts of {num_experts}: expert parallelism is not covered"
-        )
+    holder = holders[0]
+    w13, w2 = holder.w13_weight, holder.w2_weight
+    parallel = holder.moe_config.moe_parallel_config
     shape = hidden_states.shape
     h = hidden_states.reshape(-1, shape[-1])
     router_logits = ops.linear(h, block.gate.weight, out_dtype=torch.float32)
     weights, chosen = ops.moe_route(router_logits, top_k, renormalize)
-    per_slot = ops.moe_experts(h, chosen, w13, w2)
+    if parallel.use_ep and parallel.ep_size > 1:
+        per_slot = _expert_parallel_slots(holder, h, chosen, num_experts)
+    elif parallel.tp_size > 1:
+        group = _tp_group()
+        per_slot = ops.moe_experts(h, chosen, w13, w2, k_parts=parallel.tp_size,
+                                   gather=lambda partial: _gather_list(group, partial))
+    else:
+        if w13.shape[0] != num_experts:
+            raise UnsupportedFeatureError(f"true_on_policy (vLLM): {w13.shape[0]} local experts of {num_experts}")
+        per_slot = ops.moe_experts(h, chosen, w13, w2)
     return ops.moe_combine(per_slot, weights).to(hidden_states.dtype).view(shape)
+
+
+def _expert_parallel_slots(holder, h: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, k, H]: every slot's expert row, from the EP rank holding that expert (vLLM's ``expert_map``)."""
+    from vllm.distributed import get_ep_group
+
+    group = get_ep_group()
+    expert_map = holder.expert_map  # global id -> local index, -1 where another rank holds it
+    if expert_map is None or expert_map.numel() != num_experts:
+        raise UnsupportedFeatureError(f"true_on_policy (vLLM): an expert map of {expert_map} for {num_experts} experts")
+    owner = holder.__dict__.get("_true_on_policy_owner")
+    if owner is None:  # which rank holds each expert: the ranks' maps, gathered once
+        maps = torch.stack(_gather_list(group, expert_map.to(torch.long)))
+        if not bool(((maps >= 0).sum(0) == 1).all()):
+            raise UnsupportedFeatureError("true_on_policy (vLLM): an expert held by no or several EP ranks (EPLB)")
+        owner = (maps >= 0).to(torch.long).argmax(0)
+        holder.__dict__["_true_on_policy_owner"] = owner
+    local = torch.nonzero(expert_map >= 0).flatten()
+    local = local[torch.argsort(expert_map[local])].tolist()  # global ids in the order of the local weights
+    per_slot = ops.moe_experts(h, chosen, holder.w13_weight, holder.w2_weight, experts=local)
+    return ops.moe_select(_gather_list(group, per_slot), owner[chosen])
 
 
 # ----------------------------------------------------------------------------------------------

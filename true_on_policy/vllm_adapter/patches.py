@@ -18,6 +18,10 @@ whole footprint.
   else raises
   :class:`~true_on_policy.kernels.model.UnsupportedFeatureError` naming it, so stock kernels never
   run silently with the flag on. Eager mode is required (compiled graphs broke bitwise equality).
+  Tensor parallelism (a power of two <= ``ops.MAX_TP``) and expert parallelism run the same bits:
+  the row-parallel linears' and the vocabulary-parallel embedding's combines are replaced
+  (:func:`.layers.row_parallel_forward`, :func:`.layers.vocab_parallel_embedding_forward`), the MoE
+  block handles both splits; PP, DP and EPLB are refused.
 * ``apply_consistent("cuda")`` (``platform: cuda`` + ``kernels: project``, flag on): the same model,
   linear, LM-head, log-softmax and MoE patches on vLLM's GPU model runner and sampler, and the
   project's attention as the ``CUSTOM`` backend (:class:`.layers.DeviceAttentionBackend`). Written
@@ -29,6 +33,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 from true_on_policy.contract.stack_versions import VLLM_ADAPTER_VERSION as VLLM_VERSION
 from true_on_policy.kernels import architectures
 from true_on_policy.kernels.model import UnsupportedFeatureError
+from true_on_policy.kernels.tensor_parallel import check_sharding
 
 # The MoE block whose __init__ / forward are replaced: the table's one MoE architecture's vLLM block.
 _MOE = architectures.by_name("Qwen3MoeForCausalLM")
@@ -72,13 +78,20 @@ TARGETS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "process_weights_after_loading", ("self", "layer"),
     ),
     "moe.forward": (_MOE.vllm_module, _MOE.moe.vllm_block, "forward", ("self", "hidden_states")),
+    "row_parallel.forward": ("vllm.model_executor.layers.linear", "RowParallelLinear", "forward", ("self", "input_")),
+    "embedding.forward": (
+        "vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding", "forward", ("self", "input_"),
+    ),
     "cpu.load_model": ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "load_model", ("self", "load_dummy_weights")),
     "cpu.sample": (_SAMPLER, "TopKTopPSampler", "forward_cpu", _SAMPLER_PARAMS),
     "cuda.load_model": ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "load_model", ("self", "load_dummy_weights")),
     "cuda.sample_native": (_SAMPLER, "TopKTopPSampler", "forward_native", _SAMPLER_PARAMS),
     "cuda.sample_cuda": (_SAMPLER, "TopKTopPSampler", "forward_cuda", _SAMPLER_PARAMS),
 }
-SHARED_TARGETS = ("linear.apply", "lm_head", "logprobs", "moe.init", "moe.weights", "moe.forward")
+SHARED_TARGETS = (
+    "linear.apply", "lm_head", "logprobs", "moe.init", "moe.weights", "moe.forward", "row_parallel.forward",
+    "embedding.forward",
+)
 DEVICE_TARGETS = {"cpu": ("cpu.load_model", "cpu.sample"), "cuda": ("cuda.load_model", "cuda.sample_native", "cuda.sample_cuda")}
 
 
@@ -242,6 +255,16 @@ def apply_consistent(device: str = "cpu") -> None:
 
     _patch("moe.forward", moe_forward)
 
+    def row_parallel_forward(self, input_):
+        return layers.row_parallel_forward(self, input_)
+
+    _patch("row_parallel.forward", row_parallel_forward)
+
+    def embedding_forward(self, input_):
+        return layers.vocab_parallel_embedding_forward(self, input_)
+
+    _patch("embedding.forward", embedding_forward)
+
     runner_target = f"{device}.load_model"
     owner, attr, _ = _target(runner_target)
     original_load_model = getattr(owner, attr)
@@ -298,8 +321,15 @@ def verify_model(model, vllm_config, device: str) -> None:
     if not vllm_config.model_config.enforce_eager:
         fail("compiled / CUDA-graph mode (enforce_eager=False); set rollout.enforce_eager=true")
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        fail(f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}")
+    if parallel.pipeline_parallel_size != 1 or parallel.data_parallel_size != 1:
+        fail(f"pipeline_parallel_size={parallel.pipeline_parallel_size}, data_parallel_size={parallel.data_parallel_size}")
+    if parallel.enable_eplb:
+        fail("expert-parallel load balancing (enable_eplb)")
+    tp, ep = parallel.tensor_parallel_size, parallel.tensor_parallel_size if parallel.enable_expert_parallel else 1
+    try:
+        check_sharding(vllm_config.model_config.hf_text_config, tp, ep)
+    except ValueError as error:
+        raise UnsupportedFeatureError(f"true_on_policy (vLLM): {error}") from None
     features = architectures.check_config(vllm_config.model_config.hf_config)
     architectures.check_built(features, built_features(model), "vLLM")
     expected = {
@@ -323,11 +353,16 @@ def verify_model(model, vllm_config, device: str) -> None:
         if isinstance(module, Attention) and type(module.impl) is not attention_impl:
             fail(f"{path}: attention implementation {type(module.impl).__name__} on {device} "
                  f"(the consistent backend builds {attention_impl.__name__})")
-        if isinstance(module, ParallelLMHead) and (
-            type(module.quant_method) is not UnquantizedEmbeddingMethod or module.tp_size != 1
-        ):
-            fail(f"{path}: LM head {type(module.quant_method).__name__} with tp_size={module.tp_size}")
+        if isinstance(module, ParallelLMHead) and type(module.quant_method) is not UnquantizedEmbeddingMethod:
+            fail(f"{path}: LM head {type(module.quant_method).__name__}")
         if isinstance(module, LogitsProcessor) and (module.soft_cap is not None or module.scale != 1.0):
             fail(f"{path}: logit soft cap {module.soft_cap} / scale {module.scale}")
         if "FusedMoE" in type(module).__name__ and id(module) not in moe_experts:
             fail(f"{path}: {type(module).__name__} outside {name}'s MoE block")
+    # One line per worker (vLLM's INFO logs do not reach verl's driver log): what ran, and where.
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    sys.stderr.write(
+        f"true_on_policy (vLLM): {name} verified on the consistent kernels: TP rank "
+        f"{get_tensor_model_parallel_rank()}/{tp}, EP {ep}\n"
+    )

@@ -137,6 +137,38 @@ void fma_chain_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, const
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
+// ops.tree_combine in place over leaves buffers of `len` floats each (buf[j] at buf + j * len): adjacent
+// pairs first, the sum lands in buf[0]. For a power-of-two count this is the stack order of the Python code.
+void tree_combine_in_place(float* buf, int64_t leaves, int64_t len) {
+  for (int64_t step = 1; step < leaves; step *= 2)
+    for (int64_t j = 0; j + step < leaves; j += 2 * step) {
+      float* dst = buf + j * len;
+      const float* src = buf + (j + step) * len;
+      for (int64_t i = 0; i < len; ++i) dst[i] = dst[i] + src[i];
+    }
+}
+
+// ops.matmul_tree's entries as fma chains: K split into `leaves` equal leaves, each fma_chain_rows (its
+// k chunks added in order), the leaves combined by the pairwise tree -- per block of kMaxRows rows of a.
+void fma_chain_tree_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, const float* bt, int64_t ldb,
+                         int64_t K, int64_t N, int64_t k_chunk, int64_t leaves, float* c, int64_t ldc) {
+  std::vector<float> part(kMaxRows * N);
+  if (leaves == 1) {
+    fma_chain_rows(a, a_row, a_k, M, bt, ldb, K, N, k_chunk, c, ldc, part.data());
+    return;
+  }
+  const int64_t width = K / leaves;
+  std::vector<float> leaf(leaves * kMaxRows * N);
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int64_t mr = std::min<int64_t>(kMaxRows, M - m0);
+    for (int64_t j = 0; j < leaves; ++j)
+      fma_chain_rows(a + m0 * a_row + j * width * a_k, a_row, a_k, mr, bt + j * width * ldb, ldb, width, N, k_chunk,
+                     leaf.data() + j * kMaxRows * N, N, part.data());
+    tree_combine_in_place(leaf.data(), leaves, kMaxRows * N);
+    for (int64_t i = 0; i < mr; ++i) std::copy(leaf.data() + i * N, leaf.data() + (i + 1) * N, c + (m0 + i) * ldc);
+  }
+}
+
 // row[b] = -inf where hidden[b] (selection), and the row's maximum (NaN if an entry is NaN, as amax).
 // A maximum of numbers is exact in any order; only the sign of a zero maximum may differ from amax's,
 // which no output sees (it is subtracted and exponentiated, or added to log(l) != -0).
@@ -250,29 +282,32 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * normed.to(x.scalar_type());  // torch's cast (round to nearest even) and promotion
 }
 
-// ops._linear_forward: x @ weight.T (+ bias) over row tiles of tile_rows, K split in k_chunk chunks
-// whose fp32 partials are added in order; the same aten calls as the Python code, minus its dispatch.
+// ops._padded_linear_forward: x @ weight.T (+ bias) over row tiles of tile_rows, K split in `leaves` equal
+// leaves (each in k_chunk chunks whose fp32 partials are added in order) combined by the pairwise tree
+// (ops.matmul_tree); the same aten calls as the Python code, minus its dispatch.
 // chain (a few rows, N >= 12, the fma chain checked): the same entries as fma chains, computed
 // transposed -- weight rows times the input rows as columns -- with no tile to pad.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk, bool chain) {
+                  at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk, int64_t leaves, bool chain) {
   const int64_t k = x.size(-1), n = weight.size(0);
   const auto rows = x.reshape({-1, k});
   const int64_t m = rows.size(0);
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = n;
   if (m == 0) return at::zeros(out_sizes, x.options().dtype(out_dtype));
+  TORCH_CHECK(leaves >= 1 && (leaves & (leaves - 1)) == 0 && k % leaves == 0, "linear: K = ", k,
+              " does not split into ", leaves, " equal leaves (a power of two)");
   at::Tensor out;
   if (chain) {
     const int64_t lanes = round_up(m, kLanes);
     TORCH_CHECK(lanes <= kMaxBlocks * kLanes, "linear: the chain path takes at most ", kMaxBlocks * kLanes,
                 " rows, got ", m);
     const auto xf = rows.to(at::kFloat).contiguous(), w = weight.to(at::kFloat).contiguous();
-    std::vector<float> xt(k * lanes, 0.0f), st(n * lanes), part(kMaxRows * lanes);
+    std::vector<float> xt(k * lanes, 0.0f), st(n * lanes);
     const float* xs = xf.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < k; ++j) xt[j * lanes + i] = xs[i * k + j];
-    fma_chain_rows(w.data_ptr<float>(), k, 1, n, xt.data(), lanes, k, lanes, k_chunk, st.data(), lanes, part.data());
+    fma_chain_tree_rows(w.data_ptr<float>(), k, 1, n, xt.data(), lanes, k, lanes, k_chunk, leaves, st.data(), lanes);
     out = at::empty({m, n}, xf.options());
     float* o = out.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i)
@@ -290,15 +325,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     const auto w = weight.to(at::kFloat);
     const auto b = w.is_contiguous() ? w.as_strided({tiles, k, n}, {0, 1, k})  // W^T per tile, no copy
                                      : w.t().unsqueeze(0).expand({tiles, k, n});
-    if (k <= k_chunk) {
-      out = at::bmm(a, b);
-    } else {
-      for (int64_t start = 0; start < k; start += k_chunk) {
-        const int64_t len = std::min(k_chunk, k - start);
+    auto leaf_product = [&](int64_t first, int64_t width) {  // ops.matmul_tiles over k in [first, first + width)
+      if (width <= k_chunk) return at::bmm(a.narrow(2, first, width), b.narrow(1, first, width));
+      at::Tensor acc;
+      for (int64_t start = first; start < first + width; start += k_chunk) {
+        const int64_t len = std::min(k_chunk, first + width - start);
         auto part = at::bmm(a.narrow(2, start, len), b.narrow(1, start, len));
-        out = out.defined() ? out + part : part;
+        acc = acc.defined() ? acc + part : part;
       }
+      return acc;
+    };
+    const int64_t width = k / leaves;
+    std::vector<std::pair<int64_t, at::Tensor>> stack;  // (leaves below, sum), as ops.matmul_tree
+    for (int64_t first = 0; first < k; first += width) {
+      auto part = leaf_product(first, width);
+      int64_t size = 1;
+      while (!stack.empty() && stack.back().first == size) {
+        part = stack.back().second + part;
+        stack.pop_back();
+        size *= 2;
+      }
+      stack.emplace_back(size, part);
     }
+    out = stack.front().second;
     out = out.view({tiles * tile_rows, n}).narrow(0, 0, m);
   }
   if (bias.has_value() && bias->defined()) out = out + bias->to(at::kFloat);

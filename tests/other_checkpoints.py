@@ -1,0 +1,74 @@
+"""Checkpoints of other shapes than the shipped tiny models, for "any checkpoint" checks.
+
+Each uses the tiny tokenizer (saved next to the weights, as verl and vLLM read it from the model
+path; the byte-level form for Qwen2, which transformers loads as Qwen2Tokenizer) and bf16 weights on
+disk. The Qwen3 ones have head counts divisible by 2 (for TP 2); the MoE one routes top-3 of 8
+experts and has a dense layer (``mlp_only_layers``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from true_on_policy import tiny_assets
+
+COMMON = dict(
+    vocab_size=160, hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+    intermediate_size=160, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=False,
+    eos_token_id=tiny_assets.SPECIAL_TOKENS.index("<|im_end|>"), pad_token_id=0, bos_token_id=None,
+)
+
+
+def save(config, directory, seed: int = 11) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    tiny_assets.build_tokenizer(byte_level=config.model_type == "qwen2").save_pretrained(directory)
+    return str(directory)
+
+
+def moe_checkpoint(directory) -> str:
+    """head_dim 32, GQA 6/2, 3 layers with a dense one, 8 experts top-3, vocabulary 160."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3, mlp_only_layers=[1], norm_topk_prob=False,
+        **COMMON,
+    )
+    return save(config, directory)
+
+
+def dense_checkpoint(directory) -> str:
+    """head_dim 32, GQA 6/2, 3 layers, intermediate 160, vocabulary 160."""
+    from transformers import Qwen3Config
+
+    return save(Qwen3Config(**COMMON), directory)
+
+
+def qwen2_checkpoint(directory) -> str:
+    """R1-Distill-Qwen-like (untied head): hidden 128, GQA 8/2, 3 layers, vocabulary 160, rope_theta
+    1e6, the sliding-window keys of a real Qwen2.5 config.json (use_sliding_window false)."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=160, hidden_size=128, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=192, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=False,
+        use_sliding_window=False, sliding_window=4096, max_window_layers=21, eos_token_id=2, pad_token_id=0,
+    )
+    return save(config, directory, 12)
+
+
+def llama_checkpoint(directory) -> str:
+    """Attention and MLP biases, tied head, 6 query heads over 3 kv heads of 16, Llama-3 RoPE scaling
+    with other factors than the shipped tiny Llama's."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=160, hidden_size=96, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=16, intermediate_size=128, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+        max_position_embeddings=512, eos_token_id=2, pad_token_id=0, bos_token_id=None,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    )
+    return save(config, directory, 13)
