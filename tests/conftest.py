@@ -7,6 +7,15 @@ import pytest
 
 from verl_run import SharedRuns
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # N workers share the cores: each (and what it starts) gets cores / N intra-op threads. Two full
+    # OpenMP teams on the same cores spin-wait on each other and turn short kernels into long waits.
+    _THREADS = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ["OMP_NUM_THREADS"] = _THREADS
+    import torch
+
+    torch.set_num_threads(int(_THREADS))
+
 
 @pytest.fixture(autouse=True)
 def _restore_environment():
