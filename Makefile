@@ -35,14 +35,19 @@ demo: install
 	$(PY) -m true_on_policy plot-metrics $(DEMO_OUT)/metrics.jsonl --out $(DEMO_OUT)/metrics.png \
 		--title "make demo: $(CONFIG), $(STEPS) steps"
 
+# JOBS pytest-xdist workers; --dist loadgroup keeps the tests of one shared verl run, or of one file,
+# on one worker, in the order tests/conftest.py queues them (heaviest first). JOBS=0: one process.
+JOBS ?= 2
+XDIST = -n $(JOBS) --dist loadgroup --no-loadscope-reorder
+
 test: install
 	$(PY) -m true_on_policy build-assets
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(XDIST) tests
 
 # The inner loop: no verl launch, no vLLM engine (the e2e and vllm markers deselected).
 test-fast: install
 	$(PY) -m true_on_policy build-assets
-	$(PY) -m pytest -q -m "not e2e and not vllm" tests
+	$(PY) -m pytest -q $(XDIST) -m "not e2e and not vllm" tests
 
 logdiff: install
 	$(PY) -m true_on_policy logdiff --json

@@ -2,22 +2,20 @@
 
 The e2e tests run ``python -m verl.trainer.main_ppo --config-name=cpu_tiny_async`` in a subprocess
 (Ray, the FSDP engine on gloo, the CPU rollout engine, TransferQueue) and read the per-step metrics
-from verl's file logger (tests/verl_run.py). The unmarked tests at the end check the sampler's configuration errors
-without starting anything.
+from verl's file logger (shared runs, tests/verl_run.py). The unmarked tests at the end check the
+sampler's configuration errors without starting anything.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from verl_run import REPO, run_trainer
+from verl_run import REPO, Run, train_steps
 
-TESTS = Path(__file__).resolve().parent
-FAIL_ENV_VAR = "TOP_TEST_FAIL_FIRST_ROLLOUTS"
+SUPPORT = Path(__file__).resolve().parent / "support"
+FAIL_ENV_VAR = "TOP_TEST_FAIL_FIRST_ROLLOUTS"  # fail_first_rollouts_agent_loop.FAIL_ENV_VAR (not importable here)
 
 CONFIG = "cpu_tiny_async"
 STEPS = 4
@@ -44,9 +42,24 @@ def check_lag_metrics(step: int, metrics: dict[str, float], max_policy_lag: int)
     assert metrics[f"{PREFIX}/epoch_delivered"] == step * BATCH
 
 
+ASYNC = Run(CONFIG, train_steps(STEPS))
+LAG_BOUND_ZERO = Run(CONFIG, train_steps(STEPS) + ("trainer.v1.sampler.sampler_kwargs.max_policy_lag=0",))
+FAILURES = 3
+FAILING_ROLLOUTS = Run(
+    CONFIG,
+    train_steps(STEPS)
+    + (
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={SUPPORT / 'fail_first_rollouts_agent_loop.yaml'}",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=fail_first_rollouts",
+    ),
+    env=((FAIL_ENV_VAR, str(FAILURES)),),
+    pythonpath=(str(SUPPORT),),
+)
+
+
 @pytest.mark.e2e
-def test_async_run_logs_policy_lag_within_the_bound():
-    _, steps = run_trainer(CONFIG, f"trainer.total_training_steps={STEPS}")
+def test_async_run_logs_policy_lag_within_the_bound(verl_runs):
+    steps = verl_runs(ASYNC).metrics
 
     assert sorted(steps) == list(range(1, STEPS + 1))
     for step, metrics in steps.items():
@@ -57,10 +70,8 @@ def test_async_run_logs_policy_lag_within_the_bound():
 
 
 @pytest.mark.e2e
-def test_lag_bound_zero_drops_stale_trajectories_and_requeues_their_prompts():
-    _, steps = run_trainer(
-        CONFIG, f"trainer.total_training_steps={STEPS}", "trainer.v1.sampler.sampler_kwargs.max_policy_lag=0"
-    )
+def test_lag_bound_zero_drops_stale_trajectories_and_requeues_their_prompts(verl_runs):
+    steps = verl_runs(LAG_BOUND_ZERO).metrics
 
     assert sorted(steps) == list(range(1, STEPS + 1))
     for step, metrics in steps.items():
@@ -69,46 +80,16 @@ def test_lag_bound_zero_drops_stale_trajectories_and_requeues_their_prompts():
     assert sum(metrics[f"{PREFIX}/requeued/policy_lag"] for metrics in steps.values()) >= 1
 
 
-class FailFirstRolloutsAgentLoop(SingleTurnAgentLoop):
-    """verl's single-turn loop, except that the first N distinct prompts it sees raise once each.
-
-    Runs in the agent-loop worker (a Ray actor; num_workers=1 in cpu_tiny, so one process keeps the
-    count). The exception is what a crashed tool or a dead server connection produces: verl's
-    agent_loop_tq marks the prompt ``failure`` with no trajectory.
-    """
-
-    failed_indices: set[int] = set()
-
-    async def run(self, sampling_params, **kwargs):
-        index = int(getattr(kwargs["index"], "item", lambda: kwargs["index"])())
-        budget = int(os.environ.get(FAIL_ENV_VAR, "0"))
-        if index not in self.failed_indices and len(self.failed_indices) < budget:
-            FailFirstRolloutsAgentLoop.failed_indices.add(index)
-            raise RuntimeError(f"injected rollout failure for prompt index {index}")
-        return await super().run(sampling_params, **kwargs)
-
-
 @pytest.mark.e2e
-def test_failed_rollouts_requeue_their_prompts_and_none_is_lost(tmp_path, monkeypatch):
-    failures = 3
-    registry = tmp_path / "fail_first_rollouts.yaml"
-    registry.write_text(f"- name: fail_first_rollouts\n  _target_: {Path(__file__).stem}.FailFirstRolloutsAgentLoop\n")
-    # Ray workers of the local cluster inherit the driver's environment: they import the loop from here.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv(FAIL_ENV_VAR, str(failures))
-
-    _, steps = run_trainer(
-        CONFIG,
-        f"trainer.total_training_steps={STEPS}",
-        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={registry}",
-        "actor_rollout_ref.rollout.agent.default_agent_loop=fail_first_rollouts",
-    )
+def test_failed_rollouts_requeue_their_prompts_and_none_is_lost(verl_runs):
+    """The first 3 prompts the agent loop sees fail once each (tests/support/fail_first_rollouts_agent_loop.py)."""
+    steps = verl_runs(FAILING_ROLLOUTS).metrics
 
     assert sorted(steps) == list(range(1, STEPS + 1))
     for step, metrics in steps.items():
         check_lag_metrics(step, metrics, max_policy_lag=2)
     # Each failure re-queued its prompt once; the re-roll succeeded and the epoch count stayed exact.
-    assert sum(metrics[f"{PREFIX}/requeued/rollout_failure"] for metrics in steps.values()) == failures
+    assert sum(metrics[f"{PREFIX}/requeued/rollout_failure"] for metrics in steps.values()) == FAILURES
 
 
 # ---------------------------------------------------------------------- configuration errors (no Ray)

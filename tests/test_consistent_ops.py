@@ -236,7 +236,9 @@ def test_silu_is_position_invariant_and_close_to_f_silu():
 def test_silu_twin_default_f_silu_is_position_variant():
     """The problem without the fix: F.silu's bits depend on where an element sits in the tensor."""
     x = torch.randn(2003, generator=gen(7)) * 4
-    assert _tail_variant(F.silu, x), "F.silu was position-invariant here: the twin lost its point"
+    variant = _tail_variant(F.silu, x)
+    assert variant, "F.silu was position-invariant here: the twin lost its point"
+    assert all(torch.equal(ops.silu(x[s:]), ops.silu(x)[s:]) for s in variant)  # the fix, at the same offsets
 
 
 def test_rope_table_matches_hf_and_apply_rope_is_elementwise():
@@ -368,6 +370,11 @@ def test_attention_twin_default_sdpa_decode_differs_from_full():
               if not torch.equal(F.scaled_dot_product_attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1],
                                                                 enable_gqa=True)[0, :, 0], full[0, :, p])]
     assert differ, "SDPA decode matched the full forward here: the twin lost its point"
+    ours = _full(q, k, v, [300])[0]  # the fix, at the same positions: the decode row is the full row
+    for p in differ:
+        one = ops.attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], torch.tensor([[p]]),
+                            torch.ones(1, p + 1, dtype=torch.bool), 0.25)
+        assert torch.equal(one[0, :, 0], ours[:, p]), p
 
 
 def test_softmax_twin_block_split_changes_bits():

@@ -1,49 +1,46 @@
 """verl's real PPO trainer runs FlashREINFORCE end to end on CPU (the embedded default).
 
-Each test starts Ray, the FSDP training engine on gloo and the CPU rollout engine, exactly as
-``python -m verl.trainer.main_ppo --config-path=configs --config-name=cpu_tiny`` does.
+Each run starts Ray, the FSDP training engine on gloo and the CPU rollout engine, exactly as
+``python -m verl.trainer.main_ppo --config-path=configs --config-name=cpu_tiny`` does. The 6-step
+runs are the suite's shared ones (tests/verl_run.py): the resume and run-to-run tests read them too.
 """
 
 import pytest
 
-from verl_run import run_trainer
+from verl_run import CPU_TINY, CPU_TINY_FLAG_OFF, CPU_TINY_MOE, RUN_GROUPS, STEPS, Run, train_steps
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 2
+VERL_REPLAY_BUFFER = Run(
+    "cpu_tiny", train_steps(1) + ("trainer.v1.sampler.custom_sampler=null", "trainer.v1.sampler.sampler_kwargs={}")
+)
 
 
-@pytest.mark.parametrize("config_name", ["cpu_tiny", "cpu_tiny_moe"])
-def test_trainer_runs_flashreinforce_with_zero_logdiff(config_name):
-    _, steps = run_trainer(config_name, f"trainer.total_training_steps={STEPS}")
-    assert sorted(steps) == list(range(1, STEPS + 1))
-    for step, metrics in steps.items():
+@pytest.mark.parametrize(
+    "run", [pytest.param(run, id=run.config, marks=pytest.mark.xdist_group(RUN_GROUPS[run])) for run in (CPU_TINY, CPU_TINY_MOE)]
+)
+def test_trainer_runs_flashreinforce_with_zero_logdiff(verl_runs, run):
+    metrics = verl_runs(run).metrics
+    assert sorted(metrics) == list(range(1, STEPS + 1))
+    for step, values in metrics.items():
         # The true-on-policy guarantee, measured by verl itself: recomputed == recorded, bitwise.
-        assert metrics["training/rollout_probs_diff_max"] == 0.0, (step, metrics["training/rollout_probs_diff_max"])
-        assert metrics["actor/flashreinforce/acceptance_rate"] == 1.0
-        assert 0.0 <= metrics["critic/score/mean"] <= 1.0
-        assert "actor/pg_loss" in metrics
+        assert values["training/rollout_probs_diff_max"] == 0.0, (step, values["training/rollout_probs_diff_max"])
+        assert values["actor/flashreinforce/acceptance_rate"] == 1.0
+        assert 0.0 <= values["critic/score/mean"] <= 1.0
+        assert "actor/pg_loss" in values
 
 
-def test_flag_off_twin_shows_the_logdiff():
+@pytest.mark.xdist_group(RUN_GROUPS[CPU_TINY_FLAG_OFF])
+def test_flag_off_twin_shows_the_logdiff(verl_runs):
     """Without the consistent kernels the same run's recompute and rollout disagree."""
-    _, steps = run_trainer(
-        "cpu_tiny", "trainer.total_training_steps=1", "true_on_policy.deterministic=false"
-    )
-    assert steps[1]["training/rollout_probs_diff_max"] > 0.0
+    assert verl_runs(CPU_TINY_FLAG_OFF).metrics[1]["training/rollout_probs_diff_max"] > 0.0
 
 
-def test_builtin_replay_buffer_twin_shows_the_2s_floor():
+def test_builtin_replay_buffer_twin_shows_the_2s_floor(verl_runs):
     """verl's own sync replay buffer (no custom sampler) waits one fixed 2 s poll per step.
 
     A lower bound, so it holds under any machine load. The fix is asserted where load cannot blur it:
     tests/test_sync_sampler.py checks that verl's own builder makes the recipe's buffer with a 0.02 s
-    poll; the measured effect (2.01 s -> 0.12-0.35 s) is in the README.
+    poll; the measured effect is in docs/measurements.md ("No fixed wait in generation").
     """
-    _, steps = run_trainer(
-        "cpu_tiny",
-        "trainer.total_training_steps=1",
-        "trainer.v1.sampler.custom_sampler=null",
-        "trainer.v1.sampler.sampler_kwargs={}",
-    )
-    assert steps[1]["timing_s/gen"] >= 2.0
+    assert verl_runs(VERL_REPLAY_BUFFER).metrics[1]["timing_s/gen"] >= 2.0

