@@ -35,9 +35,11 @@ CASES = [
     ("cpu_tiny", [], 0, "launch accepted (consistent and verified"),
     ("cpu_tiny", [f"{T}.platform=auto"], 0, "platform=auto detected cpu"),
     ("cpu_tiny_vllm", [], 0, "launch accepted"),
-    ("cpu_tiny_grpo_vllm", [], 0, "launch accepted"),
+    ("cpu_tiny_grpo_vllm", [], 0, "launch accepted"),  # GRPO, n=4: no FlashREINFORCE invariant applies
     ("cpu_tiny_qwen2_vllm", [], 0, "launch accepted"),
-    ("cpu_tiny_llama_vllm", [], 0, "launch accepted"),  # GRPO, n=4: no FlashREINFORCE invariant applies
+    ("cpu_tiny_llama_vllm", [], 0, "launch accepted"),
+    ("cpu_tiny_vllm_tp2", [], 0, "launch accepted (consistent and verified"),  # training TP 1, rollout TP 2: the TP-invariant kernels
+    ("cpu_tiny_moe_vllm_ep2", [], 0, "launch accepted (consistent and verified"),
     ("cpu_tiny", [f"{R}.n=2", f"{T}.relax_invariants=[single_rollout]"], 0, "launch accepted"),
     ("cpu_tiny", [f"{R}.dtype=bfloat16", f"{T}.allow_contract_mismatch=true"], 0, "contract mismatch allowed"),
     # a FlashREINFORCE invariant broken
@@ -54,6 +56,9 @@ CASES = [
     ("cpu_tiny", [f"{R}.tensor_model_parallel_size=2"], 2, "[tp]"),
     ("cpu_tiny_vllm", [f"{R}.enforce_eager=false"], 2, "[eager]"),
     ("cpu_tiny_vllm", [f"{R}.enable_sleep_mode=true"], 2, "[sleep_mode]"),
+    ("cpu_tiny_vllm_tp2", [f"{T}.deterministic=false"], 2, "[tp]"),  # no invariant kernels: TP must match
+    ("cpu_tiny_vllm_tp2", [f"{R}.tensor_model_parallel_size=16"], 2, "tensor_parallel_size=16 is not supported"),
+    ("cpu_tiny_vllm_tp2", [f"{R}.tensor_model_parallel_size=4"], 2, "num_key_value_heads=2 does not divide"),
     # a bad value
     ("cpu_tiny", [f"{T}.deterministic=maybe"], 2, "true_on_policy.deterministic must be a bool, got 'maybe'"),
     ("cpu_tiny", [f"{T}.platform=tpu"], 2, "true_on_policy.platform must be one of"),
