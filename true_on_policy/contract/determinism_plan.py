@@ -14,10 +14,6 @@ Keys are chosen by the installed or declared (``true_on_policy.stack_versions``)
 package that reads them (:data:`VERSION_GATES`); a key the chosen version would ignore is refused
 (:class:`ConfigError`), never emitted as a silent no-op. Every emitted key, its upstream file and the
 first version that has it: docs/parallelism_and_determinism.md ("Emitted keys").
-
-Why one module of ~660 lines: it is the cited table of every emitted key (env var or engine key,
-its upstream source and first version) next to the per-platform functions that emit them; splitting
-the table from its users would let them drift.
 """
 
 from __future__ import annotations

@@ -1,45 +1,15 @@
-"""transformers' decoder models on the consistent ops, for BOTH engines, same module code.
+"""transformers' decoder models on the consistent ops, for both engines, same module code.
 
-The covered architectures (Qwen3, Qwen3-MoE, Qwen2/Qwen2.5, Llama) and what differs between them
-are described in :mod:`.architectures`; this module's code serves all of them. Training side
-(verl's FSDP engine): :func:`patch_transformers` installs it on each architecture's CLASSES
-(``P`` = its prefix; the list and its checks: :mod:`true_on_policy.transformers_adapter.patches`) --
+Training side: :func:`patch_transformers` patches each covered architecture's classes
+(:mod:`.architectures`; the patch list: :mod:`true_on_policy.transformers_adapter.patches`): norms,
+RoPE, MLP, MoE router/experts, the linears (:class:`ConsistentLinear`, :class:`ConsistentLMHead`,
+same parameters) and an attention implementation ``"consistent"`` (:data:`ATTN_IMPLEMENTATION`).
+Rollout side: :func:`forward_packed` runs the same model as a ragged continuous batch over
+per-request :class:`KVCache` objects.
 
-* ``PRMSNorm`` -> :func:`consistent_ops.rms_norm`
-* ``PRotaryEmbedding`` -> rows of one fp32 :func:`rope_table`, and the module's
-  ``apply_rotary_pos_emb`` -> :func:`consistent_ops.apply_rope` (fp32)
-* ``PMLP`` -> :func:`consistent_ops.silu` between the (consistent) linears
-* MoE router -> fp32 logits + :func:`moe_route`; experts -> per-expert consistent linears +
-  :func:`moe_combine`
-* the ``nn.Linear`` children of every decoder layer (with their biases) become
-  :class:`ConsistentLinear` and the ``lm_head`` (tied or not) a :class:`ConsistentLMHead` (fp32
-  logits) -- subclasses of ``nn.Linear`` with the same parameters, so state dicts, FSDP wrapping
-  and forward hooks are unchanged. This happens in the patched ``__init__`` of the decoder layers
-  and causal LMs when :func:`patch_transformers` ran before the model was built, else on the
-  causal LM's first forward with the flag on (or by :func:`convert_model`).
-* attention: an implementation named :data:`ATTN_IMPLEMENTATION` (``"consistent"``) is
-  registered in transformers' ``AttentionInterface`` with a matching ``AttentionMaskInterface``
-  entry that hands the 2D padding mask through (HF builds no additive mask). Build the model with
-  ``attn_implementation="consistent"``. It reads the packing/padding layout from
-  ``position_ids`` (a new sequence wherever a position is not its predecessor + 1, as HF does) and
-  the 2D mask, scatters every sequence's tokens to their absolute positions and runs
-  :func:`consistent_ops.attention`.
-
-Every patched forward consults the one flag (:func:`consistent_ops.enabled`): off, it runs
-transformers' original code (the attention then uses SDPA with a boolean mask). With the flag ON,
-anything not covered raises an error naming it: an uncovered architecture or config feature
-(:func:`architectures.check_config`, at build time and on the first forward), modules other than
-the architecture's entry describes, another attention implementation, 4D masks, HF ``Cache``
-objects, linears that are not consistent (built before patching, LoRA wrappers).
-
-Rollout side: :func:`forward_packed` runs the SAME model (same modules, same hooks) as a ragged,
-continuous batch over per-request :class:`KVCache` objects; the cache travels to the attention
-function as a keyword argument that transformers forwards from ``model(...)`` to the attention
-interface. The same :func:`consistent_ops.attention` serves training rows and decode rows.
-
-Why one module of ~750 lines: the training side's patched classes and the rollout side's
-:func:`forward_packed` must be the same module code (that is the point), and the attention
-interface, mask interface and KV cache are the one layout contract between them.
+Flag off: transformers' original code. Flag on: anything not covered (architecture, config
+feature, attention implementation, 4D masks, HF ``Cache``, linears that are not consistent) raises
+an error naming it, never a silent fallback. Details: docs/true_on_policy.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ call where the torch code dispatches 10-50 small ops. Its attention (and a decod
 is fused: the products are the fma chains MKL's GEMM computes on torch's BLAS path, written out --
 used only where :func:`fma_chain_lib` has checked that premise on this CPU. ``make install`` builds
 the library (``python -m true_on_policy build-native``); otherwise the first process that needs it builds it
-(~30 s, once per environment: it lives under ``sys.prefix``, keyed by the source's hash, the flags
+(once per environment: it lives under ``sys.prefix``, keyed by the source's hash, the flags
 and torch's version; ``-march=native``: for the machine it is built on). Its loops run on torch's
 intra-op threads (OpenMP), each output written by one thread in a fixed order. If it cannot be built the
 ops run their torch code -- the same bits, slower -- and say so once on stderr. :func:`disabled`

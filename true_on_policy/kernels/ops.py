@@ -1,52 +1,16 @@
 """The consistent kernels: one order-fixed implementation per op, used by both engines.
 
-True on-policy needs the training engine and the rollout engine to produce *bitwise* identical token
-log-probs for the same weights and tokens. Floating-point addition is not associative, so every
-reduction must keep its order whatever the batch size, the batch composition, a row's position in
-the batch, the sequence position, the micro-batching and the thread count. The ops below guarantee
-that with plain PyTorch by construction, on four rules:
+Every op's result for a row is bitwise independent of the batch size and composition, the row's
+position, the sequence position, micro-batching and the thread count, on four rules: visible
+tokens by selection, never an additive mask; every reduction in a fixed order (fixed row tiles,
+fixed K chunks, a fixed pairwise tree whose leaves depend on the unsharded size, so every TP up to
+:data:`MAX_TP` gives the same bits); one online-softmax cadence for training and decode; fp32 at
+the sensitive points, outputs cast once. Each op's docstring states its invariant.
 
-1. Visible tokens are chosen by selection (``torch.where`` / ``-inf``), never by adding a large
-   negative number; padding, packing and garbage (NaN/inf) in masked slots never reach a row.
-2. Every reduction has a fixed order. Matrix products run as ``torch.bmm`` over row tiles of a
-   fixed height (:data:`TILE_ROWS`; a call with few rows, i.e. decode, may use a shorter tile where
-   that provably keeps a row's bits: :func:`tile_rows`) with the reduced dimension split into fixed
-   chunks (:data:`K_CHUNK`) whose fp32 partials are added left to right; a linear's reduced dimension
-   is first split into :func:`k_leaves` leaves combined by a fixed pairwise tree, a function of the
-   unsharded size, so a tensor-parallel shard is a subtree and every TP size up to :data:`MAX_TP`
-   computes the same bits; last-dim sums are a fixed pairwise tree of elementwise adds
-   (:func:`fixed_sum`); attention reduces over KV blocks of a fixed size (:data:`KV_BLOCK`) aligned
-   at absolute positions.
-3. Attention is an online softmax with the same block size and rescale cadence for a whole sequence
-   (training, prefill) and for one query over a KV cache (decode).
-4. One precision policy: fp32 accumulation everywhere, fp32 softmax and full-vocabulary
-   log-softmax, fp32 RoPE from one table, fp32 MoE routing. Outputs are cast once at the end.
-
-Transcendentals are restricted to those measured position-invariant on CPU (fp32 ``exp``, ``log``,
-``sqrt`` -- MKL VML's, not always correctly rounded; correctly rounded ``+ - * /``);
-``sigmoid``/``silu``/``rsqrt`` are rebuilt from them.
-Autocast is switched off inside these ops: the precision policy is the ops', not autocast's.
-Backward: :func:`linear` and :func:`attention` are autograd Functions whose forward is the
-consistent kernel and whose backward uses plain matmuls (gradients need not be batch-invariant);
-:func:`fixed_sum` is one whose backward is autograd's through its tree, bitwise; the other ops
-differentiate through their (elementwise) torch ops.
-
-On CPU, :func:`fixed_sum`, :func:`rms_norm` (inference), :func:`linear` and :func:`attention`
-(forward and backward) run as one call each into :mod:`true_on_policy.kernels.native` (C++) when it is built:
-the same arithmetic in the same order as the torch code below (attention's products as the fma
-chains MKL's GEMM computes, written out), which stays the specification (``tests/test_native_ops.py``
-holds the two ``torch.equal``).
-
-The switch (:func:`enabled`, :func:`enable`, :func:`disable`, :func:`consistent`) is THE one flag:
-:mod:`true_on_policy.kernels.model` routes the model's modules through these ops iff it is on.
-The ops themselves always compute the consistent way, except under :class:`Fault` switches, which
-only the diagnosis tool flips to plant a known inconsistency in the real kernels. Pure torch; no
-verl, no transformers import.
-
-Why one module of ~900 lines: it is the specification of the four rules, op by op; the ops share
-the switch, the tile constants and the reduction helpers (:func:`fixed_sum`, :func:`matmul_tiles`,
-:func:`matmul_tree`),
-and reading them side by side is how one checks that training and decode do the same arithmetic.
+The switch (:func:`enabled`, :func:`enable`, :func:`disable`, :func:`consistent`) is the one flag;
+the ops always compute the consistent way, except under :class:`Fault` switches (diagnosis only).
+On CPU some ops call :mod:`.native` (C++), the same bits; this torch code stays the specification.
+Pure torch; no verl, no transformers import. Details: docs/true_on_policy.md.
 """
 
 from __future__ import annotations
@@ -668,7 +632,7 @@ def _key_value_blocks(k, v, plan: AttentionPlan, fault: Fault):
     # (In-place writes into fresh buffers below compute the very same elementwise values as
     # out-of-place ops; they only save allocations, which dominate on CPU.)
     k_blocks = k.to(torch.float32).unflatten(2, (n_blocks, B)).transpose(-1, -2)  # a view
-    if not plan.dense:  # gathered per pair: from a contiguous copy, the same values, 3x faster
+    if not plan.dense:  # gathered per pair: from a contiguous copy, the same values, faster
         k_blocks = k_blocks.contiguous()
     v_ext = v.new_empty(S, Hkv, n_blocks * B, D + 1, dtype=torch.float32)
     v_ext[..., :D] = v

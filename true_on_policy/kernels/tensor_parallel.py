@@ -1,46 +1,16 @@
 """Tensor and expert parallelism for the CPU backend, with the same bits at every TP / EP size.
 
-:func:`shard_model` shards a transformers Qwen3 / Qwen3-MoE model (built after
-:func:`consistent_model.patch_transformers`) in place over a ``torch.distributed`` process group
-(gloo on CPU). The sharded model is the SAME module tree -- only some weights are slices and some
-linears combine their partial results with a collective -- so it serves BOTH paths of
-:func:`consistent_model.forward_packed`: the training forward (packed, no caches) and the rollout
-(prefill/decode over per-request KV caches, which then hold the rank's local KV heads).
+:func:`shard_model` shards a transformers Qwen3 / Qwen3-MoE model in place over a
+``torch.distributed`` group (gloo): attention and MLP column-/row-parallel by whole heads and
+columns, experts in contiguous ranges under EP (no token dispatch), the LM head vocabulary-parallel.
+The sharded model is the same module tree, so it serves the training forward and the rollout.
 
-Layout (``tp_size`` and ``ep_size`` are each 1 or the group size, a power of two <= ``ops.MAX_TP``):
-
-* attention: ``q_proj``/``k_proj``/``v_proj`` column-parallel by whole heads (rank r owns query
-  heads ``[r*Hq/tp, (r+1)*Hq/tp)`` and KV heads ``[r*Hkv/tp, ...)``, so grouped-query pairing is
-  rank-local); ``o_proj`` row-parallel. ``q_norm``/``k_norm`` act per head and stay whole.
-* dense MLP: ``gate_proj``/``up_proj`` column-parallel, ``down_proj`` row-parallel.
-* MoE (``ep_size`` > 1): experts split in contiguous ranges (rank r owns experts
-  ``[r*E/ep, (r+1)*E/ep)``); activations are replicated under TP, so there is no token dispatch:
-  every rank runs the fp32 router on all tokens (replicated) and its own experts on the tokens
-  routed to them; the per-slot rows are all-gathered and each slot is taken from the rank holding
-  its expert (:func:`ops.moe_select`, no arithmetic), then combined in slot order
-  (:func:`ops.moe_combine`). With ``ep_size`` = 1 the experts stay whole on every rank.
-* ``lm_head``: vocabulary-parallel; the fp32 logit slices are all-gathered and concatenated in
-  rank order (no reduction). Embeddings and norms are replicated.
-
-Why every TP size gives the unsharded bits (flag on): a column-parallel shard computes its output
-features alone (each entry of :func:`ops.linear` is independent of the others), and a row-parallel
-layer's reduced dim is a fixed pairwise tree over :func:`ops.k_leaves` leaves, a function of the
-UNSHARDED size; a rank's contiguous shard is a complete subtree (:func:`ops.linear`'s
-``k_parts``), and :func:`tree_all_reduce` = ``all_gather`` of the fp32 subtrees, then the tree's top
-levels (:func:`ops.tree_combine`) in rank order, identically on every rank. ``all_gather`` moves bits
-without arithmetic, so the collective's algorithm (ring, tree, halving-doubling), chunking or start
-rank changes nothing -- unlike an ``all_reduce``, whose order also depends on the group size.
-
-Backward (training): autograd Functions with the usual Megatron pairing -- the column-parallel
-input is an identity whose gradient is all-reduced (the same tree), the row-parallel combine passes
-its gradient through, the logit all-gather's gradient is the rank's slice, the EP selection's is the
-rank's owned slots. Gradients need not be batch-invariant; they are correct (tested against TP1
-within fp32 tolerance).
-
-With the consistent flag off the sharded modules run the default kernels (``F.linear``) and a
-plain ``dist.all_reduce`` (SUM): a serving engine's default numerics.
-
-Pure torch + torch.distributed (+ the transformers Qwen3 classes it shards); no verl import.
+With the flag on, every supported size gives the unsharded bits: a row-parallel shard is a
+complete subtree of :func:`ops.linear`'s fixed tree, and :func:`tree_all_reduce` all-gathers the
+fp32 subtrees and folds the top levels in rank order (never an ``all_reduce``). Gradients are
+correct, not bitwise. :func:`check_sharding` refuses an unsupported TP / EP by name. With the flag
+off: ``F.linear`` and a plain ``dist.all_reduce``. Pure torch + torch.distributed (+ the
+transformers classes it shards); no verl import. Details: docs/parallelism_and_determinism.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
 """FlashREINFORCE in verl 0.9.1's registries (``verl.trainer.ppo.core_algos``).
 
-* advantage estimator ``flashreinforce`` (``algorithm.adv_estimator=flashreinforce``):
-  A_i = R_i - batch mean, broadcast over the response and multiplied by ``response_mask``;
-* policy loss ``flashreinforce`` (``actor_rollout_ref.actor.policy_loss.loss_mode=flashreinforce``).
+* advantage estimator ``flashreinforce``: A_i = R_i - batch mean, broadcast over the response,
+  times ``response_mask``;
+* policy loss ``flashreinforce``: behaviour log-probs = ``old_log_prob`` (the rollout's recorded
+  ones, see :mod:`.trainer_hooks`); ``rollout_is_weights`` is read as the entropy filter's 0/1 mask,
+  never as weights (present iff ``negative_token_fraction`` < 1).
 
-Both delegate the math to :mod:`true_on_policy.loss.flashreinforce`; this module only translates verl's
-calling conventions. verl calls the policy loss once per micro-batch (workers/utils/losses.py
-``ppo_loss``), with ``old_log_prob`` = the batch's ``old_log_probs``, which in this project are the
-rollout engine's recorded sampling log-probs: the behaviour log-probs of the gate and the ratio.
-
-The entropy filter (``true_on_policy.negative_token_fraction`` q < 1). verl 0.9.1's policy-loss call
-carries no entropies and no rewards; of the per-token fields ``ppo_loss`` forwards (old_log_probs,
-advantages, rollout_is_weights) only ``rollout_is_weights`` is free: the gate replaces importance
-weighting, so verl's rollout correction is refused anyway (invariant ``no_rollout_correction``).
-The trainer hook (:mod:`true_on_policy.verl_adapter.trainer_hooks`) therefore writes the
-filter's keep decisions, computed in the driver by :func:`true_on_policy.loss.flashreinforce.entropy_filter`
-from the recompute's token entropies and the sequence rewards, into the batch's
-``rollout_is_weights`` field, and this loss reads that field as the FILTER MASK, never as weights:
-
-* q < 1: ``rollout_is_weights`` must be present with the response's shape; the trainer hook
-  validated it once per batch in the driver (exactly 0 or 1, 0 outside the response, T_i or
-  ceil(q * T_i) kept per row: :func:`true_on_policy.verl_adapter.trainer_hooks.validate_flashreinforce_batch`).
-  Importance weights that are all exactly 1 (what they are when training and rollout agree bitwise)
-  would read as "no row failed", so real weights must never reach this field: the launch refuses
-  ``rollout_is`` (invariant ``no_rollout_correction``) and the trainer hook refuses to write its
-  mask over weights verl already wrote;
-* q = 1: ``rollout_is_weights`` must be absent; real importance weights are refused as before.
-
-Both refuse to run without the settings the launch validated and exported (no defaults).
-
-No host sync per micro-batch: the loss and the estimator read no tensor value on the host (no
-``.item()``, ``bool()``, ``.tolist()``, no data-dependent shape, no loop over rows); what needs host
-values (one advantage per row, finite behaviour log-probs, the filter mask, a batch with at least one
-trajectory) is validated once per batch in the driver, and a non-finite ratio on an active token is
-a device-side assertion (``torch._assert_async``). The metrics are returned as 0-dim tensors; verl's
-``Metric`` turns them into floats, as it does ``pg_loss``.
-
-The denominators stay the ORIGINAL B and T_i (:func:`true_on_policy.loss.flashreinforce.loss_core`).
+Both only translate verl's calling conventions; the math is :mod:`true_on_policy.loss.flashreinforce`
+(denominators: the original B and T_i). No host sync per micro-batch: no tensor value is read on
+the host (the driver validated the batch once); a non-finite active ratio is a device-side assert.
+Both refuse to run without the launch's exported settings. Details: docs/flashreinforce.md.
 """
 
 from __future__ import annotations

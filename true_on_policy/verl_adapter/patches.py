@@ -178,7 +178,7 @@ def wrap_trainer_method(trainer_cls: type, name: str, make_wrapper: Callable[[Ca
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs callbacks right after a named module is executed, so a patch of a heavy module does not
-    import it in every process that loads the plugin (the trainer module costs ~1 s to import)."""
+    import it in every process that loads the plugin (the trainer module is slow to import)."""
 
     def __init__(self) -> None:
         self.callbacks: dict[str, list[Callable[[Any], None]]] = {}

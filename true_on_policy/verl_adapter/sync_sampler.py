@@ -2,7 +2,7 @@
 
 verl 0.9.1's ``ReplayBuffer`` sleeps ``poll_interval`` (a constructor default of 2.0 s that no config
 key reaches) between TransferQueue listings while the batch fills, and its first listing comes before
-any rollout can finish: every step's ``timing_s/gen`` was at least 2 s. :class:`SyncReplayBuffer` is
+any rollout can finish, so every step waits at least one interval. :class:`SyncReplayBuffer` is
 the same buffer with the interval from ``trainer.v1.sampler.sampler_kwargs.poll_interval_s``, plugged
 in through verl's public ``trainer.v1.sampler.custom_sampler`` hook (nothing patched). It takes no
 DAPO group filter: FlashREINFORCE has no groups.

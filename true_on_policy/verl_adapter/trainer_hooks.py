@@ -1,72 +1,16 @@
-"""Hooks on verl 0.9.1's v1 trainer (``PPOTrainer``): what FlashREINFORCE and true on-policy need.
+"""Hooks on verl 0.9.1's v1 trainer (``PPOTrainer``) that FlashREINFORCE and true on-policy need.
 
-1. Behaviour log-probs: the rollout engine's recorded ones.
+1. :func:`use_rollout_log_probs_as_old`: after verl's recompute (which logs
+   ``training/rollout_probs_diff_*``), ``old_log_probs`` := the rollout's recorded ``rollout_log_probs``.
+2. :func:`write_entropy_filter_mask` (q < 1): the filter's keep decisions, from verl's recomputed
+   entropies and ``rm_scores``, written as ``rollout_is_weights``; refuses to overwrite real weights.
+3. :func:`canonical_order` (flag on): the batch sorted by token sequence before verl balances it.
+4. :func:`require_full_batch`: a batch short of prompts raises :class:`ShortBatchError`, never padded.
+5. :func:`validate_flashreinforce_batch`: host-side checks, once per batch, in the driver.
 
-The gate and the importance ratio compare the current policy with the policy that SAMPLED each
-token, so the loss must see the log-probs the rollout engine recorded at sampling time, never a
-recomputation. verl 0.9.1 hands a registered policy loss only ``old_log_prob`` (``ppo_loss``
-selects response_mask, old_log_probs, advantages, rollout_is_weights, ref_log_prob), so the sound
-carrier is ``old_log_probs`` itself. The options verl offers, and why this module exists:
-
-- ``algorithm.rollout_correction.bypass_mode=true`` copies ``rollout_log_probs`` into
-  ``old_log_probs`` (in the v1 trainer it leaves ``loss_mode`` alone; the legacy trainer's
-  ``apply_bypass_mode`` forces ``loss_mode="bypass_mode"``), but it also skips verl's recompute,
-  and with it the true-on-policy monitor ``training/rollout_probs_diff_*``;
-- decoupled mode (bypass off) passes the loss only ``rollout_is_weights`` = exp(old - rollout),
-  possibly truncated: the behaviour log-prob cannot be recovered exactly from it.
-
-So the v1 trainer's ``_compute_old_log_prob`` runs as verl wrote it (the training engine
-recomputes the log-probs and logs ``training/rollout_probs_diff_*`` against the rollout's), then
-``old_log_probs`` is overwritten with ``rollout_log_probs``, exactly the copy bypass mode makes.
-
-2. The entropy filter's keep decisions (only when ``true_on_policy.negative_token_fraction`` < 1).
-
-The filter needs the behaviour policy's token entropies and each trajectory's success, and verl's
-policy-loss call carries neither. Both are in the TransferQueue by the time the v1 trainer has run
-``_compute_advantage``: ``entropy`` (written by the recompute in ``_compute_old_log_prob``, which
-runs with ``calculate_entropy=True``; the rollout engines record no entropies, and under the
-consistent kernels the recompute's logits are the rollout's bit for bit) and ``rm_scores`` (the
-task reward on the last response token). After verl's ``_compute_advantage``, the last step that
-writes per-token fields before ``_update_actor``, :func:`write_entropy_filter_mask` computes
-
-    failed_i = sum_t rm_scores_it <= true_on_policy.failure_reward_threshold
-    keep = true_on_policy.loss.flashreinforce.entropy_filter(response_mask, entropy, failed, q)
-
-and stores ``keep`` (float 0/1) as the field ``rollout_is_weights``. The actor worker fetches every
-field of its samples, and verl's ``ppo_loss`` forwards that field to the policy loss, which reads it
-as the filter mask (see :mod:`true_on_policy.verl_adapter.flashreinforce_registration`). The field
-is free because the gate replaces importance weighting; should verl have written real importance
-weights there anyway, the hook refuses rather than overwrite them.
-
-The filter's decisions are per row, so computing them on the whole batch in the driver and slicing
-them into micro-batches gives what the pure loss computes from the entropies.
-
-3. A canonical batch order (only with ``true_on_policy.deterministic``).
-
-The learner receives trajectories in completion order, which varies from run to run. Every
-reduction over the batch (the gradient summed over rows and micro-batches, the step's metric means)
-then adds the same numbers in a different order. Before verl balances the batch, it is sorted by
-its token sequences, so the same trajectories always meet the optimizer in the same order: the
-batch dimension gets the fixed reduction order the kernels give every other dimension.
-
-4. A full batch, or an error (always).
-
-A prompt whose rollout failed (e.g. its rollout server died mid-step) leaves verl's sync sampler a
-terminal group without a trajectory, and verl 0.9.1 trains on the rest, padding the batch
-(``trainer.v1.sampler.sync_refill_failed_groups`` is off by default). FlashREINFORCE's sample mean
-would then silently divide by fewer trajectories than the step sampled: before the batch is balanced,
-:func:`require_full_batch` refuses a batch with fewer prompts than ``train_batch_size /
-parameter_sync_step``, naming how many are missing and verl's key that re-rolls them.
-
-5. The FlashREINFORCE batch, checked once (only when the loss is FlashREINFORCE).
-
-The registered loss and estimator read no tensor value on the host per micro-batch (a device
-stall on every NPU/GPU step); what needs host values is checked here, in the driver, once per
-batch, after the last write before ``_update_actor`` (:func:`validate_flashreinforce_batch`).
-
-Hooks 1, 2 and 5 serve the FlashREINFORCE loss and run only when
-``actor.policy_loss.loss_mode=flashreinforce``; 3 and 4 serve every verl algorithm. All hooks are
-installed only in a process whose launch configured the recipe.
+Hooks 1, 2 and 5 run only with ``loss_mode=flashreinforce``; 3 and 4 serve every verl algorithm.
+Installed only in a process whose launch configured the recipe. Why each hook exists and how verl
+calls it: docs/flashreinforce.md ("The trainer hooks and the registered loss").
 """
 
 from __future__ import annotations
