@@ -35,10 +35,10 @@ demo: install
 	$(PY) -m true_on_policy plot-metrics $(DEMO_OUT)/metrics.jsonl --out $(DEMO_OUT)/metrics.png \
 		--title "make demo: $(CONFIG), $(STEPS) steps"
 
-# JOBS pytest-xdist workers; --dist loadgroup keeps the tests of one shared verl run, or of one file,
-# on one worker, in the order tests/conftest.py queues them (heaviest first). JOBS=0: one process.
+# JOBS pytest-xdist workers; --dist loadfile keeps each file on one worker, in the order
+# tests/conftest.py queues the files (heaviest first). JOBS=0: one process.
 JOBS ?= 2
-XDIST = -n $(JOBS) --dist loadgroup --no-loadscope-reorder
+XDIST = -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 test: install
 	$(PY) -m true_on_policy build-assets

@@ -40,25 +40,17 @@ def verl_runs(tmp_path_factory) -> SharedRuns:
     return SharedRuns(root / "verl_runs")
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """For ``-n N --dist loadgroup --no-loadscope-reorder`` (make test): a test without an
-    ``xdist_group`` runs on the worker of its file, so a module-scoped fixture (a vLLM engine, a spawn
-    of ranks) starts once; and the groups are queued heaviest first -- most vLLM tests, then most
-    verl-launching ones -- so that the longest work does not start last. Without xdist the order
-    changes only by whole groups, which do not depend on each other."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    """For ``-n N --dist loadfile --no-loadscope-reorder`` (make test): each file runs on one worker
+    (so a module-scoped fixture -- a vLLM engine, a spawn of ranks -- starts once), and the files are
+    queued heaviest first -- most vLLM tests, then most verl-launching ones -- so that the longest
+    work does not start last. Without xdist the order changes only by whole files, which do not
+    depend on each other. (pytest-xdist's ``loadgroup`` is not used: on this pytest it drops the
+    groups silently, pytest-dev/pytest-xdist#1386.)"""
     vllm, e2e, first_seen = Counter(), Counter(), {}
     for index, item in enumerate(items):
-        name = group(item)
+        name = item.nodeid.split("::")[0]
         first_seen.setdefault(name, index)
         vllm[name] += item.get_closest_marker("vllm") is not None
         e2e[name] += item.get_closest_marker("e2e") is not None
-    items.sort(key=lambda item: (-vllm[group(item)], -e2e[group(item)], first_seen[group(item)]))
-
-
-def group(item) -> str:
-    marker = item.get_closest_marker("xdist_group")
-    return marker.args[0] if marker.args else marker.kwargs["name"]
+    items.sort(key=lambda item: (-vllm[(f := item.nodeid.split("::")[0])], -e2e[f], first_seen[f]))

@@ -25,7 +25,7 @@ import pytest
 
 from verl_run import Run, same_bits
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("verl:behaviour_log_probs")]
+pytestmark = pytest.mark.e2e
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 PERTURB_ENV_VAR = "TOP_TEST_PERTURB_ROLLOUT_LOG_PROBS"  # perturbing_agent_loop.PERTURB_ENV_VAR (not importable here)

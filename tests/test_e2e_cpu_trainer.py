@@ -7,7 +7,7 @@ runs are the suite's shared ones (tests/verl_run.py): the resume and run-to-run 
 
 import pytest
 
-from verl_run import CPU_TINY, CPU_TINY_FLAG_OFF, CPU_TINY_MOE, RUN_GROUPS, STEPS, Run, train_steps
+from verl_run import CPU_TINY, CPU_TINY_FLAG_OFF, CPU_TINY_MOE, STEPS, Run, train_steps
 
 pytestmark = pytest.mark.e2e
 
@@ -16,9 +16,7 @@ VERL_REPLAY_BUFFER = Run(
 )
 
 
-@pytest.mark.parametrize(
-    "run", [pytest.param(run, id=run.config, marks=pytest.mark.xdist_group(RUN_GROUPS[run])) for run in (CPU_TINY, CPU_TINY_MOE)]
-)
+@pytest.mark.parametrize("run", [CPU_TINY, CPU_TINY_MOE], ids=lambda run: run.config)
 def test_trainer_runs_flashreinforce_with_zero_logdiff(verl_runs, run):
     metrics = verl_runs(run).metrics
     assert sorted(metrics) == list(range(1, STEPS + 1))
@@ -30,7 +28,6 @@ def test_trainer_runs_flashreinforce_with_zero_logdiff(verl_runs, run):
         assert "actor/pg_loss" in values
 
 
-@pytest.mark.xdist_group(RUN_GROUPS[CPU_TINY_FLAG_OFF])
 def test_flag_off_twin_shows_the_logdiff(verl_runs):
     """Without the consistent kernels the same run's recompute and rollout disagree."""
     assert verl_runs(CPU_TINY_FLAG_OFF).metrics[1]["training/rollout_probs_diff_max"] > 0.0

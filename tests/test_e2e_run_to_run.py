@@ -2,9 +2,9 @@
 
 import pytest
 
-from verl_run import CPU_TINY, CPU_TINY_AGAIN, RUN_GROUPS, STEPS, differing, learned
+from verl_run import CPU_TINY, CPU_TINY_AGAIN, STEPS, differing, learned
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group(RUN_GROUPS[CPU_TINY])]
+pytestmark = pytest.mark.e2e
 
 
 def test_same_seed_same_metrics_bitwise(verl_runs):

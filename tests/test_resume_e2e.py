@@ -21,7 +21,6 @@ from verl_run import (
     CPU_TINY_MOE,
     CPU_TINY_MOE_RESUMED,
     REPO,
-    RUN_GROUPS,
     SAVE_EVERY,
     STEPS,
     Run,
@@ -78,7 +77,6 @@ def sigterm_after_checkpoint(config_name, metrics_path, checkpoint_dir, step, *o
         log.close()
 
 
-@pytest.mark.xdist_group(RUN_GROUPS[CPU_TINY])
 def test_sigterm_then_resume_matches_an_uninterrupted_run_bitwise(tmp_path, verl_runs):
     """cpu_tiny: 6 steps vs 3 steps, SIGTERM, resume (trainer.resume_mode=auto), 3 more steps."""
     uninterrupted = verl_runs(CPU_TINY)
@@ -111,7 +109,6 @@ def full_and_resumed(verl_runs, run, resumed_run):
     return full, resumed
 
 
-@pytest.mark.xdist_group(RUN_GROUPS[CPU_TINY_MOE])
 def test_moe_resume_is_bitwise(verl_runs):
     full, resumed = full_and_resumed(verl_runs, CPU_TINY_MOE, CPU_TINY_MOE_RESUMED)
     assert not differing(full.metrics, resumed.metrics, resumed.metrics)
@@ -162,7 +159,6 @@ def test_async_exactly_once_per_epoch_across_a_resume(verl_runs):
         assert metrics["flashreinforce/sampler/distinct_prompts"] == len(set(delivered))
 
 
-@pytest.mark.xdist_group(RUN_GROUPS[CPU_TINY_FLAG_OFF])
 def test_flag_off_twin_shows_where_determinism_ends(verl_runs):
     """true_on_policy.deterministic=false: the same resume, without the consistent kernels and canonical order.
 
