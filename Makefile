@@ -1,5 +1,5 @@
 # Two newcomer commands: `make demo` (the main job on the embedded CPU default) and `make test`
-# (`make test-fast`: the inner loop without verl launches or vLLM engines).
+# (`make test-fast`: the inner loop, in-process tests only).
 # Both install what they need into .venv first (idempotent: a stamp file skips a finished install).
 PYTHON ?= python3
 VENV ?= .venv
@@ -44,10 +44,10 @@ test: install
 	$(PY) -m true_on_policy build-assets
 	$(PY) -m pytest -q $(XDIST) tests
 
-# The inner loop: no verl launch, no vLLM engine (the e2e and vllm markers deselected).
+# The inner loop: in-process tests only (the e2e, vllm and subprocess markers deselected).
 test-fast: install
 	$(PY) -m true_on_policy build-assets
-	$(PY) -m pytest -q $(XDIST) -m "not e2e and not vllm" tests
+	$(PY) -m pytest -q $(XDIST) -m "not e2e and not vllm and not subprocess" tests
 
 logdiff: install
 	$(PY) -m true_on_policy logdiff --json

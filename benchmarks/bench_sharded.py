@@ -191,7 +191,7 @@ def verl(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print the JSON list of records only")
+    parser.add_argument("--json", action="store_true", help="print the JSON list of records alone on stdout (logs: stderr)")
     parser.add_argument("--sections", nargs="+", default=["rollout", "kernels", "verl"],
                         choices=("rollout", "kernels", "verl"))
     parser.add_argument("--model", default="dense")
@@ -201,9 +201,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
+    from true_on_policy.cli.json_output import stdout_to_stderr
+
     records = []
-    for section in args.sections:
-        records += {"rollout": rollout, "kernels": kernels, "verl": verl}[section](args)
+    with stdout_to_stderr(args.json):  # --json: vLLM's and verl's logs to stderr, the JSON alone on stdout
+        for section in args.sections:
+            records += {"rollout": rollout, "kernels": kernels, "verl": verl}[section](args)
     if args.json:
         print(json.dumps(records, indent=1))
     else:

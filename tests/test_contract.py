@@ -175,6 +175,7 @@ def test_check_unreadable_config_exits_1(tmp_path):
     assert code == check_cli.EXIT_ERROR and "cannot compose" in err
 
 
+@pytest.mark.subprocess
 def test_check_cli_as_subprocess():
     proc = subprocess.run(
         [sys.executable, "-m", "true_on_policy", "check", *_check_args(ASCEND)],
@@ -347,6 +348,7 @@ def test_format_table_is_side_by_side(ascend_cfg):
     assert "bfloat16" in row and "float16" in row and "MISMATCH" in row
 
 
+@pytest.mark.subprocess
 def test_contract_module_does_not_import_verl():
     code = "import sys, true_on_policy.contract.consistency, true_on_policy.contract.determinism_plan as d; " \
            "v = {'vllm-ascend': 'main', 'mindspeed': '0.16.0', 'vllm': '0.24.0', 'megatron-core': '0.16.0'}; " \
@@ -673,6 +675,7 @@ def test_apply_in_process_sets_torch_determinism():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_example_dry_run_prints_config_table_and_command(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "PLATFORM": "ascend", "NNODES": "2", "HOME": str(tmp_path)}
     proc = subprocess.run(

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -31,6 +33,7 @@ def test_device_check_on_cpu_flag_on_is_bitwise_and_off_is_not(tmp_path):
     assert all(r["on_ms"] > 0 and r["off_ms"] > 0 and r["ratio"] == r["on_ms"] / r["off_ms"] for r in overhead)
 
 
+@pytest.mark.subprocess
 def test_device_check_script_writes_json(tmp_path):
     env = {**os.environ, "DEVICE": "cpu", "PROMPTS": "2", "LONGEST": "8", "NEW_TOKENS": "2", "REPEATS": "1",
            "MICRO_BATCH": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}

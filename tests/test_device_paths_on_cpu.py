@@ -84,6 +84,7 @@ def test_auto_resolves_to_the_machine_and_is_never_exported_unresolved():
 
 
 @pytest.mark.parametrize(("kernels", "switched_on"), [("project", True), ("engine", False)])
+@pytest.mark.subprocess
 def test_cuda_fsdp_vllm_on_a_gpu_machine_activates_one_kernel_switch(kernels, switched_on):
     """``kernels: project`` (written, not run on a device): the training side's kernels and the vLLM
     plugin's patch set both follow ``Settings.consistent_kernels``; the twin (``kernels: engine``) leaves
@@ -107,6 +108,7 @@ def test_cuda_fsdp_vllm_on_a_gpu_machine_activates_one_kernel_switch(kernels, sw
     assert state["vllm_patch_set"] == ("cuda" if switched_on else None)
 
 
+@pytest.mark.subprocess
 def test_cuda_megatron_plan_reaches_a_worker_as_env_and_in_process_determinism():
     from true_on_policy.verl_adapter import launch
 
@@ -120,6 +122,7 @@ def test_cuda_megatron_plan_reaches_a_worker_as_env_and_in_process_determinism()
     assert state == {"platform": "cuda", "consistent_kernels": False, "vllm_patch_set": None, "deterministic_algorithms": True}
 
 
+@pytest.mark.subprocess
 def test_ascend_plan_reaches_a_worker_and_stops_at_torch_npu_here():
     """The Ascend launch applies on CPU; its worker's in-process call needs torch_npu, which this
     machine lacks: the process fails naming it (written, not run)."""

@@ -18,6 +18,7 @@ from true_on_policy.loss.flashreinforce import (
     kept_token_count,
     sequence_advantages,
 )
+from verl_actor import flashreinforce_actor_config
 
 F64 = torch.float64
 ROWS, PROMPT_LENGTH, RESPONSE_LENGTH, HIDDEN, VOCAB = 6, 2, 6, 4, 7
@@ -97,18 +98,6 @@ def verl_advantages(batch):
     return advantages
 
 
-def actor_config():
-    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
-
-    return FSDPActorConfig(
-        strategy="fsdp",
-        rollout_n=1,
-        ppo_mini_batch_size=ROWS,
-        ppo_micro_batch_size_per_gpu=2,
-        loss_agg_mode="seq-mean-token-mean",
-        policy_loss=PolicyLossConfig(loss_mode="flashreinforce"),
-    )
-
 
 @pytest.fixture
 def filter_settings(monkeypatch):
@@ -122,7 +111,7 @@ def call_policy_loss(batch, *, rows=None, weight=None, **overrides):
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     index = torch.arange(ROWS) if rows is None else torch.tensor(rows)
-    config = actor_config()
+    config = flashreinforce_actor_config(ROWS)
     config.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=ROWS, loss_scale_factor=None)
     weight = batch["weight"] if weight is None else weight
     arguments = dict(
@@ -295,7 +284,7 @@ def test_the_mask_travels_through_verls_ppo_loss_and_micro_batches(filter_settin
 
     batch = make_batch()
     expected_loss, expected_grad, _ = pure_reference(batch)
-    config = actor_config()
+    config = flashreinforce_actor_config(ROWS)
     advantages = verl_advantages(batch)
     carrier = filter_carrier(batch)
     weight = batch["weight"].clone().requires_grad_(True)

@@ -17,6 +17,7 @@ import torch
 
 from true_on_policy.config import settings as settings_module
 from true_on_policy.loss.flashreinforce import flashreinforce_loss
+from verl_actor import flashreinforce_actor_config
 
 F64 = torch.float64
 ROWS, PROMPT_LENGTH, RESPONSE_LENGTH, HIDDEN, VOCAB = 6, 2, 5, 4, 7
@@ -83,18 +84,6 @@ def verl_advantages(batch):
     )
     return advantages
 
-
-def actor_config():
-    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
-
-    return FSDPActorConfig(
-        strategy="fsdp",
-        rollout_n=1,
-        ppo_mini_batch_size=ROWS,
-        ppo_micro_batch_size_per_gpu=2,
-        loss_agg_mode="seq-mean-token-mean",
-        policy_loss=PolicyLossConfig(loss_mode="flashreinforce"),
-    )
 
 
 def relative_error(actual, expected):
@@ -215,7 +204,7 @@ def ppo_loss_inputs(batch, weight, advantages, rows, *, dp_size, global_batch_si
 def gradient_through_ppo_loss(batch, micro_batches):
     from verl.workers.utils.losses import ppo_loss
 
-    config = actor_config()
+    config = flashreinforce_actor_config(ROWS)
     advantages = verl_advantages(batch)
     weight = batch["weight"].clone().requires_grad_(True)
     metrics = []
@@ -257,7 +246,7 @@ def _data_parallel_worker(rank, world_size, port, settings_json, micro_batches_p
     try:
         batch = make_batch()
         advantages = verl_advantages(batch)
-        config = actor_config()
+        config = flashreinforce_actor_config(ROWS)
         policy_loss = get_policy_loss_fn("flashreinforce")
         weight = batch["weight"].clone().requires_grad_(True)
         for rows in micro_batches_per_rank[rank]:
@@ -330,7 +319,7 @@ def call_policy_loss(batch, *, rows=None, global_batch_size=ROWS, dp_size=1, **o
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     rows = torch.arange(ROWS) if rows is None else torch.tensor(rows)
-    config = actor_config()
+    config = flashreinforce_actor_config(ROWS)
     config.global_batch_info.update(
         dp_size=dp_size, batch_num_tokens=None, global_batch_size=global_batch_size, loss_scale_factor=None
     )
@@ -437,6 +426,7 @@ def test_the_gate_uses_the_exported_delta(monkeypatch):
     assert closed_gate["actor/flashreinforce/acceptance_rate"] == pytest.approx(1 / ROWS)
 
 
+@pytest.mark.subprocess
 def test_plain_import_of_verl_registers_flashreinforce_through_the_entry_point(entry_point_probe):
     process, folder = entry_point_probe
     returncode = process.wait(timeout=180)

@@ -20,6 +20,7 @@ CHILD = [sys.executable, "-c", "import sys; print('from a child process'); sys.s
 
 
 @pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.subprocess
 def test_stdout_to_stderr_moves_python_and_child_process_output(capfd, enabled):
     with stdout_to_stderr(enabled):
         print("from python")
@@ -43,6 +44,7 @@ def test_stdout_to_stderr_moves_python_and_child_process_output(capfd, enabled):
         ("qwen3_30b_a3b_cuda", [], 3),
     ],
 )
+@pytest.mark.subprocess
 def test_check_json_is_the_whole_of_stdout(config, overrides, code):
     result = subprocess.run(
         [sys.executable, "-m", "true_on_policy", "check", "--config-path", str(REPO / "configs"), "--config-name", config,

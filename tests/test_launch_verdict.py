@@ -27,6 +27,8 @@ LAUNCHER = REPO / "tests" / "support" / "launch_cases.py"
 sys.path.insert(0, str(LAUNCHER.parent))
 from launch_cases import STOP_OVERRIDE  # noqa: E402
 
+pytestmark = pytest.mark.subprocess
+
 A, R, T = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "true_on_policy"
 
 # (config, overrides, exit code, a key the verdict's text names)

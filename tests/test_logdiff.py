@@ -4,9 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from verl_run import REPO
 
 
+@pytest.mark.subprocess
 def test_logdiff_cli_reports_zero_only_with_the_flag_on():
     result = subprocess.run(
         [sys.executable, "-m", "true_on_policy", "logdiff", "--json"],

@@ -16,23 +16,10 @@ import torch
 
 from true_on_policy.config import settings as settings_module
 from true_on_policy.loss.flashreinforce import flashreinforce_loss_from_advantages
+from verl_actor import flashreinforce_actor_config
 
 ROWS, LENGTH = 6, 5
 
-
-def actor_config(global_batch_size=ROWS):
-    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
-
-    config = FSDPActorConfig(
-        strategy="fsdp",
-        rollout_n=1,
-        ppo_mini_batch_size=ROWS,
-        ppo_micro_batch_size_per_gpu=2,
-        loss_agg_mode="seq-mean-token-mean",
-        policy_loss=PolicyLossConfig(loss_mode="flashreinforce"),
-    )
-    config.global_batch_info.update(dp_size=2, batch_num_tokens=None, global_batch_size=global_batch_size, loss_scale_factor=None)
-    return config
 
 
 def meta_inputs(device="meta"):
@@ -56,8 +43,9 @@ def test_the_registered_loss_reads_nothing_on_the_host(monkeypatch, fraction):
     monkeypatch.setenv(settings_module.ENV_VAR, settings.to_json())
     inputs = meta_inputs()
     carrier = torch.empty(ROWS, LENGTH, dtype=torch.float32, device="meta") if fraction < 1.0 else None
+    config = flashreinforce_actor_config(ROWS, dp_size=2, global_batch_size=ROWS)
     loss, metrics = get_policy_loss_fn("flashreinforce")(
-        **inputs, loss_agg_mode="seq-mean-token-mean", config=actor_config(), rollout_is_weights=carrier
+        **inputs, loss_agg_mode="seq-mean-token-mean", config=config, rollout_is_weights=carrier
     )
     loss.backward()
     assert loss.device.type == "meta" and inputs["log_prob"].grad.shape == (ROWS, LENGTH)

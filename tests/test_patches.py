@@ -124,6 +124,7 @@ def test_the_trainer_start_check_refuses_a_recipe_config_without_exported_settin
     launch.trainer_start_check(config)
 
 
+@pytest.mark.subprocess
 def test_the_plugin_arms_the_start_check_without_importing_the_trainer():
     code = (
         "import sys, verl\n"

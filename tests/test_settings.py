@@ -137,6 +137,7 @@ def test_without_exported_settings_nothing_runs_on_defaults(monkeypatch):
         ("qwen3_30b_a3b_ascend", "true_on_policy.delta=-1", "true_on_policy.delta must be a number >= 0"),
     ],
 )
+@pytest.mark.subprocess
 def test_main_ppo_exits_2_before_ray_naming_key_and_value(config_name, override, message):
     result = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIGS}", f"--config-name={config_name}", override],

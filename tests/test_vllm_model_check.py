@@ -43,6 +43,7 @@ def report(tmp_path_factory):
     return list(json.loads(out.stdout.strip().splitlines()[-1]).values())
 
 
+@pytest.mark.subprocess
 def test_vllm_builds_the_device_attention_and_the_model_check_accepts_it_on_cuda(report):
     """The fix: the check asks for the implementation the device's backend builds (DeviceAttentionImpl
     for CUDA, a subclass of the CPU one), not for exactly ConsistentAttentionImpl."""
@@ -53,6 +54,7 @@ def test_vllm_builds_the_device_attention_and_the_model_check_accepts_it_on_cuda
         assert r["verify"]["cuda"] == "ok", r
 
 
+@pytest.mark.subprocess
 def test_twin_the_cpu_rule_refuses_the_device_attention(report):
     """Without the fix (the check requiring exactly ConsistentAttentionImpl, today's CPU rule) the
     same models are refused: the CUDA kernels: project path could not start."""
@@ -61,6 +63,7 @@ def test_twin_the_cpu_rule_refuses_the_device_attention(report):
         assert "attention implementation DeviceAttentionImpl on cpu" in r["verify"]["cpu"], r
 
 
+@pytest.mark.subprocess
 def test_vllm_builds_what_each_architecture_entry_describes(report):
     for r in report:
         assert all(r["built"][key] == r["described"][key] for key in r["built"]), r
