@@ -1,31 +1,28 @@
 """FlashREINFORCE across data-parallel ranks, in verl's real trainer: DP = 1 and DP = 2 train on the same batch alike.
 
-``cpu_tiny`` runs twice, with ``trainer.n_gpus_per_node=1`` (one FSDP rank, one rollout replica) and
-``=2`` (two FSDP ranks on gloo, two rollout replicas). What makes the two agree:
+``cpu_tiny`` with ``trainer.n_gpus_per_node=1`` (the shared ``CPU_TINY`` run: one FSDP rank, one
+rollout replica) and ``=2`` (two FSDP ranks on gloo, two rollout replicas), compared at step 1. What
+makes the two agree: the CPU rollout engine seeds a request from the engine seed, the policy version
+and the prompt, not the replica (``verl_adapter/cpu_rollout.py``); the batch-centred advantage is
+computed in the driver over the whole batch, its mean over the rewards in sorted order
+(``loss/flashreinforce.masked_sequence_advantages``: verl balances the batch over the ranks in another
+row order); the sample-mean loss is normalised by the global batch size on every rank (verl's
+``global_batch_info``).
 
-* the CPU rollout engine seeds a request from the engine seed, the policy version and the prompt --
-  not the replica (``verl_adapter/cpu_rollout.py``) -- so both runs collect the same trajectories
-  whichever replica serves them (before: the replica rank entered the seed, and the two runs' step-1
-  scores differed by 21 %);
-* the batch-centred advantage is computed in the driver over the whole batch, its mean over the
-  rewards in sorted order (``loss/flashreinforce.sequence_advantages``): verl balances the batch
-  over the DP ranks in another row order, and a plain mean changed its last bit;
-* the sample-mean loss is normalised by the global batch size on every rank (verl's
-  ``global_batch_info``, ``verl_adapter/flashreinforce_registration.py``).
-
-At step 1, from verl's file logger: the batch (response lengths, score extremes, advantages, verl's
-recompute against the rollout) and the FlashREINFORCE statistics are bitwise equal; the loss and the
-gradient norm agree within a relative 1e-6 -- DP 2 adds the two ranks' micro-batch gradients in
-FSDP's reduce-scatter and the norm over shards, DP 1 accumulates other micro-batches: another
-summation order, not bitwise. (verl's own ``critic/score/mean`` is a mean over the rows in batch
-order: within one ulp.)
+The batch (response lengths, score extremes, advantages, verl's recompute against the rollout) and
+the FlashREINFORCE statistics are bitwise equal; the loss and the gradient norm agree within a
+relative 1e-6: DP 2 adds the two ranks' gradients in FSDP's reduce-scatter, DP 1 accumulates other
+micro-batches -- another summation order, not bitwise (verl's ``critic/score/mean`` is a mean over the
+rows in batch order).
 """
 
 import pytest
 
-from verl_run import run_trainer
+from verl_run import CPU_TINY, Run, same_bits, train_steps
 
 pytestmark = pytest.mark.e2e
+
+DP_2 = Run("cpu_tiny", train_steps(1) + ("trainer.n_gpus_per_node=2",))
 
 BATCH_METRICS = (
     "critic/score/max", "critic/score/min", "critic/advantages/max", "critic/advantages/min", "response_length/mean",
@@ -36,23 +33,16 @@ BOUND_METRICS = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "criti
 RELATIVE_BOUND = 1e-6
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = {}
-    for dp in (1, 2):
-        path = tmp_path_factory.mktemp(f"dp{dp}") / "metrics.jsonl"
-        _, steps = run_trainer(
-            "cpu_tiny", "trainer.total_training_steps=1", f"trainer.n_gpus_per_node={dp}", timeout=1800, metrics_path=path
-        )
-        out[dp] = steps[1]
-    return out
+@pytest.fixture
+def runs(verl_runs):
+    return {1: verl_runs(CPU_TINY).metrics[1], 2: verl_runs(DP_2).metrics[1]}
 
 
 def test_the_batch_and_its_statistics_are_bitwise_equal(runs):
     one, two = runs[1], runs[2]
     assert two["global_seqlen/mean"] * 2 == one["global_seqlen/mean"]  # two ranks, each half the tokens
     for name in BATCH_METRICS:
-        assert one[name] == two[name], (name, one[name], two[name])
+        assert same_bits(one[name], two[name]), (name, one[name], two[name])
 
 
 def test_loss_and_gradient_norm_agree_within_the_summation_bound(runs):
