@@ -64,14 +64,14 @@ def test_old_style_rope_scaling_of_a_llama3_config_json():
     assert architectures.check_config(config).rope_type == "llama3"
 
 
-def test_check_checkpoint_reads_config_json(tmp_path):
+def test_read_checkpoint_reads_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_config("qwen2")))
-    assert architectures.check_checkpoint(tmp_path).architecture == "Qwen2ForCausalLM"
+    assert architectures.check_config(architectures.read_checkpoint(tmp_path)).architecture == "Qwen2ForCausalLM"
     (tmp_path / "config.json").write_text(json.dumps(_config("qwen2", use_sliding_window=True, sliding_window=32,
                                                                   max_window_layers=0, layer_types=None)))
     with pytest.raises(architectures.UncoveredModelError, match="Qwen2ForCausalLM: sliding window attention"):
-        architectures.check_checkpoint(tmp_path)
-    assert architectures.check_checkpoint("Qwen/Qwen2.5-Math-1.5B") is None  # a hub name: the engines check it
+        architectures.check_config(architectures.read_checkpoint(tmp_path))
+    assert architectures.read_checkpoint("Qwen/Qwen2.5-Math-1.5B") is None  # a hub name: the engines check it
 
 
 # ----------------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_unsupported_splits_are_refused_by_name():
         (dense, 16, 1, "tensor_parallel_size=16 is not supported.*MAX_TP=8"),
         (dense, 3, 1, "tensor_parallel_size=3 is not supported"),
         (dense, 4, 1, "num_key_value_heads=2 does not divide by tensor_parallel_size=4"),
-        (moe, 2, 8, "num_experts=4 does not divide by expert_parallel_size=8"),
+        (moe, 2, 8, "num_local_experts=4 does not divide by expert_parallel_size=8"),
         (dense, 2, 2, "expert_parallel_size=2 for a model without experts"),
     ]:
         with pytest.raises(ValueError, match=message):

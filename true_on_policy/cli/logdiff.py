@@ -158,7 +158,7 @@ def _model_path(model: str) -> tuple[str, str]:
             "with config.json"
         )
     try:
-        architectures.check_checkpoint(model)
+        architectures.check_config(architectures.read_checkpoint(model))
     except architectures.UncoveredModelError as error:
         sys.stderr.write(f"logdiff: --model {model}: {error}\n")
         raise SystemExit(2) from error
@@ -239,12 +239,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_sharding(parser, targets, tps, ep: bool) -> None:
     """Every (model, TP, EP) the kernels keep bitwise, or a usage error naming it, before any engine starts."""
-    from transformers import AutoConfig
-
+    from true_on_policy.kernels.architectures import read_checkpoint
     from true_on_policy.kernels.tensor_parallel import check_sharding
 
     for kind, path in targets:
-        config = AutoConfig.from_pretrained(path)
+        config = read_checkpoint(path)
         for tp in tps:
             try:
                 check_sharding(config, tp, tp if ep and tp > 1 else 1)

@@ -167,6 +167,7 @@ class _Ctx:
     rollout_env: dict[str, str]
     tl: _Layout
     rl: _Layout
+    checkpoint: Mapping[str, Any] | None  # the model's config.json; None: not a local checkpoint
 
     @property
     def platform(self) -> str:
@@ -189,14 +190,15 @@ class _Ctx:
         return self.r.name
 
 
-def build_contract(settings: Any, sides: Sides, plan: Any) -> Contract:
-    """The two-column contract of the views ``sides`` under ``settings`` (platform resolved).
+def build_contract(settings: Any, sides: Sides, plan: Any, checkpoint: Mapping[str, Any] | None = None) -> Contract:
+    """The two-column contract of the views ``sides`` under ``settings`` (platform resolved);
+    ``checkpoint`` is the model's parsed config.json (None: not a local checkpoint directory).
 
     The plan's config updates are laid over the views first (:meth:`Sides.overlay`), so the contract
-    describes what the launch will run with. Nothing here reads the config.
+    describes what the launch will run with. Nothing here reads the config or the checkpoint.
     """
     applied = sides.overlay(denv.config_updates(plan))
-    ctx = _context(applied, settings, plan)
+    ctx = _context(applied, settings, plan, checkpoint)
     rows = [
         *_layout_rows(ctx),
         *_dtype_rows(ctx),
@@ -222,15 +224,18 @@ def build_contract(settings: Any, sides: Sides, plan: Any) -> Contract:
 def contract_for_config(
     config: Any, settings: Any, *, plan: Any = None, detected: Mapping[str, str | None] | None = None
 ) -> Contract:
-    """:func:`build_contract` of a resolved config (read once into its views); the plan computed
-    from it unless given; ``detected`` feeds installed versions (default: importlib.metadata)."""
+    """:func:`build_contract` of a resolved config (read once into its views) and of its model's
+    config.json; the plan computed from it unless given; ``detected`` feeds installed versions
+    (default: importlib.metadata)."""
+    from true_on_policy.kernels.architectures import read_checkpoint
+
     sides = read_sides(config)
     if plan is None:
         plan = denv.plan_for(settings, sides, detected=detected)
-    return build_contract(settings, sides, plan)
+    return build_contract(settings, sides, plan, checkpoint=read_checkpoint(sides.training.model_path))
 
 
-def _context(sides: Sides, settings: Any, plan: Any) -> _Ctx:
+def _context(sides: Sides, settings: Any, plan: Any, checkpoint: Mapping[str, Any] | None) -> _Ctx:
     t, r = sides.training, sides.rollout
     notes: list[str] = list(plan.notes) + [f"not emitted: {s}" for s in plan.skipped]
     tl = _training_layout(t, settings)
@@ -244,7 +249,7 @@ def _context(sides: Sides, settings: Any, plan: Any) -> _Ctx:
         )
     engine_bi = r.name == "vllm" and vllm_batch_invariant(r.env)
     rollout_env = {**r.env, **(plan.rollout_forced_env if engine_bi else {})}
-    return _Ctx(t, r, settings, plan, notes, rollout_env, tl, rl)
+    return _Ctx(t, r, settings, plan, notes, rollout_env, tl, rl, checkpoint)
 
 
 def _layout_rows(c: _Ctx) -> list[Row]:
@@ -501,17 +506,13 @@ def _sharding_row(c: _Ctx) -> Row:
         if max(tp, ep) <= 1:
             sides.append(Side("ok", f"{who} unsharded"))
             continue
-        try:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(c.t.model_path)
-        except Exception as error:  # noqa: BLE001 -- an unreadable model is unverified, said with the reason
-            sides.append(Side(UNVERIFIED, f"{source}: cannot read the model config ({type(error).__name__})"))
+        if c.checkpoint is None:
+            sides.append(Side(UNVERIFIED, f"{source}: {M}.path is not a local checkpoint directory with config.json"))
             continue
         from true_on_policy.kernels.tensor_parallel import check_sharding
 
         try:
-            check_sharding(config, tp, ep)
+            check_sharding(c.checkpoint, tp, ep)
             sides.append(Side("ok", source))
         except ValueError as error:
             sides.append(Side(str(error), source))

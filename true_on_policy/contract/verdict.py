@@ -10,7 +10,7 @@ its code, printing its text. It runs, in order, on the config as composed:
 3. the FlashREINFORCE invariants, when the loss or the estimator is FlashREINFORCE, and the
    FlashREINFORCE-only settings otherwise;
 4. the platform's limits (CPU TP/EP is library level only) and, when the project's kernels run,
-   the checkpoint's architecture (:func:`~true_on_policy.kernels.architectures.check_checkpoint`);
+   the checkpoint's architecture (:func:`~true_on_policy.kernels.architectures.check_config` on its config.json);
 5. the determinism plan and the consistency contract on the config's typed views (read once);
 6. the contract's mismatches (refused unless ``allow_contract_mismatch``) and unverified rows
    (refused unless each is named in ``accept_unverified``).
@@ -98,13 +98,14 @@ def decide(
         return _refused(refusals)
     refusals += _algorithm_refusals(config, settings, flashreinforce, notes)
     refusals += _platform_limits(settings)
-    refusals += _architecture_refusals(config, settings)
+    checkpoint = _checkpoint(config)  # config.json, read once: the architecture check and the sharding row
+    refusals += _architecture_refusals(config, checkpoint, settings)
 
     plan = contract = None
     try:
         sides = read_sides(config)
         plan = denv.plan_for(settings, sides, detected=detected, importer=importer)
-        contract = consistency.build_contract(settings, sides, plan)
+        contract = consistency.build_contract(settings, sides, plan, checkpoint=checkpoint)
     except ConfigError as error:
         refusals.append(f"bad config value: {error}")
     if contract is None:
@@ -211,16 +212,30 @@ def _platform_limits(settings: Settings) -> list[str]:
     return []
 
 
-def _architecture_refusals(config: Mapping[str, Any], settings: Settings) -> list[str]:
+def _model_path(config: Mapping[str, Any]) -> Any:
+    try:
+        return config["actor_rollout_ref"]["model"]["path"]
+    except (KeyError, TypeError):
+        return None
+
+
+def _checkpoint(config: Mapping[str, Any]) -> dict | None:
+    """The model's parsed config.json, or None (no path, or a hub name: the engines check it at load)."""
+    path = _model_path(config)
+    return architectures.read_checkpoint(path) if isinstance(path, str) else None
+
+
+def _architecture_refusals(config: Mapping[str, Any], checkpoint: dict | None, settings: Settings) -> list[str]:
     """The project's kernels refuse, by name, an architecture or feature they do not cover."""
     if not settings.consistent_kernels:
         return []
-    try:
-        path = config["actor_rollout_ref"]["model"]["path"]
-    except (KeyError, TypeError):
+    path = _model_path(config)
+    if path is None:
         return ["bad config value: actor_rollout_ref.model.path is required"]
+    if checkpoint is None:
+        return []
     try:
-        architectures.check_checkpoint(path)
+        architectures.check_config(checkpoint)
     except architectures.UnsupportedFeatureError as error:
         return [f"uncovered model: actor_rollout_ref.model.path={path!r}: {error}"]
     return []

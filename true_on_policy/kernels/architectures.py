@@ -37,7 +37,7 @@ __all__ = [
     "UnsupportedFeatureError",
     "by_name",
     "check_built",
-    "check_checkpoint",
+    "read_checkpoint",
     "check_config",
     "config_dict",
     "names",
@@ -320,11 +320,12 @@ def check_built(features: Features, built: Mapping[str, bool], engine: str) -> N
         )
 
 
-def check_checkpoint(path: str | os.PathLike) -> Features | None:
-    """:func:`check_config` on ``path/config.json``; None if ``path`` is not a local checkpoint
-    directory (a hub name: the engines check the config when they load it)."""
+def read_checkpoint(path: str | os.PathLike) -> dict | None:
+    """The parsed ``path/config.json``, read once by whoever checks it (:func:`check_config`, the
+    sharding check); None if ``path`` is not a local checkpoint directory (a hub name: the engines
+    check the config when they load it)."""
     config_file = os.path.join(os.fspath(path), "config.json")
     if not os.path.isfile(config_file):
         return None
     with open(config_file) as handle:
-        return check_config(json.load(handle))
+        return json.load(handle)

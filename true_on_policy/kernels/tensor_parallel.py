@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from true_on_policy.kernels import architectures
 from true_on_policy.kernels import model as cm
 from true_on_policy.kernels import ops
 
@@ -316,26 +317,30 @@ def check_sharding(config, tp_size: int, ep_size: int = 1) -> None:
     TP and EP must be powers of two <= :data:`ops.MAX_TP` (the reduction tree's leaves hold whole
     subtrees only up to it); the query and KV head counts, the MLP's intermediate size and, with
     experts split by TP (EP 1), the experts' intermediate size must divide by TP; the experts by EP.
-    ``config`` is the model's transformers config. Checked before a model is sharded or an engine starts.
+    ``config`` is the model's config (a dict such as config.json, or a transformers config). Checked
+    before a model is sharded or an engine starts.
     """
+    config = architectures.config_dict(config)
     for name, size in (("tensor_parallel_size", tp_size), ("expert_parallel_size", ep_size)):
         if not isinstance(size, int) or size < 1 or size & (size - 1) or size > ops.MAX_TP:
             raise ValueError(
                 f"true_on_policy: {name}={size!r} is not supported: the consistent kernels keep their bits at "
                 f"powers of two up to MAX_TP={ops.MAX_TP} (true_on_policy.kernels.ops)"
             )
-    num_experts = getattr(config, "num_experts", 0) or 0
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (num_experts is its alias)
+    experts_key = "num_experts" if config.get("num_experts") else "num_local_experts"
+    num_experts = config.get(experts_key) or 0
     divisible = [("num_attention_heads", tp_size), ("num_key_value_heads", tp_size), ("intermediate_size", tp_size)]
     if num_experts and ep_size == 1:
         divisible.append(("moe_intermediate_size", tp_size))
     if ep_size > 1:
         if not num_experts:
             raise ValueError(f"true_on_policy: expert_parallel_size={ep_size} for a model without experts")
-        divisible.append(("num_experts", ep_size))
+        divisible.append((experts_key, ep_size))
     for key, size in divisible:
-        value = getattr(config, key, None)
+        value = config.get(key)
         if value is not None and value % size:
-            what = "tensor_parallel_size" if key != "num_experts" else "expert_parallel_size"
+            what = "expert_parallel_size" if key == experts_key else "tensor_parallel_size"
             raise ValueError(f"true_on_policy: the model's {key}={value} does not divide by {what}={size}")
 
 
