@@ -18,6 +18,7 @@ from torch import nn
 
 from true_on_policy.kernels import model as cm
 from true_on_policy.kernels import ops
+from true_on_policy.transformers_adapter import patches as transformers_patches
 
 
 # inputs that describe the layout, not the data (rule 1: a mask is a selection, compared via outputs)
@@ -261,20 +262,14 @@ class _Side:
                 continue
             self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post, with_kwargs=True))
-        swapped = []
         modeling = {sys.modules.get(type(m).__module__) for m in root.modules()}
-        for mod in modeling:
-            if mod is not None and callable(getattr(mod, "apply_rotary_pos_emb", None)):
-                original = mod.apply_rotary_pos_emb
-                swapped.append((mod, "apply_rotary_pos_emb", original))
-                mod.apply_rotary_pos_emb = self._rope_wrapper(original)
-        swapped.append((ops, "moe_combine", ops.moe_combine))
-        ops.moe_combine = self._combine_wrapper(ops.moe_combine)
+        combine = ops.moe_combine
+        ops.moe_combine = self._combine_wrapper(combine)
         try:
-            yield self
+            with transformers_patches.wrapping_apply_rotary(modeling, self._rope_wrapper):
+                yield self
         finally:
-            for owner, attr, original in reversed(swapped):
-                setattr(owner, attr, original)
+            ops.moe_combine = combine
             for h in self.handles:
                 h.remove()
             self.handles.clear()

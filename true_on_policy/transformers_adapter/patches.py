@@ -9,7 +9,8 @@ target                              replacement (flag off: transformers' origina
 ==================================  ================================================================
 ``PRMSNorm.forward``                :func:`ops.rms_norm`
 ``PRotaryEmbedding.forward``        rows of the one fp32 RoPE table
-``apply_rotary_pos_emb`` (module)   the fp32 rotation
+``apply_rotary_pos_emb`` (module)   the fp32 rotation (and, within :func:`wrapping_apply_rotary`,
+                                    the diagnosis capture's recording wrapper)
 ``PMLP.forward``                    the fp32 SiLU between consistent linears
 ``PDecoderLayer.__init__``          its ``nn.Linear`` children become ``ConsistentLinear``
 ``PForCausalLM.__init__``           ``lm_head`` becomes ``ConsistentLMHead``; the config is checked
@@ -30,6 +31,7 @@ transformers 5.9.0 -- and patches nothing if one differs: :class:`TransformersPa
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 from collections.abc import Callable
@@ -218,3 +220,24 @@ def revert() -> None:
     _ORIGINALS.clear()
     for registry in _registries():
         registry._global_mapping.pop(model.ATTN_IMPLEMENTATION, None)
+
+
+@contextlib.contextmanager
+def wrapping_apply_rotary(modules, make_wrapper: Callable[[Callable], Callable]):
+    """Within the block, each covered modeling module among ``modules`` calls
+    ``make_wrapper(current)`` as its ``apply_rotary_pos_emb`` (the diagnosis capture records the
+    rotation); each target is checked first, like :func:`apply`'s, and restored on exit."""
+    names = {module.__name__ for module in modules if module is not None}
+    swapped = []
+    try:
+        for target in targets():
+            if target.role == "apply_rotary" and target.module in names:
+                owner, _ = check(target)
+                current = getattr(owner, target.attribute)
+                swapped.append((owner, target.attribute, current))
+                setattr(owner, target.attribute, make_wrapper(current))
+                names.discard(target.module)  # one module may serve several architectures
+        yield
+    finally:
+        for owner, attribute, current in reversed(swapped):
+            setattr(owner, attribute, current)
