@@ -33,7 +33,7 @@ def warm_start():
 
     path = tiny_assets.ensure_assets() / tiny_assets.WARM_START_DIR
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(path), json.loads((path / "BUILT").read_text())
+    return model, AutoTokenizer.from_pretrained(path), json.loads((path / tiny_assets.STAMP).read_text())
 
 
 def mean_reward(model, tokenizer, greedy: bool, n: int = 48, max_new_tokens: int = 12) -> tuple[float, float]:
@@ -65,3 +65,17 @@ def test_warm_start_knows_the_task_but_samples_hot(warm_start):
     assert greedy > 0.9 and greedy_ended == 1.0
     assert sampled < 0.6
     assert 0.0 < sampled_ended < 1.0  # some responses stop, some do not: lengths vary
+
+
+def test_an_asset_stamped_by_another_builder_is_built_again(tmp_path):
+    """The stamp names its builder (this module's source and the transformers version): the shipped
+    assets are current; the same folder stamped by another builder, or unstamped, is not."""
+    for folder in (tiny_assets.MODEL_DIRS["dense"], tiny_assets.WARM_START_DIR, "reverse"):
+        assert tiny_assets.is_current(tiny_assets.ensure_assets() / folder), folder
+    stale = tmp_path / "asset"
+    stale.mkdir()
+    assert not tiny_assets.is_current(stale)
+    (stale / tiny_assets.STAMP).write_text(json.dumps({"kind": "dense", "seed": 0}))  # before builders were named
+    assert not tiny_assets.is_current(stale)
+    (stale / tiny_assets.STAMP).write_text(json.dumps({"builder": tiny_assets.builder_digest()}))
+    assert tiny_assets.is_current(stale)

@@ -18,6 +18,7 @@ cores, and a fully trained one has nothing left to learn.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -265,27 +266,50 @@ def build_warm_start(seed: int = 0, batch_size: int = 64, lr: float = 1e-2):
     return model.eval(), record
 
 
+STAMP = "BUILT"
+
+
+def builder_digest() -> str:
+    """What built an asset: this module's source and the transformers version that saved it. A
+    folder stamped by another builder is stale (its bits may differ) and is built again."""
+    import transformers
+
+    source = Path(__file__).read_bytes()
+    return hashlib.sha1(source + transformers.__version__.encode()).hexdigest()[:12]
+
+
+def is_current(folder: Path) -> bool:
+    """``folder`` holds an asset stamped by this builder (:func:`builder_digest`)."""
+    try:
+        return json.loads((folder / STAMP).read_text()).get("builder") == builder_digest()
+    except (FileNotFoundError, ValueError, AttributeError):
+        return False
+
+
+def _stamp(folder: Path, record: dict) -> None:
+    (folder / STAMP).write_text(json.dumps({**record, "builder": builder_digest()}))
+
+
 def ensure_assets(root: Path | None = None) -> Path:
-    """Build every asset that is missing under ``root`` (default: :func:`default_root`)."""
+    """Build every asset that is missing or stale under ``root`` (default: :func:`default_root`)."""
     root = Path(root) if root is not None else default_root()
-    stamp_name = "BUILT"
     for kind in MODEL_KINDS:
         target = root / MODEL_DIRS[kind]
-        if (target / stamp_name).exists():
+        if is_current(target):
             continue
         target.mkdir(parents=True, exist_ok=True)
         build_model(kind).save_pretrained(target, safe_serialization=True)
         build_tokenizer(byte_level=kind == "qwen2").save_pretrained(target)
-        (target / stamp_name).write_text(json.dumps({"kind": kind, "seed": 0}))
+        _stamp(target, {"kind": kind, "seed": 0})
     target = root / WARM_START_DIR
-    if not (target / stamp_name).exists():
+    if not is_current(target):
         target.mkdir(parents=True, exist_ok=True)
         model, record = build_warm_start()
         model.save_pretrained(target, safe_serialization=True)
         build_tokenizer().save_pretrained(target)
-        (target / stamp_name).write_text(json.dumps(record))
+        _stamp(target, record)
     data = root / "reverse"
-    if not (data / stamp_name).exists():
+    if not is_current(data):
         build_dataset(data)
-        (data / stamp_name).write_text("ok")
+        _stamp(data, {"dataset": "reverse"})
     return root
