@@ -26,14 +26,19 @@ from true_on_policy import tiny_assets  # noqa: E402
 
 def config(args):
     """The tiny model's config of ``args.kind`` with the sizes of ``args``."""
-    cfg = tiny_assets.tiny_model_config(args.kind)
-    cfg.hidden_size = args.hidden
-    cfg.num_hidden_layers = args.layers
-    cfg.num_attention_heads = args.heads
-    cfg.num_key_value_heads = args.kv_heads
-    cfg.head_dim = args.head_dim
-    cfg.intermediate_size = args.intermediate or 3 * args.hidden
-    if args.kind == "moe":
+    tiny = tiny_assets.tiny_model_config(args.kind)
+    values = tiny.to_dict()
+    values.pop("layer_types", None)  # derived from the layer count: rebuilt for the new one
+    values.update(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate or 3 * args.hidden,
+    )
+    cfg = type(tiny).from_dict(values)
+    if args.kind == "moe":  # attribute names: transformers maps num_experts to the key it stores
         cfg.num_experts = args.experts
         cfg.num_experts_per_tok = args.top_k
         cfg.moe_intermediate_size = args.expert_width
