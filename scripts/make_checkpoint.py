@@ -3,7 +3,7 @@
 For timing runs on compute-dominated models (``benchmarks/bench_vllm_kernels.py --model DIR``): the
 shipped tiny model's config (``true_on_policy.tiny_assets.tiny_model_config``: vocabulary, special ids,
 RoPE, 1024 positions) with the sizes given here, weights drawn from ``--seed`` and stored in bf16 next
-to the tiny tokenizer (tests/other_checkpoints.py's ``save``). The directory is overwritten.
+to the tiny tokenizer (``tiny_assets.save_checkpoint``). The directory is overwritten.
 
     python scripts/make_checkpoint.py DIR --kind dense --hidden 1024 --layers 6 --heads 16 --kv-heads 8 --head-dim 64
     python scripts/make_checkpoint.py DIR --kind moe ... --experts 16 --top-k 4 --expert-width 512
@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # other_checkpoints lives with the tests that build checkpoints
-
-import other_checkpoints  # noqa: E402
-
-from true_on_policy import tiny_assets  # noqa: E402
+from true_on_policy import tiny_assets
 
 
 def config(args):
@@ -70,7 +64,7 @@ def main() -> None:
     cfg = config(args)
     architectures.check_config(cfg.to_dict())  # an uncovered shape fails here, naming it, not in an engine
     args.directory.mkdir(parents=True, exist_ok=True)
-    path = other_checkpoints.save(cfg, args.directory, seed=args.seed)
+    path = tiny_assets.save_checkpoint(cfg, args.directory, seed=args.seed)
     params = sum(math.prod(shape) for shape in _shapes(path))
     print(f"{path}: {args.kind}, {params / 1e6:.1f} M parameters")
 

@@ -8,8 +8,6 @@ experts and has a dense layer (``mlp_only_layers``).
 
 from __future__ import annotations
 
-import torch
-
 from true_on_policy import tiny_assets
 
 COMMON = dict(
@@ -19,13 +17,7 @@ COMMON = dict(
 )
 
 
-def save(config, directory, seed: int = 11) -> str:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
-    tiny_assets.build_tokenizer(byte_level=config.model_type == "qwen2").save_pretrained(directory)
-    return str(directory)
+save = tiny_assets.save_checkpoint
 
 
 def moe_checkpoint(directory) -> str:

@@ -266,6 +266,18 @@ def build_warm_start(seed: int = 0, batch_size: int = 64, lr: float = 1e-2):
     return model.eval(), record
 
 
+def save_checkpoint(config, directory, seed: int = 11) -> str:
+    """A randomly initialised causal LM of ``config`` (bf16, weights drawn from ``seed``) with the tiny
+    tokenizer, saved to ``directory``: checkpoints of other shapes for tests and benchmarks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    build_tokenizer(byte_level=config.model_type == "qwen2").save_pretrained(directory)
+    return str(directory)
+
+
 STAMP = "BUILT"
 
 
