@@ -49,6 +49,7 @@ __all__ = [
     "linear_epilogue",
     "rms_norm",
     "silu",
+    "silu_mul",
     "rope_table",
     "apply_rope",
     "attention",
@@ -345,7 +346,9 @@ def _padded_linear_forward(x, weight, bias, out_dtype, leaves: int) -> torch.Ten
         if x.device.type == "cpu" and (lib := native.lib()) is not None:
             # from C++: the same aten calls, or for a few rows the same entries as fma chains
             chain = m <= native.CHAIN_MAX_ROWS and native.fma_chain_lib(n) is not None
-            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, leaves, chain)
+            # bf16 read as bf16 by the dot-product instruction: the same fma chains
+            dot = x.dtype == weight.dtype == torch.bfloat16 and (k // leaves) % 2 == 0 and native.bf16_dot_lib() is not None
+            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, leaves, chain, dot)
         if m == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
         tiles = -(-m // height)
@@ -453,6 +456,18 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     """
     h = x.to(torch.float32)
     return (h / (1.0 + torch.exp(-h))).to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's ``silu(gate) * up``: :func:`silu`, then the product in the operands' dtype.
+
+    Without autograd on CPU one native pass after torch's ``exp`` -- the same bits as this code.
+    """
+    needs_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    if gate.device.type == "cpu" and gate.dtype == up.dtype and not needs_grad and (lib := native.lib()) is not None:
+        if gate.dtype in (torch.float32, torch.bfloat16) and gate.shape == up.shape:
+            return lib.silu_mul(gate, up)
+    return silu(gate) * up
 
 
 def rope_table(config, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -930,7 +945,7 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
         pairs = order[starts[expert] : starts[expert] + count]
         x = hidden[pairs // top_k]
         gate, up = linear(x, gate_up[local]).chunk(2, dim=-1)
-        outputs.append(linear(silu(gate) * up, down[local], None, out_dtype, k_parts=k_parts))
+        outputs.append(linear(silu_mul(gate, up), down[local], None, out_dtype, k_parts=k_parts))
         pair_ids.append(pairs)
     width = hidden.shape[-1]
     grouped = torch.cat(outputs) if outputs else hidden.new_zeros(0, width, dtype=out_dtype)

@@ -69,7 +69,7 @@ class ConsistentSiluAndMul(SiluAndMul):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
-        return ops.silu(x[..., :d]) * x[..., d:]
+        return ops.silu_mul(x[..., :d], x[..., d:])
 
 
 class _ConsistentRope:
