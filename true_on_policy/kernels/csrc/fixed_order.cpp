@@ -273,6 +273,7 @@ Exponents pack_panel(const uint32_t* w, int64_t pairs, int64_t nn, uint32_t* pan
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
     __m512i r[16];
     for (int i = 0; i < 16; ++i) {
+      if (i < nn) _mm_prefetch(reinterpret_cast<const char*>(w + i * pairs + p0 + 64), _MM_HINT_T0);  // 16 streams
       r[i] = i < nn ? _mm512_maskz_loadu_epi32(mask, w + i * pairs + p0) : _mm512_setzero_si512();
       add_exponents(r[i], lo, hi);
     }
