@@ -113,6 +113,29 @@ def test_silu_mul_is_the_torch_codes_bits(dtype):
         assert torch.equal(reference, ops.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_reads_the_cache_in_place_with_the_torch_codes_bits(dtype):
+    """vLLM's paged cache read in place (shuffled blocks, garbage in unused slots and blocks, chunked
+    prefill and decode rows) gives the bits of attention over the gathered keys and values."""
+    g = gen(6)
+    hkv, bs, d, blocks = 2, 16, 32, 40
+    key_cache = (torch.randn(blocks, hkv, 2 * bs, d, generator=g) * 3).to(dtype)  # keys, then values: vLLM's layout
+    kv = ops.PagedKV(key_cache[:, :, :bs], key_cache[:, :, bs:], torch.randperm(blocks, generator=g)[:15].view(3, 5))
+    seq_lens = torch.tensor([70, 33, 1])
+    q_lens = torch.tensor([20, 1, 1])  # a prefill chunk, two decode rows
+    Tq, Tk = int(q_lens.max()), 5 * bs
+    q_positions = torch.full((3, Tq), -1)
+    for s_, (n, q) in enumerate(zip(seq_lens.tolist(), q_lens.tolist())):
+        q_positions[s_, :q] = torch.arange(n - q, n)
+    kv_valid = torch.arange(Tk)[None] < seq_lens[:, None]
+    plan = ops.attention_plan(q_positions, kv_valid, 4, hkv)
+    q = torch.randn(3, 4, Tq, d, generator=g).to(dtype)
+    fast, reference = both_paths(lambda: ops.paged_attention(q, kv, plan, 0.2))
+    assert torch.equal(fast, reference)
+    keys, values = kv.gather()
+    assert torch.equal(fast, ops.attention(q, keys, values, None, None, 0.2, plan))
+
+
 def cpu_has_avx512_bf16() -> bool:
     with open("/proc/cpuinfo") as cpuinfo:
         return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in cpuinfo)

@@ -633,28 +633,72 @@ at::Tensor chain_matmul(const at::Tensor& a_in, const at::Tensor& b_in) {
 // with_probs (training) also returns the backward's probabilities p * exp(ref - lse) per pair
 // [G, R, B] (rows >= live unused), as the torch code saves them, and the output's tile rows
 // [S, Hkv, tiles, live, D] (ops._heads_to_tiles of the fp32 output); the output is then fp32.
+// Attention's keys and values, fp32 or bf16 (widened as read: exact), either [S, Hkv, Tk, D] read through
+// their strides, or vLLM's paged cache [blocks, Hkv, block_size, D] (keys and values) where slot t of
+// sequence s is the row at element offset slot_rows[s, t] (its block's and its offset's strides).
+struct KeyValues {
+  const char* k;
+  const char* v;
+  bool bf16;
+  const int64_t* slot_rows = nullptr;
+  at::Tensor rows_holder;
+  int64_t heads, slots, dim, s_k, s_v, t_k, t_v, h_k, h_v, d_k, d_v;
+
+  KeyValues(const at::Tensor& k_in, const at::Tensor& v_in, const c10::optional<at::Tensor>& slot_rows_in)
+      : k(static_cast<const char*>(k_in.data_ptr())), v(static_cast<const char*>(v_in.data_ptr())) {
+    TORCH_CHECK(k_in.scalar_type() == v_in.scalar_type() &&
+                    (k_in.scalar_type() == at::kFloat || k_in.scalar_type() == at::kBFloat16) && k_in.dim() == 4 &&
+                    v_in.dim() == 4,
+                "attention: keys and values of one dtype, fp32 or bf16, 4-d; got ", k_in.scalar_type(), " ",
+                k_in.sizes(), " and ", v_in.scalar_type(), " ", v_in.sizes());
+    bf16 = k_in.scalar_type() == at::kBFloat16;
+    heads = k_in.size(1), dim = k_in.size(3);
+    s_k = k_in.stride(0), s_v = v_in.stride(0), h_k = k_in.stride(1), h_v = v_in.stride(1);
+    t_k = k_in.stride(2), t_v = v_in.stride(2), d_k = k_in.stride(3), d_v = v_in.stride(3);
+    slots = k_in.size(2);
+    if (slot_rows_in.has_value() && slot_rows_in->defined()) {
+      rows_holder = slot_rows_in->contiguous();
+      TORCH_CHECK(rows_holder.scalar_type() == at::kLong && rows_holder.dim() == 2 && k_in.strides() == v_in.strides(),
+                  "attention: slot_rows int64 [S, Tk] over key and value caches of one layout");
+      slot_rows = rows_holder.data_ptr<int64_t>();
+      slots = rows_holder.size(1);
+    }
+  }
+  float load(const char* base, int64_t i) const {
+    return bf16 ? widen(reinterpret_cast<const uint16_t*>(base)[i]) : reinterpret_cast<const float*>(base)[i];
+  }
+  int64_t row(int64_t s, int64_t t, int64_t s_stride, int64_t t_stride) const {
+    return slot_rows ? slot_rows[s * slots + t] : s * s_stride + t * t_stride;
+  }
+  // dst[d * step] = key / value (s, h, t, d) for d < D
+  void key_row(int64_t s, int64_t h, int64_t t, float* dst, int64_t step) const {
+    const int64_t base = row(s, t, s_k, t_k) + h * h_k;
+    for (int64_t d = 0; d < dim; ++d) dst[d * step] = load(k, base + d * d_k);
+  }
+  void value_row(int64_t s, int64_t h, int64_t t, float* dst, int64_t step) const {
+    const int64_t base = row(s, t, s_v, t_v) + h * h_v;
+    for (int64_t d = 0; d < dim; ++d) dst[d * step] = load(v, base + d * d_v);
+  }
+};
+
 std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                   double scaling, int64_t R, int64_t B, int64_t tiles, int64_t live, int64_t n_used,
                                   const at::Tensor& pair_t_in, const at::Tensor& pair_j_in,
                                   const at::Tensor& invisible_in, const at::Tensor& kv_invalid_in, int64_t k_chunk,
-                                  bool with_probs) {
+                                  bool with_probs, const c10::optional<at::Tensor>& slot_rows_in) {
   TORCH_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && v_in.device().is_cpu(),
               "attention: CPU tensors only");
   TORCH_CHECK(B <= k_chunk, "attention: a KV block of ", B, " keys exceeds the K chunk ", k_chunk);
-  // fp32 views (a copy only for another dtype); keys and values are read through their strides
-  const auto q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat), v = v_in.to(at::kFloat);
+  const auto q = q_in.to(at::kFloat).contiguous();
   const auto pair_t = pair_t_in.contiguous(), pair_j = pair_j_in.contiguous();
   const auto invisible = invisible_in.contiguous(), kv_invalid = kv_invalid_in.contiguous();
-  const int64_t S = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), Tk = k.size(2);
+  const KeyValues kv(k_in, v_in, slot_rows_in);
+  const int64_t S = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = kv.heads, Tk = kv.slots;
   const int64_t rep = Hq / Hkv, rows = Tq * rep, P = pair_t.numel(), G = S * Hkv * P, span = kv_invalid.size(1);
   const int64_t* pt = pair_t.data_ptr<int64_t>();
   const int64_t* pj = pair_j.data_ptr<int64_t>();
   const bool* inv = invisible.data_ptr<bool>();
   const bool* kv_inv = kv_invalid.data_ptr<bool>();
-  const float* kd = k.data_ptr<float>();
-  const float* vd = v.data_ptr<float>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2), ks3 = k.stride(3);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2), vs3 = v.stride(3);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   auto opts = q.options();
   const int64_t lanes = S * Hkv * tiles, items = S * Hkv * n_used;  // items: (s, h, block)
@@ -695,13 +739,8 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
             }
       }
       const int64_t n_keys = std::min(std::clamp<int64_t>(Tk - j * B, 0, B), n_vis);
-      const float* keys = kd + s * ks0 + h * ks1 + j * B * ks2;
-      for (int64_t d = 0; d < D; ++d) {  // the block's keys, transposed: [D, B]
-        float* dst = kt.data() + d * B;
-        const float* src = keys + d * ks3;
-        for (int64_t b = 0; b < n_keys; ++b) dst[b] = src[b * ks2];
-        std::fill(dst + n_keys, dst + B, 0.0f);
-      }
+      for (int64_t b = 0; b < n_keys; ++b) kv.key_row(s, h, j * B + b, kt.data() + b, B);  // transposed: [D, B]
+      for (int64_t d = 0; d < D; ++d) std::fill(kt.data() + d * B + n_keys, kt.data() + (d + 1) * B, 0.0f);
       for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
         const int64_t p = blocks.pairs[i], c = sh * tiles + pt[p];
         const bool* hidden = inv + (s * P + p) * live * B;
@@ -767,8 +806,7 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
           std::fill(dst, dst + D, 0.0f);
           continue;
         }
-        const float* value = vd + s * vs0 + h * vs1 + slot * vs2;
-        for (int64_t d = 0; d < D; ++d) dst[d] = value[d * vs3];
+        kv.value_row(s, h, slot, dst, 1);
       }
       for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
         const int64_t g = sh * P + blocks.pairs[i];
