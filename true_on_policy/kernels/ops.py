@@ -349,7 +349,8 @@ def _padded_linear_forward(x, weight, bias, out_dtype, leaves: int) -> torch.Ten
             # from C++: the same aten calls, or for a few rows the same entries as fma chains
             chain = m <= native.CHAIN_MAX_ROWS and native.fma_chain_lib(n) is not None
             # bf16 read as bf16 by the dot-product instruction: the same fma chains
-            dot = x.dtype == weight.dtype == torch.bfloat16 and (k // leaves) % 2 == 0 and native.bf16_dot_lib() is not None
+            dot = x.dtype == weight.dtype == torch.bfloat16 and (k // leaves) % 2 == 0
+            dot = dot and native.bf16_dot_lib() is not None
             return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, leaves, chain, dot)
         if m == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
@@ -911,9 +912,10 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, plan: AttentionPlan, scaling: 
     *kv.gather(), ..., plan=plan)``. On CPU the native kernel reads the cache in place."""
     S, Hq, Tq, Hkv, Tk, *_ = plan.dims
     _, hkv, bs, _ = kv.key_cache.shape
-    if tuple(q.shape[:3]) != (S, Hq, Tq) or kv.block_table.shape[0] != S or kv.block_table.shape[1] * bs != Tk or hkv != Hkv:
+    table = tuple(kv.block_table.shape)
+    if tuple(q.shape[:3]) != (S, Hq, Tq) or table[0] != S or table[1] * bs != Tk or hkv != Hkv:
         raise ValueError(f"paged_attention: q {tuple(q.shape)}, cache {tuple(kv.key_cache.shape)}, block table "
-                         f"{tuple(kv.block_table.shape)} do not fit the plan (S, Hq, Tq, Hkv, Tk) = {(S, Hq, Tq, Hkv, Tk)}")
+                         f"{table} do not fit the plan's (S, Hq, Tq, Hkv, Tk) = {(S, Hq, Tq, Hkv, Tk)}")
     if q.device.type == "cpu" and _FAULT == NO_FAULT and (lib := native.fma_chain_lib(q.shape[-1] + 1)) is not None:
         if kv.key_cache.dtype in (torch.float32, torch.bfloat16) and kv.key_cache.stride() == kv.value_cache.stride():
             tiles, live, n_used = plan.dims[7], plan.dims[8], plan.dims[10]
