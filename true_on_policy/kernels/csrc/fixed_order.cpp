@@ -664,20 +664,37 @@ struct KeyValues {
       slots = rows_holder.size(1);
     }
   }
-  float load(const char* base, int64_t i) const {
-    return bf16 ? widen(reinterpret_cast<const uint16_t*>(base)[i]) : reinterpret_cast<const float*>(base)[i];
-  }
   int64_t row(int64_t s, int64_t t, int64_t s_stride, int64_t t_stride) const {
     return slot_rows ? slot_rows[s * slots + t] : s * s_stride + t * t_stride;
   }
-  // dst[d * step] = key / value (s, h, t, d) for d < D
-  void key_row(int64_t s, int64_t h, int64_t t, float* dst, int64_t step) const {
-    const int64_t base = row(s, t, s_k, t_k) + h * h_k;
-    for (int64_t d = 0; d < dim; ++d) dst[d * step] = load(k, base + d * d_k);
+  // dst[i * step] = element base + i * stride of data, for i < count (default: D)
+  void read(const char* data, int64_t base, int64_t stride, float* dst, int64_t step, int64_t count = -1) const {
+    count = count < 0 ? dim : count;
+    if (stride == 1 && step == 1) {  // a contiguous run: vectorised copies
+      if (bf16) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(data) + base;
+        for (int64_t i = 0; i < count; ++i) dst[i] = widen(src[i]);
+      } else {
+        std::copy_n(reinterpret_cast<const float*>(data) + base, count, dst);
+      }
+    } else if (bf16) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(data) + base;
+      for (int64_t i = 0; i < count; ++i) dst[i * step] = widen(src[i * stride]);
+    } else {
+      const float* src = reinterpret_cast<const float*>(data) + base;
+      for (int64_t i = 0; i < count; ++i) dst[i * step] = src[i * stride];
+    }
+  }
+  // kt[d * ldk + b] = key (s, h, t0 + b, d) for b < n, d < D: a block's keys, transposed
+  void key_block(int64_t s, int64_t h, int64_t t0, int64_t n, float* kt, int64_t ldk) const {
+    if (slot_rows) {
+      for (int64_t b = 0; b < n; ++b) read(k, row(s, t0 + b, s_k, t_k) + h * h_k, d_k, kt + b, ldk);
+    } else {  // strided rows: d outer, so each store run is contiguous
+      for (int64_t d = 0; d < dim; ++d) read(k, s * s_k + h * h_k + t0 * t_k + d * d_k, t_k, kt + d * ldk, 1, n);
+    }
   }
   void value_row(int64_t s, int64_t h, int64_t t, float* dst, int64_t step) const {
-    const int64_t base = row(s, t, s_v, t_v) + h * h_v;
-    for (int64_t d = 0; d < dim; ++d) dst[d * step] = load(v, base + d * d_v);
+    read(v, row(s, t, s_v, t_v) + h * h_v, d_v, dst, step);
   }
 };
 
@@ -739,7 +756,7 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
             }
       }
       const int64_t n_keys = std::min(std::clamp<int64_t>(Tk - j * B, 0, B), n_vis);
-      for (int64_t b = 0; b < n_keys; ++b) kv.key_row(s, h, j * B + b, kt.data() + b, B);  // transposed: [D, B]
+      kv.key_block(s, h, j * B, n_keys, kt.data(), B);  // the block's keys, transposed: [D, B]
       for (int64_t d = 0; d < D; ++d) std::fill(kt.data() + d * B + n_keys, kt.data() + (d + 1) * B, 0.0f);
       for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
         const int64_t p = blocks.pairs[i], c = sh * tiles + pt[p];
