@@ -17,8 +17,6 @@ COMMON = dict(
 )
 
 
-save = tiny_assets.save_checkpoint
-
 
 def moe_checkpoint(directory) -> str:
     """head_dim 32, GQA 6/2, 3 layers with a dense one, 8 experts top-3, vocabulary 160."""
@@ -28,14 +26,14 @@ def moe_checkpoint(directory) -> str:
         moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3, mlp_only_layers=[1], norm_topk_prob=False,
         **COMMON,
     )
-    return save(config, directory)
+    return tiny_assets.save_checkpoint(config, directory)
 
 
 def dense_checkpoint(directory) -> str:
     """head_dim 32, GQA 6/2, 3 layers, intermediate 160, vocabulary 160."""
     from transformers import Qwen3Config
 
-    return save(Qwen3Config(**COMMON), directory)
+    return tiny_assets.save_checkpoint(Qwen3Config(**COMMON), directory)
 
 
 def qwen2_checkpoint(directory) -> str:
@@ -48,7 +46,7 @@ def qwen2_checkpoint(directory) -> str:
         intermediate_size=192, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=False,
         use_sliding_window=False, sliding_window=4096, max_window_layers=21, eos_token_id=2, pad_token_id=0,
     )
-    return save(config, directory, 12)
+    return tiny_assets.save_checkpoint(config, directory, 12)
 
 
 def llama_checkpoint(directory) -> str:
@@ -63,4 +61,4 @@ def llama_checkpoint(directory) -> str:
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
     )
-    return save(config, directory, 13)
+    return tiny_assets.save_checkpoint(config, directory, 13)

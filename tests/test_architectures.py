@@ -107,6 +107,9 @@ REFUSED = [
     ("qwen2", {"attention_dropout": 0.1}, "Qwen2ForCausalLM: attention dropout 0.1"),
     ("qwen2", {"is_causal": False}, "Qwen2ForCausalLM: non-causal attention"),
     ("llama", {"quantization_config": {"quant_method": "fp8"}}, "LlamaForCausalLM: quantized weights"),
+    ("dense", {"num_experts": 8}, "Qwen3ForCausalLM: num_experts=8 on a dense architecture"),
+    # transformers 5's key for the expert count (Qwen3-MoE's config.json as it writes it)
+    ("qwen2", {"num_local_experts": 8}, "Qwen2ForCausalLM: num_local_experts=8 on a dense architecture"),
 ]
 
 

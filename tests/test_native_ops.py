@@ -99,6 +99,93 @@ def test_linear_is_the_torch_codes_bits(dtype):
     assert torch.equal(*both_paths(lambda: ops.linear(x, wt)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_the_torch_codes_bits(dtype):
+    """The fused activation (gate and up as halves of one tensor, as vLLM hands them, or separate)."""
+    g = gen(5)
+    for rows, width in [(1, 64), (7, 100), (33, 3072), (2, 17)]:
+        fused = (torch.randn(rows, 2 * width, generator=g) * 4).to(dtype)
+        gate, up = fused[:, :width], fused[:, width:]
+        assert torch.equal(*both_paths(lambda: ops.silu_mul(gate, up))), (rows, width)
+        gate, up = gate.contiguous(), up.contiguous()
+        fast, reference = both_paths(lambda: ops.silu_mul(gate, up))
+        assert fast.dtype == dtype and torch.equal(fast, reference), (rows, width)
+        assert torch.equal(reference, ops.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_reads_the_cache_in_place_with_the_torch_codes_bits(dtype):
+    """vLLM's paged cache read in place (shuffled blocks, garbage in unused slots and blocks, chunked
+    prefill and decode rows) gives the bits of attention over the gathered keys and values."""
+    g = gen(6)
+    hkv, bs, d, blocks = 2, 16, 32, 40
+    key_cache = (torch.randn(blocks, hkv, 2 * bs, d, generator=g) * 3).to(dtype)  # keys, then values: vLLM's layout
+    kv = ops.PagedKV(key_cache[:, :, :bs], key_cache[:, :, bs:], torch.randperm(blocks, generator=g)[:15].view(3, 5))
+    seq_lens = torch.tensor([70, 33, 1])
+    q_lens = torch.tensor([20, 1, 1])  # a prefill chunk, two decode rows
+    Tq, Tk = int(q_lens.max()), 5 * bs
+    q_positions = torch.full((3, Tq), -1)
+    for s_, (n, q) in enumerate(zip(seq_lens.tolist(), q_lens.tolist())):
+        q_positions[s_, :q] = torch.arange(n - q, n)
+    kv_valid = torch.arange(Tk)[None] < seq_lens[:, None]
+    plan = ops.attention_plan(q_positions, kv_valid, 4, hkv)
+    q = torch.randn(3, 4, Tq, d, generator=g).to(dtype)
+    fast, reference = both_paths(lambda: ops.paged_attention(q, kv, plan, 0.2))
+    assert torch.equal(fast, reference)
+    keys, values = kv.gather()
+    assert torch.equal(fast, ops.attention(q, keys, values, None, None, 0.2, plan))
+
+
+def cpu_has_avx512_bf16() -> bool:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in cpuinfo)
+
+
+def test_bf16_linears_run_on_the_dot_product_where_the_cpu_has_it():
+    """`-march=native` compiles the dot path exactly where the CPU has AVX512-BF16, and there its check
+    passes: a bf16 linear is never widened to fp32 unnoticed on such a machine."""
+    assert native.lib().bf16_dot_built() == cpu_has_avx512_bf16()
+    assert (native.bf16_dot_lib() is not None) == cpu_has_avx512_bf16()
+
+
+def test_bf16_linear_on_the_dot_product_is_the_torch_codes_bits():
+    """Decode and prefill heights, 1-2 panels of 16 columns, trees of 8 and 32 leaves, a row-parallel
+    shard, signed zeros: the dot path (on a CPU without AVX512-BF16, the fp32 path) computes the torch
+    code's fma chains bitwise."""
+    g = gen(3)
+    for m in (1, 2, 12, 13, 25, 64, 65, 130):
+        for n, k in [(24, 64), (40, 1024), (33, 768), (12, 3072)]:
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            x[0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])
+            w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+            w[:, 5::9] = -0.0
+            b = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
+            for out_dtype, k_parts in ((torch.bfloat16, 1), (torch.float32, 1), (torch.float32, 2)):
+                fast, reference = both_paths(lambda: ops.linear(x, w, b, out_dtype=out_dtype, k_parts=k_parts))
+                assert torch.equal(fast, reference), (m, n, k, out_dtype, k_parts)
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the dot path is compiled only for CPUs with AVX512-BF16")
+@pytest.mark.parametrize("case", ["tiny products", "denormal input"])
+def test_twin_the_dot_product_flushes_denormals_and_the_guard_keeps_the_bits(case):
+    """Why the dot path has a guard: vdpbf16ps flushes denormal inputs and partial sums to zero, the
+    fp32 fma chain does not. Without the guard those inputs change bits; with it (ops.linear) the
+    columns it cannot vouch for are computed as fma chains, and the bits are the torch code's."""
+    g = gen(4)
+    x = torch.randn(5, 64, generator=g)
+    w = torch.randn(16, 64, generator=g)
+    if case == "tiny products":  # products near 2**-140: below fp32's normal range
+        x, w = x * 2.0**-70, w * 2.0**-70
+    else:  # bf16 denormals (exponent field 0) times large weights: normal products
+        x, w = x * 2.0**-130, w * 2.0**20
+    x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    widened = native.lib().chain_matmul(x.float(), w.float().t())  # one leaf, one chunk: the fma chain
+    lib = native.lib()
+    assert not torch.equal(lib.dot_matmul(x, w, 128, 1, False), widened)
+    assert torch.equal(lib.dot_matmul(x, w, 128, 1, True), widened)
+    assert torch.equal(*both_paths(lambda: ops.linear(x, w, out_dtype=torch.float32)))
+
+
 def _attention_case(g, S, Hq, Hkv, Tq, Tk, D, dtype, garbage=False):
     q = torch.randn(S, Hq, Tq, D, generator=g).to(dtype)
     k = torch.randn(S, Hkv, Tk, D, generator=g).to(dtype)

@@ -132,7 +132,7 @@ def test_engine_refuses_an_uncovered_feature_before_loading(tmp_path, capfd):
     config = Qwen2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, max_position_embeddings=512, use_sliding_window=True, sliding_window=32,
                          max_window_layers=0, eos_token_id=2, pad_token_id=0)
-    path = other_checkpoints.save(config, tmp_path / "sliding", 14)
+    path = tiny_assets.save_checkpoint(config, tmp_path / "sliding", 14)
     with pytest.raises(Exception):
         engine.start(path, "float32", True)
     text = "".join(capfd.readouterr())

@@ -18,6 +18,7 @@ cores, and a fully trained one has nothing left to learn.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -281,6 +282,7 @@ def save_checkpoint(config, directory, seed: int = 11) -> str:
 STAMP = "BUILT"
 
 
+@functools.cache
 def builder_digest() -> str:
     """What built an asset: this module's source and the transformers version that saved it. A
     folder stamped by another builder is stale (its bits may differ) and is built again."""

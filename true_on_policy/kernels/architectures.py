@@ -234,6 +234,13 @@ def _architecture(config: Mapping) -> Architecture:
     return arch
 
 
+def expert_count(config: dict) -> tuple[str, int]:
+    """The config key that holds the model's expert count, and the count (0: no experts).
+    transformers 5 writes Qwen3-MoE's as ``num_local_experts``; ``num_experts`` is its alias."""
+    key = "num_experts" if config.get("num_experts") else "num_local_experts"
+    return key, int(config.get(key) or 0)
+
+
 def check_config(config: Any) -> Features:
     """The covered features of a model config (a dict, e.g. config.json, or a transformers config).
 
@@ -286,8 +293,9 @@ def check_config(config: Any) -> Features:
                f"(vLLM's {arch.name} derives it)")
     if heads % kv_heads:
         refuse(f"{heads} query heads over {kv_heads} key/value heads")
-    if arch.moe is None and config.get("num_experts"):
-        refuse(f"num_experts={config['num_experts']} on a dense architecture")
+    experts_key, num_experts = expert_count(config)
+    if arch.moe is None and num_experts:
+        refuse(f"{experts_key}={num_experts} on a dense architecture")
     return Features(
         architecture=arch.name,
         qkv_bias=_flag(config, arch.qkv_bias),

@@ -171,7 +171,7 @@ def make_mlp_forward(original):
             return original(self, x)
         _require_silu(self)
         _require_consistent_linears(self, ("gate_proj", "up_proj", "down_proj"))
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
     return forward
 

@@ -4,8 +4,10 @@
 bits of the ops' torch code (``tests/test_native_ops.py`` holds them ``torch.equal``) with one C++
 call where the torch code dispatches 10-50 small ops. Its attention (and a decode step's linears)
 is fused: the products are the fma chains MKL's GEMM computes on torch's BLAS path, written out --
-used only where :func:`fma_chain_lib` has checked that premise on this CPU. ``make install`` builds
-the library (``python -m true_on_policy build-native``); otherwise the first process that needs it builds it
+used only where :func:`fma_chain_lib` has checked that premise on this CPU. bf16 linears compute
+those chains reading bf16, on AVX512-BF16's dot-product instruction, where :func:`bf16_dot_lib` has
+checked it. ``make install`` builds the library (``python -m true_on_policy build-native``);
+otherwise the first process that needs it builds it
 (once per environment: it lives under ``sys.prefix``, keyed by the source's hash, the flags
 and torch's version; ``-march=native``: for the machine it is built on). Its loops run on torch's
 intra-op threads (OpenMP), each output written by one thread in a fixed order. If it cannot be built the
@@ -134,6 +136,51 @@ def fma_chain_lib(width: int) -> ModuleType | None:
                 stacklevel=2,
             )
     return library if _fma_chain else None
+
+
+# (rows, K, N, leaves) the dot path's check covers: decode and prefill heights, several k chunks per
+# leaf, a chunk's tail, a tree of leaves, a partial 16-column panel
+DOT_CHECK_SHAPES = ((1, 256, 40, 1), (5, 384, 12, 1), (9, 96, 33, 4), (70, 1024, 24, 8), (3, 200, 16, 2))
+_bf16_dot: bool | None = None
+
+
+def dot_is_fma_chain(library: ModuleType) -> bool:
+    """Whether the library's bf16 dot path (vdpbf16ps) computes, on this CPU, the bits of its fp32 path on
+    the widened operands (zeros of both signs included)."""
+    gen = torch.Generator().manual_seed(4321)
+    for rows, k, n, leaves in DOT_CHECK_SHAPES:
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+        x[0, :3] = torch.tensor([0.0, -0.0, 0.0])
+        w[:, 1::7] = -0.0
+        x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+        dot = library.linear(x, w, None, torch.float32, 64, 128, leaves, False, True)
+        widened = library.linear(x.float(), w.float(), None, torch.float32, 64, 128, leaves, False, False)
+        if not torch.equal(dot, widened):
+            return False
+    return True
+
+
+def bf16_dot_lib() -> ModuleType | None:
+    """The library if its linear's dot path -- bf16 operands read as bf16 by AVX512-BF16's vdpbf16ps --
+    computes the torch code's bits on this CPU, else None.
+
+    Needs the fma chain (:func:`fma_chain_lib`), a library built with AVX512-BF16, and one check per
+    process (:func:`dot_is_fma_chain`; a mismatch is said on stderr and leaves the fp32 path).
+    """
+    global _bf16_dot
+    library = fma_chain_lib(FMA_CHAIN_MIN_N)
+    if library is None or not library.bf16_dot_built():
+        return None
+    if _bf16_dot is None:
+        _bf16_dot = dot_is_fma_chain(library)
+        if not _bf16_dot:
+            warnings.warn(
+                "true_on_policy: this CPU's vdpbf16ps does not compute the fma chain of the widened operands; "
+                "bf16 linears widen their operands to fp32 (the same bits, slower)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return library if _bf16_dot else None
 
 
 @contextlib.contextmanager

