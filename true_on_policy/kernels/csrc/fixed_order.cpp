@@ -180,8 +180,6 @@ void fma_chain_tree_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, 
 // results to zero (checked at load: native.bf16_dot_lib). dot_exact says when no denormal can occur;
 // where it cannot say so, the columns are computed as std::fma chains of the widened values.
 
-uint32_t swap_halves(uint32_t pair) { return (pair >> 16) | (pair << 16); }
-
 float widen(uint16_t bits) {
   const uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;
@@ -192,11 +190,6 @@ float widen(uint16_t bits) {
 // Biased exponents of a set of bf16 values: the smallest of the nonzero ones (255 if none), the largest.
 struct Exponents {
   int lo = 255, hi = 0;
-  void add(uint16_t bits) {
-    const int e = (bits >> 7) & 0xFF;
-    if (bits & 0x7FFF) lo = std::min(lo, e);
-    hi = std::max(hi, e);
-  }
   void add(const Exponents& o) { lo = std::min(lo, o.lo); hi = std::max(hi, o.hi); }
 };
 
