@@ -42,7 +42,7 @@ XDIST = -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 test: install
 	$(PY) -m true_on_policy build-assets
-	$(PY) -m pytest -q $(XDIST) tests
+	$(PY) -m pytest -q --durations=30 $(XDIST) tests
 
 # The inner loop: in-process tests only (the e2e, vllm and subprocess markers deselected).
 test-fast: install

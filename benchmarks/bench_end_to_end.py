@@ -6,8 +6,10 @@ For each config (``cpu_tiny``, ``cpu_tiny_moe``) and repeat, runs
 reads verl's per-step ``timing_s/step`` from verl's file logger (``trainer.logger=[console,file]``,
 the JSONL path set through ``VERL_FILE_LOGGER_PATH``, see ``verl/utils/tracking.py``). Step 1 (Ray,
 worker and model start-up) is left out; a run's time is the median of its other steps; a config's
-``on_s``/``off_s`` are the medians over repeats and ``ratio`` = on_s / off_s.
+``on_s``/``off_s`` are the medians over repeats and ``ratio`` = on_s / off_s. ``--override`` adds a
+Hydra override to every launch (e.g. ``+precision=bf16``: bf16 on both sides) and to the case name.
 Usage: python benchmarks/bench_end_to_end.py [--json] [--steps N] [--repeats N] [--configs NAME ...]
+       [--override KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 METRIC = "timing_s/step"
 
 
-def run(config: str, flag: bool, steps: int, timeout: int) -> list[float]:
+def run(config: str, flag: bool, steps: int, timeout: int, overrides: list[str]) -> list[float]:
     """``timing_s/step`` of every step after the first, read from verl's file logger."""
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "metrics.jsonl"
@@ -40,6 +42,7 @@ def run(config: str, flag: bool, steps: int, timeout: int) -> list[float]:
             "trainer.logger=[console,file]",
             f"true_on_policy.deterministic={str(flag).lower()}",
             f"hydra.run.dir={tmp}/hydra",
+            *overrides,
         ]
         result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         if result.returncode != 0:
@@ -59,6 +62,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--override", action="append", default=[], help="a Hydra override for every launch")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error(f"--steps must be >= 2 (step 1 is start-up), got {args.steps}")
@@ -66,13 +70,13 @@ def main() -> None:
         per_run = {True: [], False: []}
         for repeat in range(args.repeats):
             for flag in (True, False) if repeat % 2 == 0 else (False, True):
-                step_times = run(config, flag, args.steps, args.timeout)
+                step_times = run(config, flag, args.steps, args.timeout, args.override)
                 per_run[flag].append(statistics.median(step_times))
                 progress = dict(config=config, deterministic=flag, repeat=repeat, step_s=step_times)
                 print(json.dumps(progress), file=sys.stderr, flush=True)  # partial results survive a kill
         on, off = statistics.median(per_run[True]), statistics.median(per_run[False])
         record = dict(
-            case=f"e2e/{config}",
+            case=" ".join([f"e2e/{config}", *args.override]),
             on_s=round(on, 4),
             off_s=round(off, 4),
             ratio=round(on / off, 3),

@@ -133,15 +133,33 @@ def _rope_rows(module, position_ids: torch.Tensor):
     return cos[position_ids], sin[position_ids]
 
 
+# The fp32 table rows travel from the rotary embedding to apply_rotary_pos_emb as int32 bit patterns.
+# They pass through each decoder layer's arguments, and a wrapper may cast every floating argument
+# of a layer to its compute dtype: verl's FSDP engine builds FSDP2's MixedPrecisionPolicy with
+# cast_forward_inputs=True, which would hand a bf16 run the table rounded to bf16 while the rollout
+# rotates with the fp32 table. No mixed-precision cast touches an integer tensor.
+ROPE_CARRIER = torch.int32
+
+
 def make_rotary_forward(original):
     @functools.wraps(original)
     def forward(self, x, position_ids):
         if not ops.enabled():
             return original(self, x, position_ids)
         _check_attn_implementation(self.config)
-        return _rope_rows(self, position_ids)  # fp32; apply_rotary_pos_emb below keeps them fp32
+        cos, sin = _rope_rows(self, position_ids)
+        return cos.view(ROPE_CARRIER), sin.view(ROPE_CARRIER)
 
     return forward
+
+
+def _table_rows(rows: torch.Tensor) -> torch.Tensor:
+    if rows.dtype != ROPE_CARRIER:
+        raise UnsupportedFeatureError(
+            f"true_on_policy: apply_rotary_pos_emb got position embeddings of dtype {rows.dtype}, not the "
+            "consistent rotary embedding's fp32 rows (carried as int32): the model's rotary embedding is not covered"
+        )
+    return rows.view(torch.float32)
 
 
 def make_apply_rotary(original):
@@ -149,7 +167,7 @@ def make_apply_rotary(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if not ops.enabled():
             return original(q, k, cos, sin, unsqueeze_dim)
-        d = unsqueeze_dim
+        cos, sin, d = _table_rows(cos), _table_rows(sin), unsqueeze_dim
         if q.shape[:d] + q.shape[d + 1 :] == k.shape[:d] + k.shape[d + 1 :]:  # one call; elementwise: same bits
             both = ops.apply_rope(torch.cat([q, k], dim=d), cos, sin, d)
             return both.split([q.shape[unsqueeze_dim], k.shape[unsqueeze_dim]], dim=unsqueeze_dim)

@@ -364,5 +364,5 @@ def verify_model(model, vllm_config, device: str) -> None:
 
     sys.stderr.write(
         f"true_on_policy (vLLM): {name} verified on the consistent kernels: TP rank "
-        f"{get_tensor_model_parallel_rank()}/{tp}, EP {ep}\n"
+        f"{get_tensor_model_parallel_rank()}/{tp}, EP {ep}, {vllm_config.model_config.dtype}\n"
     )
