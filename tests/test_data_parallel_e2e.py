@@ -23,6 +23,12 @@ from verl_run import CPU_TINY, Run, same_bits, train_steps
 pytestmark = pytest.mark.e2e
 
 DP_2 = Run("cpu_tiny", train_steps(1) + ("trainer.n_gpus_per_node=2",))
+# The same two ranks with Ulysses SP 2, launched past the contract, which refuses it
+# (test_launch_verdict.py): verl slices every sequence over the SP ranks and leaves the all-to-all to
+# its flash-attention patch, which the project's attention does not go through.
+ULYSSES_2 = Run("cpu_tiny", train_steps(1) + (
+    "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
+    "true_on_policy.allow_contract_mismatch=true"))
 
 BATCH_METRICS = (
     "critic/score/max", "critic/score/min", "critic/advantages/max", "critic/advantages/min", "response_length/mean",
@@ -51,3 +57,10 @@ def test_loss_and_gradient_norm_agree_within_the_summation_bound(runs):
         diff = abs(one[name] - two[name]) / max(abs(one[name]), 1e-12)
         print(f"{name}: DP1 {one[name]!r} DP2 {two[name]!r} relative difference {diff:.2e}")
         assert diff <= RELATIVE_BOUND, (name, one[name], two[name])
+
+
+def test_twin_ulysses_sequence_parallel_breaks_the_log_probs(verl_runs):
+    """Why the contract refuses Ulysses SP > 1 with the project's attention: verl's recompute no longer
+    matches the rollout at step 1, before any update (DP 2 without SP: 0.0, above)."""
+    assert verl_runs(DP_2).metrics[1]["training/rollout_probs_diff_max"] == 0.0
+    assert verl_runs(ULYSSES_2).metrics[1]["training/rollout_probs_diff_max"] > 0.0

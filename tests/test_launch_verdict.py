@@ -58,6 +58,10 @@ CASES = [
     ("cpu_tiny", [f"{R}.tensor_model_parallel_size=2"], 2, "[tp]"),
     ("cpu_tiny_vllm", [f"{R}.enforce_eager=false"], 2, "[eager]"),
     ("cpu_tiny_vllm", [f"{R}.enable_sleep_mode=true"], 2, "[sleep_mode]"),
+    # the project's attention has no Ulysses all-to-all (twin: test_data_parallel_e2e.py), under either key
+    ("cpu_tiny", ["trainer.n_gpus_per_node=2", f"{A}.fsdp_config.ulysses_sequence_parallel_size=2"], 2, "[ulysses]"),
+    ("cpu_tiny", ["trainer.n_gpus_per_node=2", f"{A}.ulysses_sequence_parallel_size=2"], 2,
+     f"training=2 ({A}.ulysses_sequence_parallel_size (deprecated))"),
     ("cpu_tiny_vllm_tp2", [f"{T}.deterministic=false"], 2, "[tp]"),  # no invariant kernels: TP must match
     ("cpu_tiny_vllm_tp2", [f"{R}.tensor_model_parallel_size=16"], 2, "tensor_parallel_size=16 is not supported"),
     ("cpu_tiny_vllm_tp2", [f"{R}.tensor_model_parallel_size=4"], 2, "num_key_value_heads=2 does not divide"),

@@ -134,6 +134,8 @@ class FsdpView:
     param_dtype: str | None = _key(f"{FSDP}.mixed_precision.param_dtype", "text")  # null = verl's default bf16
     model_dtype: str = _key(f"{FSDP}.model_dtype", "text", "fp32")
     ulysses: int = _key(f"{FSDP}.ulysses_sequence_parallel_size", "int", 1)
+    # verl's FSDPActorConfig copies this deprecated key over the one above when it is > 1
+    deprecated_ulysses: int = _key(f"{A}.ulysses_sequence_parallel_size", "int", 1)
 
 
 @dataclasses.dataclass(frozen=True)

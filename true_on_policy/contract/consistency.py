@@ -297,7 +297,15 @@ def _layout_rows(c: _Ctx) -> list[Row]:
         Row("dp", "DP (data parallel)", tl.dp, rl.dp, kind=INFO),
     ]
     for key, side in tl.extra.items():
-        rows.append(Row(key, "Ulysses SP (heads<->sequence all-to-all, no reduction)", side, Side(NA, "rollout has no Ulysses SP"), kind=INFO))
+        title = "Ulysses SP (heads<->sequence all-to-all, no reduction)"
+        if canonical_attention(c.t.attn_implementation) == "consistent":
+            # verl's Ulysses all-to-all lives in its patch of flash-attention; the project's attention
+            # has none, so each rank would attend within its own slice of the sequence
+            rows.append(Row(key, title, side, Side(1, "rollout has no Ulysses SP"), required=1,
+                            required_source=f"{M}.override_config.attn_implementation=consistent has no Ulysses all-to-all",
+                            fix=f"set {side.source.split(' ')[0]}=1"))
+        else:
+            rows.append(Row(key, title, side, Side(NA, "rollout has no Ulysses SP"), kind=INFO))
     return rows
 
 

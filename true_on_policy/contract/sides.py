@@ -181,7 +181,10 @@ def _training_layout(t: TrainingView, settings: Any) -> _Layout:
         if settings.platform == "cpu":  # the CPU backend shards the same model code (true_on_policy.kernels.tensor_parallel)
             layout.tp = Side(settings.cpu_tensor_parallel_size, f"{CPU_TP_KEY} (CPU backend, true_on_policy.kernels.tensor_parallel)")
             layout.ep = Side(settings.cpu_expert_parallel_size, f"{CPU_EP_KEY} (CPU backend, experts whole on their rank)")
-        extra["ulysses"] = Side(t.fsdp.ulysses, f"{A}.fsdp_config.ulysses_sequence_parallel_size")
+        if t.fsdp.deprecated_ulysses > 1:  # verl's FSDPActorConfig.__post_init__ lets it win
+            extra["ulysses"] = Side(t.fsdp.deprecated_ulysses, f"{A}.ulysses_sequence_parallel_size (deprecated)")
+        else:
+            extra["ulysses"] = Side(t.fsdp.ulysses, f"{A}.fsdp_config.ulysses_sequence_parallel_size")
     world = t.world
     denom = max(1, _int(layout.tp.value)) * max(1, layout.pp.value) * max(1, layout.cp.value)
     layout.dp = Side(
