@@ -145,6 +145,7 @@ class _TrainingKeys:
     gpus_per_node: int = _key("trainer.n_gpus_per_node", "int", REQUIRED)
     model_path: str = _key(f"{M}.path", "text", REQUIRED)
     attn_implementation: str | None = _key(f"{M}.override_config.attn_implementation", "text")  # null = flash_attention_2
+    use_fused_kernels: bool = _key(f"{M}.use_fused_kernels", "bool", False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -536,6 +536,16 @@ def _logprob_rows(c: _Ctx) -> list[Row]:
     return [
         Row("logprobs", "log-prob definition", t_lp, r_lp, fix=f"set {R}.calculate_log_probs=true and {R}.logprobs_mode=processed_logprobs"),
         Row("sampling", "sampling support", t_s, r_s, fix=f"set {R}.top_p=1.0 and {R}.top_k=-1 (training log-probs are full-vocabulary)"),
+        Row(
+            "fused_kernels",
+            "fused LM head + log-prob",
+            Side(c.t.use_fused_kernels, f"{M}.use_fused_kernels"),
+            Side(False, "the rollout's log-softmax of its logits"),
+            required=False,
+            required_source="verl's fused kernel computes the log-probs in place of the LM head and log-softmax both sides pin",
+            only_when_deterministic=True,
+            fix=f"set {M}.use_fused_kernels=false",
+        ),
     ]
 
 
