@@ -59,6 +59,8 @@ CASES = [
     ("cpu_tiny_vllm", [f"{R}.enforce_eager=false"], 2, "[eager]"),
     ("cpu_tiny_vllm", [f"{R}.enable_sleep_mode=true"], 2, "[sleep_mode]"),
     ("cpu_tiny", ["actor_rollout_ref.model.use_fused_kernels=true"], 2, "[fused_kernels]"),
+    ("cpu_tiny", ["actor_rollout_ref.model.lora_rank=8"], 2, "[lora]"),
+    ("cpu_tiny_vllm", ["actor_rollout_ref.model.override_config.attn_implementation=sdpa"], 2, "training=sdpa"),
     # the project's attention has no Ulysses all-to-all (twin: test_data_parallel_e2e.py), under either key
     ("cpu_tiny", ["trainer.n_gpus_per_node=2", f"{A}.fsdp_config.ulysses_sequence_parallel_size=2"], 2, "[ulysses]"),
     ("cpu_tiny", ["trainer.n_gpus_per_node=2", f"{A}.ulysses_sequence_parallel_size=2"], 2,

@@ -146,6 +146,7 @@ class _TrainingKeys:
     model_path: str = _key(f"{M}.path", "text", REQUIRED)
     attn_implementation: str | None = _key(f"{M}.override_config.attn_implementation", "text")  # null = flash_attention_2
     use_fused_kernels: bool = _key(f"{M}.use_fused_kernels", "bool", False)
+    lora_rank: int = _key(f"{M}.lora_rank", "int", 0, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)

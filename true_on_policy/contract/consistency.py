@@ -546,6 +546,16 @@ def _logprob_rows(c: _Ctx) -> list[Row]:
             only_when_deterministic=True,
             fix=f"set {M}.use_fused_kernels=false",
         ),
+        Row(
+            "lora",
+            "LoRA adapters",
+            Side(c.t.lora_rank, f"{M}.lora_rank"),
+            Side(0, "the rollout's linears are the pinned ones"),
+            required=0,
+            required_source="a LoRA branch is a linear outside the pinned kernels",
+            only_when_deterministic=True,
+            fix=f"set {M}.lora_rank=0 (merge the adapter into the weights before training)",
+        ),
     ]
 
 

@@ -252,7 +252,7 @@ def _training_master_dtype(t: TrainingView) -> Side:
 
 
 def _training_attention(t: TrainingView, settings: Any) -> Side:
-    if settings.platform == "cpu" and settings.deterministic:
+    if settings.platform == "cpu" and settings.deterministic and canonical_attention(t.attn_implementation) == "consistent":
         return Side("consistent", f"{TOP}.deterministic=true (project consistent kernels)")
     # kernels=project on a device: the HF model runs the project's attention only where the config
     # names it (attn_implementation=consistent); anything else is read below and compared as it is.
