@@ -60,6 +60,8 @@ CASES = [
     ("cpu_tiny_vllm", [f"{R}.enable_sleep_mode=true"], 2, "[sleep_mode]"),
     ("cpu_tiny", ["actor_rollout_ref.model.use_fused_kernels=true"], 2, "[fused_kernels]"),
     ("cpu_tiny", ["actor_rollout_ref.model.lora_rank=8"], 2, "[lora]"),
+    ("cpu_tiny_vllm", [f"{R}.quantization=fp8"], 2, "[quantization]"),
+    ("cpu_tiny_vllm", [f"+{R}.engine_kwargs.vllm.kv_cache_dtype=fp8"], 2, "[kv_cache_dtype]"),
     ("cpu_tiny_vllm", ["actor_rollout_ref.model.override_config.attn_implementation=sdpa"], 2, "training=sdpa"),
     # the project's attention has no Ulysses all-to-all (twin: test_data_parallel_e2e.py), under either key
     ("cpu_tiny", ["trainer.n_gpus_per_node=2", f"{A}.fsdp_config.ulysses_sequence_parallel_size=2"], 2, "[ulysses]"),

@@ -189,6 +189,7 @@ class VllmView:
     attention_backend: str | None = _key(f"{ROLLOUT_VLLM}.attention_backend", "text")  # null = vLLM auto-selects
     all2all_backend: str | None = _key(f"{ROLLOUT_VLLM}.all2all_backend", "text")  # null = allgather_reducescatter
     block_size: int | None = _key(f"{ROLLOUT_VLLM}.block_size", "int")
+    kv_cache_dtype: str = _key(f"{ROLLOUT_VLLM}.kv_cache_dtype", "text", "auto")  # auto = the model dtype
     decode_context_parallel_size: int = _key(f"{ROLLOUT_VLLM}.decode_context_parallel_size", "int", 1)
     prefill_context_parallel_size: int = _key(f"{ROLLOUT_VLLM}.prefill_context_parallel_size", "int", 1)
     compilation_config: dict = _key(f"{ROLLOUT_VLLM}.compilation_config", "mapping")
@@ -230,6 +231,7 @@ class _RolloutKeys:
     ep: int = _key(f"{R}.expert_parallel_size", "int", 1)  # as declared; vLLM's EP group is TP*DP
     pp: int = _key(f"{R}.pipeline_model_parallel_size", "int", 1)
     dtype: str = _key(f"{R}.dtype", "text", "bfloat16")
+    quantization: str | None = _key(f"{R}.quantization", "text")  # null = weights served in rollout.dtype
     temperature: float = _key(f"{R}.temperature", "float", 1.0)
     top_p: float = _key(f"{R}.top_p", "float", 1.0)
     top_k: int = _key(f"{R}.top_k", "number_int", -1)

@@ -312,7 +312,7 @@ def _layout_rows(c: _Ctx) -> list[Row]:
 def _dtype_rows(c: _Ctx) -> list[Row]:
     t_compute = _training_compute_dtype(c.t)
     r_dtype = canonical_dtype(c.r.dtype)
-    return [
+    rows = [
         Row(
             "compute_dtype",
             "compute dtype",
@@ -327,7 +327,31 @@ def _dtype_rows(c: _Ctx) -> list[Row]:
             Side(r_dtype, f"{R}.dtype (weights synced and cast once)"),
             kind=INFO,
         ),
+        Row(
+            "quantization",
+            "rollout quantization",
+            Side("none", "training computes in its compute dtype"),
+            Side(c.r.quantization or "none", f"{R}.quantization"),
+            required="none",
+            required_source="quantized rollout weights compute other values than the training weights",
+            only_when_deterministic=True,
+            fix=f"set {R}.quantization=null",
+        ),
     ]
+    if c.r.vllm is not None:
+        rows.append(
+            Row(
+                "kv_cache_dtype",
+                "KV cache dtype",
+                Side("auto", "training keeps keys and values in the compute dtype"),
+                Side(c.r.vllm.kv_cache_dtype, f"{R}.engine_kwargs.vllm.kv_cache_dtype"),
+                required="auto",
+                required_source="a KV cache in another dtype rounds the keys and values training attends to exactly",
+                only_when_deterministic=True,
+                fix=f"set {R}.engine_kwargs.vllm.kv_cache_dtype=auto (or leave it unset)",
+            )
+        )
+    return rows
 
 
 def _attention_row(c: _Ctx) -> Row:
