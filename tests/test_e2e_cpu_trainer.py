@@ -14,6 +14,10 @@ pytestmark = pytest.mark.e2e
 VERL_REPLAY_BUFFER = Run(
     "cpu_tiny", train_steps(1) + ("trainer.v1.sampler.custom_sampler=null", "trainer.v1.sampler.sampler_kwargs={}")
 )
+# A training-model config override, launched past the contract, which refuses it (test_launch_verdict.py):
+# verl applies model.override_config to the training model only; the rollout loads the checkpoint's config.
+OVERRIDDEN_MODEL = Run("cpu_tiny", train_steps(1) + (
+    "+actor_rollout_ref.model.override_config.rms_norm_eps=0.001", "true_on_policy.allow_contract_mismatch=true"))
 
 
 @pytest.mark.parametrize("run", [CPU_TINY, CPU_TINY_MOE], ids=lambda run: run.config)
@@ -31,6 +35,11 @@ def test_trainer_runs_flashreinforce_with_zero_logdiff(verl_runs, run):
 def test_flag_off_twin_shows_the_logdiff(verl_runs):
     """Without the consistent kernels the same run's recompute and rollout disagree."""
     assert verl_runs(CPU_TINY_FLAG_OFF).metrics[1]["training/rollout_probs_diff_max"] > 0.0
+
+
+def test_twin_a_training_only_config_override_breaks_the_log_probs(verl_runs):
+    """Why the contract compares model.override_config with the rollout's: step 1, before any update."""
+    assert verl_runs(OVERRIDDEN_MODEL).metrics[1]["training/rollout_probs_diff_max"] > 0.0
 
 
 def test_builtin_replay_buffer_twin_shows_the_2s_floor(verl_runs):

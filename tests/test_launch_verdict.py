@@ -61,6 +61,10 @@ CASES = [
     ("cpu_tiny", ["actor_rollout_ref.model.use_fused_kernels=true"], 2, "[fused_kernels]"),
     ("cpu_tiny", ["actor_rollout_ref.model.lora_rank=8"], 2, "[lora]"),
     ("cpu_tiny_vllm", [f"{R}.quantization=fp8"], 2, "[quantization]"),
+    # the training model's config overridden, the rollout's not (twin: test_e2e_cpu_trainer.py)
+    ("cpu_tiny", ["+actor_rollout_ref.model.override_config.rms_norm_eps=0.001"], 2, "training=rms_norm_eps=0.001"),
+    ("cpu_tiny_vllm", ["+actor_rollout_ref.model.override_config.rms_norm_eps=0.001",
+                       f"+{R}.engine_kwargs.vllm.hf_overrides.rms_norm_eps=0.001"], 0, "launch accepted"),
     ("cpu_tiny_vllm", [f"+{R}.engine_kwargs.vllm.kv_cache_dtype=fp8"], 2, "[kv_cache_dtype]"),
     ("cpu_tiny_vllm", ["actor_rollout_ref.model.override_config.attn_implementation=sdpa"], 2, "training=sdpa"),
     # the project's attention has no Ulysses all-to-all (twin: test_data_parallel_e2e.py), under either key

@@ -147,6 +147,7 @@ class _TrainingKeys:
     attn_implementation: str | None = _key(f"{M}.override_config.attn_implementation", "text")  # null = flash_attention_2
     use_fused_kernels: bool = _key(f"{M}.use_fused_kernels", "bool", False)
     lora_rank: int = _key(f"{M}.lora_rank", "int", 0, minimum=0)
+    override_config: dict = _key(f"{M}.override_config", "mapping")  # applied to the training model only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +191,7 @@ class VllmView:
     all2all_backend: str | None = _key(f"{ROLLOUT_VLLM}.all2all_backend", "text")  # null = allgather_reducescatter
     block_size: int | None = _key(f"{ROLLOUT_VLLM}.block_size", "int")
     kv_cache_dtype: str = _key(f"{ROLLOUT_VLLM}.kv_cache_dtype", "text", "auto")  # auto = the model dtype
+    hf_overrides: dict = _key(f"{ROLLOUT_VLLM}.hf_overrides", "mapping")
     decode_context_parallel_size: int = _key(f"{ROLLOUT_VLLM}.decode_context_parallel_size", "int", 1)
     prefill_context_parallel_size: int = _key(f"{ROLLOUT_VLLM}.prefill_context_parallel_size", "int", 1)
     compilation_config: dict = _key(f"{ROLLOUT_VLLM}.compilation_config", "mapping")

@@ -202,6 +202,7 @@ def build_contract(settings: Any, sides: Sides, plan: Any, checkpoint: Mapping[s
     rows = [
         *_layout_rows(ctx),
         *_dtype_rows(ctx),
+        _model_config_row(ctx),
         _attention_row(ctx),
         *_kernel_rows(ctx),
         _row_parallel_row(ctx),
@@ -307,6 +308,32 @@ def _layout_rows(c: _Ctx) -> list[Row]:
         else:
             rows.append(Row(key, title, side, Side(NA, "rollout has no Ulysses SP"), kind=INFO))
     return rows
+
+
+# override_config keys that do not change the model's arithmetic: the attention row reads the first;
+# verl sets the token ids from the tokenizer itself (verl/workers/config/model.py).
+_NEUTRAL_OVERRIDES = ("attn_implementation", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _overrides(mapping: Mapping[str, Any]) -> str:
+    mapping = mapping.get("model_config", mapping)  # verl's Megatron engine reads override_config.model_config
+    kept = {k: v for k, v in mapping.items() if k not in _NEUTRAL_OVERRIDES}
+    return ", ".join(f"{k}={kept[k]!r}" for k in sorted(kept)) or "none"
+
+
+def _model_config_row(c: _Ctx) -> Row:
+    if c.r.vllm is not None:
+        rollout = Side(_overrides(c.r.vllm.hf_overrides), f"{R}.engine_kwargs.vllm.hf_overrides")
+    else:
+        rollout = Side("none", f"{R}.name={c.r.name} loads the checkpoint's config.json")
+    return Row(
+        "model_config",
+        "model config overrides",
+        Side(_overrides(c.t.override_config), f"{M}.override_config (the training model only)"),
+        rollout,
+        fix=f"give the rollout the same overrides ({R}.engine_kwargs.vllm.hf_overrides) or write them into the "
+        f"checkpoint's config.json; verl does not pass {M}.override_config to the rollout",
+    )
 
 
 def _dtype_rows(c: _Ctx) -> list[Row]:
