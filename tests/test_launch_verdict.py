@@ -61,6 +61,7 @@ CASES = [
     ("cpu_tiny", ["actor_rollout_ref.model.use_fused_kernels=true"], 2, "[fused_kernels]"),
     ("cpu_tiny", ["actor_rollout_ref.model.lora_rank=8"], 2, "[lora]"),
     ("cpu_tiny_vllm", [f"{R}.quantization=fp8"], 2, "[quantization]"),
+    ("cpu_tiny_vllm", [f"{A}.fsdp_config.mixed_precision.param_dtype=fp16", f"{R}.dtype=float16"], 2, "[kernel_dtype]"),
     # the training model's config overridden, the rollout's not (twin: test_e2e_cpu_trainer.py)
     ("cpu_tiny", ["+actor_rollout_ref.model.override_config.rms_norm_eps=0.001"], 2, "training=rms_norm_eps=0.001"),
     ("cpu_tiny_vllm", ["+actor_rollout_ref.model.override_config.rms_norm_eps=0.001",

@@ -299,16 +299,18 @@ def _layout_rows(c: _Ctx) -> list[Row]:
     ]
     for key, side in tl.extra.items():
         title = "Ulysses SP (heads<->sequence all-to-all, no reduction)"
-        if canonical_attention(c.t.attn_implementation) == "consistent":
+        if c.t.is_fsdp and canonical_attention(c.t.attn_implementation) == "consistent":
             # verl's Ulysses all-to-all lives in its patch of flash-attention; the project's attention
             # has none, so each rank would attend within its own slice of the sequence
             rows.append(Row(key, title, side, Side(1, "rollout has no Ulysses SP"), required=1,
                             required_source=f"{M}.override_config.attn_implementation=consistent has no Ulysses all-to-all",
-                            fix=f"set {side.source.split(' ')[0]}=1"))
+                            fix=f"set {A}.fsdp_config.ulysses_sequence_parallel_size=1 and {A}.ulysses_sequence_parallel_size=1"))
         else:
             rows.append(Row(key, title, side, Side(NA, "rollout has no Ulysses SP"), kind=INFO))
     return rows
 
+
+KERNEL_DTYPES = ("float32", "bfloat16")
 
 # override_config keys that do not change the model's arithmetic: the attention row reads the first;
 # verl sets the token ids from the tokenizer itself (verl/workers/config/model.py).
@@ -365,6 +367,20 @@ def _dtype_rows(c: _Ctx) -> list[Row]:
             fix=f"set {R}.quantization=null",
         ),
     ]
+    if denv.project_kernels(c.platform, c.kernels):
+        rows.append(
+            Row(
+                "kernel_dtype",
+                "dtype the project's kernels cover",
+                Side(NA, "the compute dtype row makes both sides equal"),
+                Side(r_dtype in KERNEL_DTYPES, f"{R}.dtype={r_dtype}"),
+                kind=REQUIRE,
+                required=True,
+                required_source=f"the project's kernels run {' and '.join(KERNEL_DTYPES)}",
+                only_when_deterministic=True,
+                fix=f"set {R}.dtype and the training compute dtype to one of {', '.join(KERNEL_DTYPES)}",
+            )
+        )
     if c.r.vllm is not None:
         rows.append(
             Row(
