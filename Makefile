@@ -40,6 +40,7 @@ demo: install
 JOBS ?= 2
 XDIST = -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
+# --durations=30: the slowest tests, where CI's time goes.
 test: install
 	$(PY) -m true_on_policy build-assets
 	$(PY) -m pytest -q --durations=30 $(XDIST) tests
