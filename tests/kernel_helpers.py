@@ -34,12 +34,17 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, worker) -> None:
         dist.destroy_process_group()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a gloo group's rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def spawn_ranks(worker, world: int, out_dir: Path) -> list:
     """``worker(rank)`` on ``world`` spawned processes, each in a gloo group on 127.0.0.1 (one intra-op
     thread): the ranks' return values, in rank order (saved under ``out_dir``)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     mp.spawn(_rank_main, args=(world, port, str(out_dir), worker), nprocs=world, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 

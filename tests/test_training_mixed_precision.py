@@ -10,8 +10,6 @@ floating argument of a wrapped layer, the fp32 RoPE rows among them, and rows ro
 rotate differently.
 """
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from true_on_policy.kernels import model as cm
 from true_on_policy.kernels import ops
 from true_on_policy.tiny_assets import build_model, tiny_model_config
-from kernel_helpers import patched_transformers  # noqa: F401 (an autouse fixture)
+from kernel_helpers import free_port, patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)
 
 VERL_POLICY = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
 
@@ -30,10 +28,7 @@ VERL_POLICY = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_
 @pytest.fixture(scope="module")
 def mesh():
     """A one-rank gloo group in this process (FSDP2 needs a process group even for one rank)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield init_device_mesh("cpu", (1,))
     finally:
