@@ -202,7 +202,7 @@ def build_contract(settings: Any, sides: Sides, plan: Any, checkpoint: Mapping[s
     rows = [
         *_layout_rows(ctx),
         *_dtype_rows(ctx),
-        _model_config_row(ctx),
+        *_model_rows(ctx),
         _attention_row(ctx),
         *_kernel_rows(ctx),
         _row_parallel_row(ctx),
@@ -310,8 +310,6 @@ def _layout_rows(c: _Ctx) -> list[Row]:
     return rows
 
 
-KERNEL_DTYPES = ("float32", "bfloat16")
-
 # override_config keys that do not change the model's arithmetic: the attention row reads the first;
 # verl sets the token ids from the tokenizer itself (verl/workers/config/model.py).
 _NEUTRAL_OVERRIDES = ("attn_implementation", "bos_token_id", "eos_token_id", "pad_token_id")
@@ -323,19 +321,35 @@ def _overrides(mapping: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={kept[k]!r}" for k in sorted(kept)) or "none"
 
 
-def _model_config_row(c: _Ctx) -> Row:
+def _model_rows(c: _Ctx) -> list[Row]:
+    """The model each side builds: its config and its linears."""
     if c.r.vllm is not None:
         rollout = Side(_overrides(c.r.vllm.hf_overrides), f"{R}.engine_kwargs.vllm.hf_overrides")
     else:
         rollout = Side("none", f"{R}.name={c.r.name} loads the checkpoint's config.json")
-    return Row(
-        "model_config",
-        "model config overrides",
-        Side(_overrides(c.t.override_config), f"{M}.override_config (the training model only)"),
-        rollout,
-        fix=f"give the rollout the same overrides ({R}.engine_kwargs.vllm.hf_overrides) or write them into the "
-        f"checkpoint's config.json; verl does not pass {M}.override_config to the rollout",
-    )
+    return [
+        Row(
+            "model_config",
+            "model config overrides",
+            Side(_overrides(c.t.override_config), f"{M}.override_config (the training model only)"),
+            rollout,
+            fix=f"give the rollout the same overrides ({R}.engine_kwargs.vllm.hf_overrides) or write them into the "
+            f"checkpoint's config.json; verl does not pass {M}.override_config to the rollout",
+        ),
+        Row(
+            "lora",
+            "LoRA adapters",
+            Side(c.t.lora_rank, f"{M}.lora_rank"),
+            Side(0, "the rollout's linears are the pinned ones"),
+            required=0,
+            required_source="a LoRA branch is a linear outside the pinned kernels",
+            only_when_deterministic=True,
+            fix=f"set {M}.lora_rank=0 (merge the adapter into the weights before training)",
+        ),
+    ]
+
+
+KERNEL_DTYPES = ("float32", "bfloat16")  # what the project's kernels compute in
 
 
 def _dtype_rows(c: _Ctx) -> list[Row]:
@@ -612,16 +626,6 @@ def _logprob_rows(c: _Ctx) -> list[Row]:
             required_source="verl's fused kernel computes the log-probs in place of the LM head and log-softmax both sides pin",
             only_when_deterministic=True,
             fix=f"set {M}.use_fused_kernels=false",
-        ),
-        Row(
-            "lora",
-            "LoRA adapters",
-            Side(c.t.lora_rank, f"{M}.lora_rank"),
-            Side(0, "the rollout's linears are the pinned ones"),
-            required=0,
-            required_source="a LoRA branch is a linear outside the pinned kernels",
-            only_when_deterministic=True,
-            fix=f"set {M}.lora_rank=0 (merge the adapter into the weights before training)",
         ),
     ]
 
