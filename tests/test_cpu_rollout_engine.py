@@ -200,6 +200,25 @@ def test_verl_sampling_params_are_translated_or_refused_by_name():
             sampling_params_from_request(bad, 16)
 
 
+def test_the_served_model_takes_the_contracts_dtype_spellings_and_refuses_others_by_name():
+    """rollout.dtype as the contract reads it (bf16, torch.float32, ...) loads in that dtype; a dtype the
+    kernels do not compute in is an error naming the key and the value."""
+    from true_on_policy.verl_adapter.cpu_rollout import load_serving_model
+
+    path = str(tiny_assets.ensure_assets() / tiny_assets.MODEL_DIRS["dense"])
+    for spelling, dtype in [("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("torch.float32", torch.float32)]:
+        assert load_serving_model(path, spelling).model.embed_tokens.weight.dtype == dtype, spelling
+    with pytest.raises(ValueError, match=r"rollout\.dtype='fp16'"):
+        load_serving_model(path, "fp16")
+
+
+def test_the_contract_names_the_dtypes_the_kernels_compute_in():
+    """The torch-free contract's KERNEL_DTYPES (its [kernel_dtype] row) and the kernels' DTYPES: one list."""
+    from true_on_policy.contract.consistency import KERNEL_DTYPES
+
+    assert KERNEL_DTYPES == tuple(consistent_ops.DTYPES)
+
+
 def _sample_after_loads(model, versions):
     """A fresh engine (a restarted server) loads the same weights len(versions) times, then samples."""
     engine = RolloutEngine(model, eos_token_id=EOS, seed=5)

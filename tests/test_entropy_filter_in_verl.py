@@ -18,7 +18,7 @@ from true_on_policy.loss.flashreinforce import (
     kept_token_count,
     sequence_advantages,
 )
-from verl_actor import flashreinforce_actor_config
+from verl_actor import current_log_probs, flashreinforce_actor_config, verl_advantages
 
 F64 = torch.float64
 ROWS, PROMPT_LENGTH, RESPONSE_LENGTH, HIDDEN, VOCAB = 6, 2, 6, 4, 7
@@ -59,10 +59,6 @@ def make_batch():
     )
 
 
-def current_log_probs(features, weight, tokens):
-    return torch.log_softmax(features @ weight, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
 def pure_reference(batch):
     """The pure loss with entropies and failures on the whole batch: loss, gradient, stats."""
     weight = batch["weight"].clone().requires_grad_(True)
@@ -86,17 +82,6 @@ def filter_carrier(batch, rows=None):
     keep = entropy_filter(batch["mask"], batch["entropies"], FAILED, FRACTION)
     carrier = keep.to(torch.float32)
     return carrier if rows is None else carrier[torch.tensor(rows)]
-
-
-def verl_advantages(batch):
-    from true_on_policy.verl_adapter import flashreinforce_registration  # noqa: F401  (registers)
-    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
-
-    advantages, _ = get_adv_estimator_fn("flashreinforce")(
-        token_level_rewards=batch["token_level_rewards"], response_mask=batch["mask"].long(), config=None
-    )
-    return advantages
-
 
 
 @pytest.fixture

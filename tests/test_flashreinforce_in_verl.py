@@ -17,7 +17,7 @@ import torch
 
 from true_on_policy.config import settings as settings_module
 from true_on_policy.loss.flashreinforce import flashreinforce_loss
-from verl_actor import flashreinforce_actor_config
+from verl_actor import current_log_probs, flashreinforce_actor_config, verl_advantages
 
 F64 = torch.float64
 ROWS, PROMPT_LENGTH, RESPONSE_LENGTH, HIDDEN, VOCAB = 6, 2, 5, 4, 7
@@ -62,10 +62,6 @@ def make_batch():
     )
 
 
-def current_log_probs(features, weight, tokens):
-    return torch.log_softmax(features @ weight, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
 def reference_gradient(batch):
     """One call of the pure loss on the whole batch: the gradient every split must reproduce."""
     weight = batch["weight"].clone().requires_grad_(True)
@@ -73,17 +69,6 @@ def reference_gradient(batch):
     loss, stats = flashreinforce_loss(current, batch["behaviour"], batch["rewards"], batch["mask"], delta=DELTA)
     loss.backward()
     return loss.detach(), weight.grad, stats
-
-
-def verl_advantages(batch):
-    from true_on_policy.verl_adapter import flashreinforce_registration  # noqa: F401  (registers)
-    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
-
-    advantages, _ = get_adv_estimator_fn("flashreinforce")(
-        token_level_rewards=batch["token_level_rewards"], response_mask=batch["mask"].long(), config=None
-    )
-    return advantages
-
 
 
 def relative_error(actual, expected):

@@ -19,15 +19,13 @@ import copy
 import os
 import sys
 
-DTYPES = ("float32", "bfloat16")
-
-
 class _BadInput(Exception):
     pass
 
 
 def _parser() -> argparse.ArgumentParser:
     from true_on_policy import tiny_assets
+    from true_on_policy.contract.consistency import KERNEL_DTYPES
     from true_on_policy.diagnose import FAULTS
 
     p = argparse.ArgumentParser(
@@ -43,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     src.add_argument("--checkpoint", default=None, help="a local Hugging Face checkpoint directory (both copies)")
     src.add_argument("--rollout-checkpoint", default=None, help="load the rollout copy from this directory instead")
-    src.add_argument("--dtype", choices=DTYPES, default="float32")
+    src.add_argument("--dtype", choices=KERNEL_DTYPES, default="float32")
     src.add_argument(
         "--no-deterministic", action="store_true", help="default kernels on both sides (consistent kernels off)"
     )
@@ -88,10 +86,10 @@ def _load(path: str, dtype, flag: str):
 def run(args) -> int:
     import torch
 
-    from true_on_policy import tiny_assets
-
-    from true_on_policy.kernels import model as consistent_model
     from true_on_policy import diagnose as dg
+    from true_on_policy import tiny_assets
+    from true_on_policy.kernels import model as consistent_model
+    from true_on_policy.kernels import ops as consistent_ops
 
     if args.model is not None and args.checkpoint is not None:
         raise _BadInput("give either --model or --checkpoint, not both")
@@ -106,7 +104,7 @@ def run(args) -> int:
         _check_dir(args.checkpoint, "--checkpoint")
     if args.rollout_checkpoint is not None:
         _check_dir(args.rollout_checkpoint, "--rollout-checkpoint")
-    dtype = getattr(torch, args.dtype)
+    dtype = consistent_ops.DTYPES[args.dtype]
 
     with contextlib.suppress(Exception):
         from transformers.utils import logging as hf_logging

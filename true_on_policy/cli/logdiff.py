@@ -19,13 +19,10 @@ import torch
 
 from true_on_policy import tiny_assets
 from true_on_policy.cli.json_output import stdout_to_stderr
-
 from true_on_policy.kernels import model as consistent_model
-
 from true_on_policy.kernels import ops as consistent_ops
+from true_on_policy.kernels.ops import DTYPES
 from true_on_policy.rollout.engine import RolloutEngine, SamplingParams
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def prompt_lengths(count: int, longest: int = 200) -> list[int]:

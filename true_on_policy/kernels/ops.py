@@ -65,12 +65,15 @@ __all__ = [
     "token_log_probs",
     "Fault",
     "injected",
+    "DTYPES",
 ]
 
 TILE_ROWS = 64  # rows of one linear-layer tile: a row never sees how many rows its batch has
 ATTN_TILE_ROWS = 32  # query rows (heads x positions) of one attention tile
 K_CHUNK = 128  # the reduced dimension of every bmm is split into chunks of at most this size
 KV_BLOCK = 64  # attention's KV block, aligned at absolute positions [j*KV_BLOCK, (j+1)*KV_BLOCK)
+# The dtypes the kernels compute in, by name (the torch-free contract's KERNEL_DTYPES: the same names)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # ----------------------------------------------------------------------------------------------
 # The one switch

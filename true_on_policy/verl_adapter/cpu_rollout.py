@@ -35,9 +35,6 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "cpu"
 SERVER_NAME_PREFIX = "cpu_server"
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-
-
 def _server_name(replica_rank: int, node_rank: int = 0) -> str:
     return f"{SERVER_NAME_PREFIX}_{replica_rank}_{node_rank}"
 
@@ -46,12 +43,15 @@ def load_serving_model(model_path: str, dtype: str):
     """The rollout's copy of the model, in the rollout dtype, on the project's module code."""
     from transformers import AutoModelForCausalLM
 
+    from true_on_policy.contract.sides import canonical_dtype
     from true_on_policy.kernels import model as consistent_model
+    from true_on_policy.kernels.ops import DTYPES
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"rollout.dtype={dtype!r} is not supported by the CPU rollout; use one of {sorted(_DTYPES)}")
+    name = canonical_dtype(dtype)  # the spellings the contract reads (bf16, torch.float32, ...)
+    if name not in DTYPES:
+        raise ValueError(f"rollout.dtype={dtype!r} is not supported by the CPU rollout; use one of {sorted(DTYPES)}")
     model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=_DTYPES[dtype], attn_implementation=consistent_model.attn_implementation()
+        model_path, dtype=DTYPES[name], attn_implementation=consistent_model.attn_implementation()
     )
     return model.eval()
 

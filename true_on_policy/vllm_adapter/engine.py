@@ -15,8 +15,7 @@ import os
 import torch
 
 from true_on_policy.config.settings import ENV_VAR, Settings
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from true_on_policy.kernels.ops import DTYPES
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the engine core in its own process
