@@ -269,6 +269,34 @@ def test_vllm_on_cpu_runs_the_project_kernels_but_only_eager_and_without_sleep_m
     assert not {"eager", "sleep_mode"} & {m.field for m in contract.compare(eager)}
 
 
+@pytest.mark.parametrize(
+    "engine, key",
+    [
+        ("vllm", f"{R}.engine_kwargs.vllm.hf_overrides"),
+        ("sglang", f"{R}.engine_kwargs.sglang.json_model_override_args"),
+        ("cpu", None),  # the CPU engine loads config.json as it is: the only fix is to write it there
+    ],
+)
+def test_a_training_config_override_is_compared_with_the_rollout_engines_own_key(engine, key):
+    """``model.override_config`` reaches the training model only; each engine's override key is read (SGLang's
+    is a JSON string), and the fix names that key, never another engine's."""
+    cfg = _with(check_cli.compose_config(str(CONFIGS), "cpu_tiny"), **{
+        f"{R}.name": engine, "true_on_policy.deterministic": False,  # the row holds with the flag off too
+        "actor_rollout_ref.model.override_config.rms_norm_eps": 0.001,
+    })
+    result = _contract(cfg)
+    mismatch = {m.field: m for m in contract.compare(result)}["model_config"]
+    assert ("hf_overrides" in mismatch.fix) == (engine == "vllm")
+    assert ("json_model_override_args" in mismatch.fix) == (engine == "sglang")
+    assert mismatch.rollout_source == (key or f"{R}.name=cpu loads the checkpoint's config.json")
+    if key is None:
+        return
+    same = {"rms_norm_eps": 0.001} if engine == "vllm" else '{"rms_norm_eps": 0.001}'
+    assert "model_config" not in {m.field for m in contract.compare(_contract(_with(cfg, **{key: same})))}
+    other = {"rms_norm_eps": 0.002} if engine == "vllm" else '{"rms_norm_eps": 0.002}'
+    assert "model_config" in {m.field for m in contract.compare(_contract(_with(cfg, **{key: other})))}
+
+
 def test_every_row_can_fail(ascend_cfg, cuda_cfg):
     """Every non-info row of the shipped contracts turns into a mismatch when one side changes."""
     for base in (ascend_cfg, cuda_cfg):

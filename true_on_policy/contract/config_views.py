@@ -221,6 +221,8 @@ class VllmView:
 @dataclasses.dataclass(frozen=True)
 class SglangView:
     attention_backend: str | None = _key(f"{ROLLOUT_SGLANG}.attention_backend", "text")
+    # SGLang's ServerArgs.json_model_override_args (a JSON object as a string; verl passes engine_kwargs on)
+    json_model_override_args: dict = _key(f"{ROLLOUT_SGLANG}.json_model_override_args", "mapping")
     decode_context_parallel_size: int = _key(f"{ROLLOUT_SGLANG}.decode_context_parallel_size", "int", 1)
     prefill_context_parallel_size: int = _key(f"{ROLLOUT_SGLANG}.prefill_context_parallel_size", "int", 1)
 

@@ -324,17 +324,20 @@ def _overrides(mapping: Mapping[str, Any]) -> str:
 def _model_rows(c: _Ctx) -> list[Row]:
     """The model each side builds: its config and its linears."""
     if c.r.vllm is not None:
-        rollout = Side(_overrides(c.r.vllm.hf_overrides), f"{R}.engine_kwargs.vllm.hf_overrides")
-    else:
-        rollout = Side("none", f"{R}.name={c.r.name} loads the checkpoint's config.json")
+        key, overrides = f"{R}.engine_kwargs.vllm.hf_overrides", c.r.vllm.hf_overrides
+    elif c.r.sglang is not None:
+        key, overrides = f"{R}.engine_kwargs.sglang.json_model_override_args", c.r.sglang.json_model_override_args
+    else:  # the CPU engine: the checkpoint's config.json as it is
+        key, overrides = None, {}
+    rollout = Side(_overrides(overrides), key or f"{R}.name={c.r.name} loads the checkpoint's config.json")
+    give = f"give the rollout the same overrides ({key}) or write" if key else "write"
     return [
         Row(
             "model_config",
             "model config overrides",
             Side(_overrides(c.t.override_config), f"{M}.override_config (the training model only)"),
             rollout,
-            fix=f"give the rollout the same overrides ({R}.engine_kwargs.vllm.hf_overrides) or write them into the "
-            f"checkpoint's config.json; verl does not pass {M}.override_config to the rollout",
+            fix=f"{give} them into the checkpoint's config.json; verl does not pass {M}.override_config to the rollout",
         ),
         Row(
             "lora",
