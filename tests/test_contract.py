@@ -297,6 +297,13 @@ def test_a_training_config_override_is_compared_with_the_rollout_engines_own_key
     assert "model_config" in {m.field for m in contract.compare(_contract(_with(cfg, **{key: other})))}
 
 
+def test_the_contract_names_the_dtypes_the_kernels_compute_in():
+    """The torch-free contract's KERNEL_DTYPES (its [kernel_dtype] row) and the kernels' DTYPES: one list."""
+    from true_on_policy.kernels import ops
+
+    assert contract.KERNEL_DTYPES == tuple(ops.DTYPES)
+
+
 def test_every_row_can_fail(ascend_cfg, cuda_cfg):
     """Every non-info row of the shipped contracts turns into a mismatch when one side changes."""
     for base in (ascend_cfg, cuda_cfg):

@@ -212,13 +212,6 @@ def test_the_served_model_takes_the_contracts_dtype_spellings_and_refuses_others
         load_serving_model(path, "fp16")
 
 
-def test_the_contract_names_the_dtypes_the_kernels_compute_in():
-    """The torch-free contract's KERNEL_DTYPES (its [kernel_dtype] row) and the kernels' DTYPES: one list."""
-    from true_on_policy.contract.consistency import KERNEL_DTYPES
-
-    assert KERNEL_DTYPES == tuple(consistent_ops.DTYPES)
-
-
 def _sample_after_loads(model, versions):
     """A fresh engine (a restarted server) loads the same weights len(versions) times, then samples."""
     engine = RolloutEngine(model, eos_token_id=EOS, seed=5)

@@ -4,6 +4,8 @@ softmax policy those tests train."""
 
 from __future__ import annotations
 
+import torch
+
 
 def flashreinforce_actor_config(rows: int, *, dp_size: int | None = None, global_batch_size: int | None = None):
     """One mini-batch of ``rows`` trajectories in micro-batches of 2; with ``dp_size``, verl's
@@ -28,8 +30,6 @@ def flashreinforce_actor_config(rows: int, *, dp_size: int | None = None, global
 
 def current_log_probs(features, weight, tokens):
     """The linear softmax policy's log-prob of each token: log_softmax(features @ weight)[token]."""
-    import torch
-
     return torch.log_softmax(features @ weight, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 

@@ -21,7 +21,6 @@ from true_on_policy import tiny_assets
 from true_on_policy.cli.json_output import stdout_to_stderr
 from true_on_policy.kernels import model as consistent_model
 from true_on_policy.kernels import ops as consistent_ops
-from true_on_policy.kernels.ops import DTYPES
 from true_on_policy.rollout.engine import RolloutEngine, SamplingParams
 
 
@@ -71,7 +70,7 @@ def measure(kind: str, dtype: str, deterministic: bool, prompts: int, new_tokens
     was_enabled = consistent_ops.enabled()
     (consistent_ops.enable if deterministic else consistent_ops.disable)()
     try:
-        model = tiny_assets.build_model(kind).to(DTYPES[dtype])
+        model = tiny_assets.build_model(kind).to(consistent_ops.DTYPES[dtype])
         prompt_ids = make_prompts(prompts, model.config.vocab_size)
         outputs = rollout(model, prompt_ids, new_tokens)
         sequences = [p + out for p, (out, _) in zip(prompt_ids, outputs)]
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("cpu", "vllm"), default="cpu", help="the rollout engine")
     parser.add_argument("--model", action="append", help=f"one of {', '.join(tiny_assets.MODEL_KINDS)} or a local "
                         "checkpoint dir of a covered architecture (repeatable; overrides --models)")
-    parser.add_argument("--dtype", action="append", choices=tuple(DTYPES), help="repeatable; default: both")
+    parser.add_argument("--dtype", action="append", choices=tuple(consistent_ops.DTYPES), help="repeatable; default: both")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (--engine vllm)")
     parser.add_argument("--tp", type=int, action="append", help="vLLM tensor-parallel size (repeatable; default 1)")
     parser.add_argument("--ep", action="store_true", help="vLLM expert parallelism over the TP ranks (TP > 1)")
@@ -181,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompts, --new-tokens and --micro-batch must be >= 1")
     if args.engine != "vllm" and (args.tp or args.ep):
         parser.error("--tp and --ep are for --engine vllm")
-    dtypes = args.dtype or list(DTYPES)
+    dtypes = args.dtype or list(consistent_ops.DTYPES)
     kinds = args.model or args.models
     if args.engine == "cpu":
         unknown = [k for k in kinds if k not in tiny_assets.MODEL_KINDS]
