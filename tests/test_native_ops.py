@@ -136,6 +136,37 @@ def test_paged_attention_reads_the_cache_in_place_with_the_torch_codes_bits(dtyp
     assert torch.equal(fast, ops.attention(q, keys, values, None, None, 0.2, plan))
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal where not NaN, and NaN in the same places."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.masked_fill(a.isnan(), 0), b.masked_fill(b.isnan(), 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_skips_the_pairs_a_sequence_does_not_see_with_the_torch_codes_bits(dtype):
+    """The plan's (tile, block) pairs are the whole batch's: beside a sequence whose chunk starts at
+    position 100, a fresh 100-token prefill has pairs none of its rows sees. The native kernel skips
+    them per sequence (in inference), and the bits stay the torch code's, NaN included: an infinite
+    value in a skipped block still turns the rows whose zero probabilities multiply it into NaN."""
+    g = gen(8)
+    S, Hq, Hkv, D, Tq, Tk = 2, 4, 2, 16, 100, 200
+    q_pos = torch.stack([torch.arange(100, 200), torch.arange(0, 100)])
+    kv_valid = torch.arange(Tk)[None] < torch.tensor([[200], [100]])
+    plan = ops.attention_plan(q_pos, kv_valid, Hq, Hkv)
+    sees = plan.visible.flatten(2).any(-1)  # [S, pairs]
+    assert sees[0].all() and not sees[1].all(), "the short sequence has no idle pair: the case tests nothing"
+    q = torch.randn(S, Hq, Tq, D, generator=g).to(dtype)
+    k = torch.randn(S, Hkv, Tk, D, generator=g).to(dtype)
+    for poisoned in (False, True):
+        v = torch.randn(S, Hkv, Tk, D, generator=g).to(dtype)
+        if poisoned:
+            v[1, 0, 80, 3] = math.inf  # position 80: a future key of the short sequence's first tile, in a block it skips
+        for n_threads in (1, 2):
+            with threads(n_threads):
+                fast, reference = both_paths(lambda: ops.attention(q, k, v, q_pos, kv_valid, 0.25))
+            assert same_values(fast, reference), (poisoned, n_threads)
+            assert torch.isnan(reference[1, :2, :16]).any() == poisoned  # rows 0..15 never see position 80
+
+
 def cpu_has_avx512_bf16() -> bool:
     with open("/proc/cpuinfo") as cpuinfo:
         return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in cpuinfo)

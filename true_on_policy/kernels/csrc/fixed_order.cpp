@@ -714,6 +714,21 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
   const int64_t lanes = S * Hkv * tiles, items = S * Hkv * n_used;  // items: (s, h, block)
   const BlockPairs blocks(pj, P, n_used);
 
+  // The plan's pairs are shared by the batch's sequences; a pair with no key visible to any of a
+  // sequence's live rows is an exact no-op for that sequence (scores -inf, so m, l and acc stay as
+  // they were; its PV is the block's zero-probability chain). In inference its chains and exps are
+  // skipped: scores and PV are kept only for the active pairs (packed_at[g] >= 0, g = (s * Hkv + h) * P + p).
+  std::vector<char> active(S * P, 1);
+  if (!with_probs)
+    at::parallel_for(0, S * P, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) active[i] = !std::all_of(inv + i * live * B, inv + (i + 1) * live * B,
+                                                                 [](bool hidden) { return hidden; });
+    });
+  std::vector<int64_t> packed_at(G, -1);
+  int64_t G_active = 0;
+  for (int64_t g = 0; g < G; ++g)
+    if (active[(g / (Hkv * P)) * P + g % P]) packed_at[g] = G_active++;
+
   // every tile's scaled query rows, [S * Hkv, tiles, live, D]
   auto q_rows = scratch(2, {lanes * live * D});
   float* qr = q_rows.data_ptr<float>();
@@ -726,7 +741,7 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
   // scores of every pair's live rows against the block's keys (zero after the last key); invisible keys
   // selected away (-inf); each row's maximum into the running-maximum grid (-inf where a pair is skipped)
   // (with_probs: p is kept in a fresh [G, R, B] tensor, the layout the torch code saves)
-  auto scores = with_probs ? at::empty({G, R, B}, opts).narrow(1, 0, live) : scratch(0, {G, live, B});
+  auto scores = with_probs ? at::empty({G, R, B}, opts).narrow(1, 0, live) : scratch(0, {G_active, live, B});
   auto m_run = at::full({S, Hkv, tiles, n_used, live}, neg_inf, opts);
   float* sc = scores.data_ptr<float>();
   const int64_t g_stride = scores.stride(0);  // live * B, or R * B with_probs
@@ -740,6 +755,7 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
       // not read (zero)
       int64_t n_vis = 0;
       for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
+        if (!active[s * P + blocks.pairs[i]]) continue;
         const bool* hidden = inv + (s * P + blocks.pairs[i]) * live * B;
         for (int64_t r = 0; r < live; ++r)
           for (int64_t b = B - 1; b >= n_vis; --b)
@@ -748,13 +764,15 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
               break;
             }
       }
+      if (n_vis == 0 && !with_probs) continue;  // no active pair
       const int64_t n_keys = std::min(std::clamp<int64_t>(Tk - j * B, 0, B), n_vis);
       kv.key_block(s, h, j * B, n_keys, kt.data(), B);  // the block's keys, transposed: [D, B]
       for (int64_t d = 0; d < D; ++d) std::fill(kt.data() + d * B + n_keys, kt.data() + (d + 1) * B, 0.0f);
       for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
         const int64_t p = blocks.pairs[i], c = sh * tiles + pt[p];
+        if (packed_at[sh * P + p] < 0) continue;
         const bool* hidden = inv + (s * P + p) * live * B;
-        float* out = sc + (sh * P + p) * g_stride;
+        float* out = sc + packed_at[sh * P + p] * g_stride;
         fma_chain_rows(qr + c * live * D, D, 1, live, kt.data(), B, D, B, k_chunk, out, B, part.data());
         for (int64_t r = 0; r < live; ++r)
           mr[(c * n_used + j) * live + r] = select_and_max(out + r * B, hidden + r * B, B);
@@ -786,24 +804,29 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
   at::parallel_for(0, G, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t g = lo; g < hi; ++g) {
       const int64_t sh = g / P, p = g % P;
+      if (packed_at[g] < 0) continue;
       for (int64_t r = 0; r < live; ++r) {
         const float m = mf[((sh * tiles + pt[p]) * n_used + pj[p]) * live + r];
-        float* row = sc + g * g_stride + r * B;
+        float* row = sc + packed_at[g] * g_stride + r * B;
         for (int64_t b = 0; b < B; ++b) row[b] = row[b] - m;
       }
     }
   });
   scores.exp_();
 
-  // PV of every pair: values of invisible slots 0 and a ones column, so entry D is the row's sum of p
+  // PV of every active pair: values of invisible slots 0 and a ones column, so entry D is the row's sum
+  // of p; per item, idle_pv: the block's chain for p = 0, every skipped pair's row (+0, or NaN in a
+  // column with a non-finite value)
   const int64_t W = D + 1, W16 = round_up(W, kLanes);
-  auto pv = scratch(1, {G, live, W16});
+  auto pv = scratch(1, {G_active, live, W16});
   float* pvd = pv.data_ptr<float>();
+  std::vector<float> idle_pv(with_probs ? 0 : items * W16, 0.0f);
   at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> vb(B * W16, 0.0f), part(kMaxRows * W16);
+    std::vector<float> vb(B * W16, 0.0f), part(kMaxRows * W16), zero_p(B, 0.0f);
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t sh = item / n_used, j = blocks.order[item % n_used], s = sh / Hkv, h = sh % Hkv;
       if (blocks.start[j] == blocks.start[j + 1]) continue;
+      const int64_t block_item = sh * n_used + j;
       const int64_t first = j * B, n_slots = std::clamp<int64_t>(Tk - first, 0, B);
       // every value zeroed: each chain is fma(p, 0, +0) = +0
       const bool none = std::all_of(kv_inv + s * span + first, kv_inv + s * span + first + n_slots,
@@ -820,12 +843,17 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
       }
       for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
         const int64_t g = sh * P + blocks.pairs[i];
-        float* out = pvd + g * live * W16;
+        if (packed_at[g] < 0) continue;
+        float* out = pvd + packed_at[g] * live * W16;
         if (none)
           std::fill(out, out + live * W16, 0.0f);
         else
-          fma_chain_rows(sc + g * g_stride, B, 1, live, vb.data(), W16, B, W16, k_chunk, out, W16, part.data());
+          fma_chain_rows(sc + packed_at[g] * g_stride, B, 1, live, vb.data(), W16, B, W16, k_chunk, out, W16, part.data());
       }
+      if (!with_probs && !none &&
+          !std::all_of(vb.begin(), vb.end(), [](float x) { return std::isfinite(x); }))  // fma(0, inf, .) is NaN
+        fma_chain_rows(zero_p.data(), B, 1, 1, vb.data(), W16, B, W16, k_chunk, idle_pv.data() + block_item * W16, W16,
+                       part.data());
     }
   });
 
@@ -845,7 +873,9 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
       for (int64_t r = 0; r < live; ++r) {
         for (int64_t j = 0; j < n_used; ++j) {
           const int64_t p = pair_of[t * n_used + j];
-          const float* pvr = p < 0 ? zeros.data() : pvd + ((sh * P + p) * live + r) * W16;
+          const float* pvr = p < 0 ? zeros.data()
+                             : packed_at[sh * P + p] < 0 ? idle_pv.data() + (sh * n_used + j) * W16
+                             : pvd + (packed_at[sh * P + p] * live + r) * W16;
           if (j == 0) {
             std::copy(pvr, pvr + W, acc.data());
           } else {
