@@ -159,7 +159,7 @@ def test_attention_skips_the_pairs_a_sequence_does_not_see_with_the_torch_codes_
     for poisoned in (False, True):
         v = torch.randn(S, Hkv, Tk, D, generator=g).to(dtype)
         if poisoned:
-            v[1, 0, 80, 3] = math.inf  # position 80: a future key of the short sequence's first tile, in a block it skips
+            v[1, 0, 80, 3] = math.inf  # position 80: a value after the short sequence's first tile, in a block that tile skips
         for n_threads in (1, 2):
             with threads(n_threads):
                 fast, reference = both_paths(lambda: ops.attention(q, k, v, q_pos, kv_valid, 0.25))

@@ -755,7 +755,7 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
       // not read (zero)
       int64_t n_vis = 0;
       for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
-        if (!active[s * P + blocks.pairs[i]]) continue;
+        if (packed_at[sh * P + blocks.pairs[i]] < 0) continue;
         const bool* hidden = inv + (s * P + blocks.pairs[i]) * live * B;
         for (int64_t r = 0; r < live; ++r)
           for (int64_t b = B - 1; b >= n_vis; --b)
