@@ -217,6 +217,53 @@ def test_twin_the_dot_product_flushes_denormals_and_the_guard_keeps_the_bits(cas
     assert torch.equal(*both_paths(lambda: ops.linear(x, w, out_dtype=torch.float32)))
 
 
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="weights are packed only for the dot path (AVX512-BF16)")
+def test_a_packed_weight_gives_the_linears_bits():
+    """A weight laid out once (ops.pack_weight, what vLLM's experts keep between weight loads) gives the
+    bits of the weight read as it is, and of the torch code: decode and prefill heights, a partial group
+    of columns, leaves, a row-parallel shard, and a weight whose denormals the guard must see."""
+    g = gen(5)
+    for n, k in [(40, 256), (1024, 512), (16, 3072)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+        scale = 1.0
+        if n == 40:  # a row of denormals times large inputs: the dot product would flush it (premise below);
+            w[3] = (torch.randn(k, generator=g) * 2.0**-130).to(torch.bfloat16)  # the pack's exponents say so
+            scale = 2.0**20
+        pack = ops.pack_weight(w)
+        assert pack is not None and pack.shape == (n, k)
+        for m in (1, 4, 13, 70):
+            x = (torch.randn(m, k, generator=g) * scale).to(torch.bfloat16)
+            if n == 40:
+                lib = native.lib()
+                assert not torch.equal(lib.dot_matmul(x, w, ops.K_CHUNK, 1, False), lib.dot_matmul(x, w, ops.K_CHUNK, 1, True))
+                hidden = pack.tensors[1].clone()
+                hidden[:, 0] = 127  # exponents that hide the denormals: the group runs on the dot product
+                blind = ops.WeightPack(pack.shape, (pack.tensors[0], hidden))
+                assert not torch.equal(ops.linear(x, w, pack=blind), ops.linear(x, w))
+            for out_dtype, k_parts in ((torch.bfloat16, 1), (torch.float32, 2)):
+                packed = ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts, pack=pack)
+                fast, reference = both_paths(lambda: ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts))
+                assert torch.equal(packed, fast) and torch.equal(packed, reference), (n, k, m, out_dtype)
+    assert ops.pack_weight(w.float()) is None and ops.pack_weight(w[:8]) is None  # fp32; narrow: padded first
+    with pytest.raises(ValueError, match=r"a pack of a weight \[16, 3072\] for a weight \[40, 256\]"):
+        ops.linear(x[:, :256], w[:0].new_zeros(40, 256), pack=pack)
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="weights are packed only for the dot path (AVX512-BF16)")
+def test_twin_a_pack_is_a_copy_that_a_weight_load_leaves_stale():
+    """Why vLLM's weight loader drops the experts' packs (vllm_adapter.patches, moe.load): a pack is a copy,
+    so after the weight is written a kept pack computes the old weight's product."""
+    g = gen(6)
+    w = (torch.randn(64, 256, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(4, 256, generator=g).to(torch.bfloat16)
+    pack = ops.pack_weight(w)
+    before = ops.linear(x, w)
+    w.data.add_(0.01)  # as a weight loader writes: into .data, no version bump a cache could see
+    assert not torch.equal(ops.linear(x, w, pack=pack), ops.linear(x, w))
+    assert torch.equal(ops.linear(x, w, pack=pack), before)
+    assert torch.equal(ops.linear(x, w, pack=ops.pack_weight(w)), ops.linear(x, w))
+
+
 def _attention_case(g, S, Hq, Hkv, Tq, Tk, D, dtype, garbage=False):
     q = torch.randn(S, Hq, Tq, D, generator=g).to(dtype)
     k = torch.randn(S, Hkv, Tk, D, generator=g).to(dtype)

@@ -153,8 +153,8 @@ def dot_is_fma_chain(library: ModuleType) -> bool:
         x[0, :3] = torch.tensor([0.0, -0.0, 0.0])
         w[:, 1::7] = -0.0
         x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
-        dot = library.linear(x, w, None, torch.float32, 64, 128, leaves, False, True)
-        widened = library.linear(x.float(), w.float(), None, torch.float32, 64, 128, leaves, False, False)
+        dot = library.linear(x, w, None, torch.float32, 64, 128, leaves, False, True, None)
+        widened = library.linear(x.float(), w.float(), None, torch.float32, 64, 128, leaves, False, False, None)
         if not torch.equal(dot, widened):
             return False
     return True

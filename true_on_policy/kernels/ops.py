@@ -46,6 +46,8 @@ __all__ = [
     "local_leaves",
     "tree_combine",
     "linear",
+    "WeightPack",
+    "pack_weight",
     "linear_epilogue",
     "rms_norm",
     "silu",
@@ -327,21 +329,44 @@ def linear_epilogue(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: tor
     return acc if out_dtype == torch.float32 else acc.to(out_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightPack:
+    """A bf16 weight [N, K] laid out once for the native dot path (:func:`pack_weight`): its 16-column
+    panels, pairs of k interleaved, and their values' exponent range. A relayout, no arithmetic: a
+    linear given it computes the bits it computes from the weight. Valid while the weight is unchanged;
+    whoever writes the weight drops its pack."""
+
+    shape: tuple[int, int]
+    tensors: tuple[torch.Tensor, torch.Tensor]
+
+
+def pack_weight(weight: torch.Tensor) -> WeightPack | None:
+    """``weight``'s :class:`WeightPack` where :func:`linear` would read it on the native dot path (bf16, on
+    a CPU whose vdpbf16ps was checked, K even), else None (the linear then reads the weight as it is)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[1] % 2:
+        return None
+    if weight.shape[0] < native.FMA_CHAIN_MIN_N or (lib := native.bf16_dot_lib()) is None:
+        return None  # a narrow weight is padded first: the linear reads the padded copy
+    return WeightPack(tuple(weight.shape), tuple(lib.pack_dot_weight(weight)))
+
+
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype,
-                    k_parts: int = 1) -> torch.Tensor:
+                    k_parts: int = 1, pack: WeightPack | None = None) -> torch.Tensor:
     k = x.shape[-1]
     n = weight.shape[0]
     leaves = local_leaves(k, k_parts)
+    if pack is not None and pack.shape != tuple(weight.shape):
+        raise ValueError(f"linear: a pack of a weight {list(pack.shape)} for a weight {list(weight.shape)}")
     narrow = n < native.FMA_CHAIN_MIN_N
     if narrow:  # zero output features appended: MKL runs its N-invariant fma-chain kernel from 12 columns
         weight = F.pad(weight, (0, 0, 0, native.FMA_CHAIN_MIN_N - n))
         if bias is not None:
             bias = F.pad(bias, (0, native.FMA_CHAIN_MIN_N - n))
-    out = _padded_linear_forward(x, weight, bias, out_dtype, leaves)
+    out = _padded_linear_forward(x, weight, bias, out_dtype, leaves, pack)
     return out[..., :n] if narrow else out
 
 
-def _padded_linear_forward(x, weight, bias, out_dtype, leaves: int) -> torch.Tensor:
+def _padded_linear_forward(x, weight, bias, out_dtype, leaves: int, pack: WeightPack | None = None) -> torch.Tensor:
     k = x.shape[-1]
     n = weight.shape[0]
     rows = x.reshape(-1, k)
@@ -354,7 +379,8 @@ def _padded_linear_forward(x, weight, bias, out_dtype, leaves: int) -> torch.Ten
             # bf16 read as bf16 by the dot-product instruction: the same fma chains
             dot = x.dtype == weight.dtype == torch.bfloat16 and (k // leaves) % 2 == 0
             dot = dot and native.bf16_dot_lib() is not None
-            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, leaves, chain, dot)
+            packed = pack.tensors if dot and pack is not None else None
+            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, leaves, chain, dot, packed)
         if m == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
         tiles = -(-m // height)
@@ -405,6 +431,7 @@ def linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     k_parts: int = 1,
+    pack: WeightPack | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with a per-row result independent of the batch and of TP sharding.
 
@@ -420,12 +447,15 @@ def linear(
     ``k_parts`` > 1: ``weight`` holds one of ``k_parts`` contiguous shards of the reduced dim (a
     row-parallel rank); the result is that shard's subtree. :func:`tree_combine` of all ranks'
     fp32 subtrees, in rank order, then :func:`linear_epilogue` is bitwise the unsharded linear.
+
+    ``pack``: ``weight``'s :func:`pack_weight`, for an inference engine whose weights change only when
+    it loads them: the same bits, without laying the weight out again in every call.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if needs_grad and torch.is_grad_enabled():
         return _Linear.apply(x, weight, bias, out_dtype, k_parts)
-    return _linear_forward(x, weight, bias, out_dtype, k_parts)
+    return _linear_forward(x, weight, bias, out_dtype, k_parts, pack)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -958,7 +988,7 @@ def moe_route(
     return weights, experts
 
 
-def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, gather=None):
+def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, gather=None, packs=None):
     """Every (token, slot) pair through its expert: [tokens, top_k, hidden] in slot order.
 
     Pairs are grouped by expert with a stable sort (token order inside an expert), each expert runs
@@ -974,6 +1004,9 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
       projection's columns): the down projection is the shard's fp32 subtree (:func:`linear`),
       ``gather(partials)`` returns every shard's, in shard order, and :func:`tree_combine` plus
       :func:`linear_epilogue` finish it -- bitwise the unsharded experts.
+
+    ``packs``: ``(gate_up packs, down packs)``, each expert's :func:`pack_weight` in the order of the
+    weights (an inference engine's, built once per weight load): the same bits.
     """
     tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
@@ -982,6 +1015,8 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
         raise ValueError(f"moe_experts: {len(gate_up)} expert weights for expert ids {held}")
     if k_parts > 1 and gather is None:
         raise ValueError("moe_experts: k_parts > 1 needs gather (the shards' partials in shard order)")
+    if packs is not None and not (len(packs) == 2 and len(packs[0]) == len(packs[1]) == len(gate_up)):
+        raise ValueError(f"moe_experts: packs must be (gate_up packs, down packs) for {len(gate_up)} experts")
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.bincount(flat, minlength=max(held, default=-1) + 1).tolist()
     starts = [0]
@@ -995,8 +1030,9 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
             continue
         pairs = order[starts[expert] : starts[expert] + count]
         x = hidden[pairs // top_k]
-        gate, up = linear(x, gate_up[local]).chunk(2, dim=-1)
-        outputs.append(linear(silu_mul(gate, up), down[local], None, out_dtype, k_parts=k_parts))
+        gate_up_pack, down_pack = (None, None) if packs is None else (packs[0][local], packs[1][local])
+        gate, up = linear(x, gate_up[local], pack=gate_up_pack).chunk(2, dim=-1)
+        outputs.append(linear(silu_mul(gate, up), down[local], None, out_dtype, k_parts=k_parts, pack=down_pack))
         pair_ids.append(pairs)
     width = hidden.shape[-1]
     grouped = torch.cat(outputs) if outputs else hidden.new_zeros(0, width, dtype=out_dtype)

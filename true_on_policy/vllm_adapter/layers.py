@@ -10,6 +10,8 @@ what the training forward (:mod:`true_on_policy.kernels.model`) computes for the
   :func:`ops.rms_norm` (HF adds the residual in the model dtype, vLLM's stock kernel in fp32).
 * linear: one :func:`ops.linear` per projection of a fused layer (qkv, gate_up), on the unpacked
   weight, so each projection's bits are those of the training model's separate ``nn.Linear``.
+* MoE: :func:`ops.moe_experts` on the experts' weights as loaded, each laid out once for the bf16
+  dot path (:func:`expert_packs`, rebuilt after every weight load).
 * attention: keys/values stored unpacked in vLLM's paged cache and read there by
   :func:`ops.paged_attention` -- :func:`ops.attention` (absolute-position KV blocks, the same
   rescale cadence) on the cache in place.
@@ -246,6 +248,27 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return ops.log_softmax(logits)
 
 
+_PACKS = "_true_on_policy_packs"
+
+
+def expert_packs(holder) -> tuple[list, list] | None:
+    """The experts' weights laid out once for the dot path (:func:`ops.pack_weight`: gate_up packs,
+    down packs), built on first use after every weight load -- :mod:`.patches` drops them whenever
+    vLLM writes or post-processes the weights -- or None where the linears do not read packs (fp32)."""
+    packs = holder.__dict__.get(_PACKS)
+    if packs is None:
+        gate_up = [ops.pack_weight(w) for w in holder.w13_weight]
+        down = [ops.pack_weight(w) for w in holder.w2_weight]
+        packs = (gate_up, down) if all(p is not None for p in gate_up + down) else ()
+        holder.__dict__[_PACKS] = packs
+    return packs or None
+
+
+def drop_expert_packs(holder) -> None:
+    """Forget ``holder``'s :func:`expert_packs` (its weights are being written)."""
+    holder.__dict__.pop(_PACKS, None)
+
+
 def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     """Qwen3-MoE sparse block: fp32 router + stable top-k, per-expert linears, slot-order combine.
 
@@ -273,11 +296,11 @@ def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     elif parallel.tp_size > 1:
         group = _tp_group()
         per_slot = ops.moe_experts(h, chosen, w13, w2, k_parts=parallel.tp_size,
-                                   gather=lambda partial: _gather_list(group, partial))
+                                   gather=lambda partial: _gather_list(group, partial), packs=expert_packs(holder))
     else:
         if w13.shape[0] != num_experts:
             raise UnsupportedFeatureError(f"true_on_policy (vLLM): {w13.shape[0]} local experts of {num_experts}")
-        per_slot = ops.moe_experts(h, chosen, w13, w2)
+        per_slot = ops.moe_experts(h, chosen, w13, w2, packs=expert_packs(holder))
     return ops.moe_combine(per_slot, weights).to(hidden_states.dtype).view(shape)
 
 
@@ -298,7 +321,8 @@ def _expert_parallel_slots(holder, h: torch.Tensor, chosen: torch.Tensor, num_ex
         holder.__dict__["_true_on_policy_owner"] = owner
     local = torch.nonzero(expert_map >= 0).flatten()
     local = local[torch.argsort(expert_map[local])].tolist()  # global ids in the order of the local weights
-    per_slot = ops.moe_experts(h, chosen, holder.w13_weight, holder.w2_weight, experts=local)
+    per_slot = ops.moe_experts(h, chosen, holder.w13_weight, holder.w2_weight, experts=local,
+                               packs=expert_packs(holder))
     return ops.moe_select(_gather_list(group, per_slot), owner[chosen])
 
 
@@ -331,25 +355,45 @@ def _paged_layout(impl, query, kv_cache, m):
     """Requests of one step as grids: queries [S, Tq, Hq, D] with their absolute positions (-1:
     padding), and each request's keys/values in the paged cache (:class:`ops.PagedKV`), where the
     slot index IS the absolute position; ``kv_valid`` [S, Tk] marks the slots before seq_len."""
-    n = m.num_actual_tokens
-    device = query.device  # index tensors live with the cache (CPU on vLLM-CPU, the GPU on CUDA)
     key_cache, value_cache = ConsistentAttentionImpl._split(kv_cache)
-    block_size = key_cache.shape[2]
-    qsl = m.query_start_loc.long()
-    seq_lens = m.seq_lens.long()
-    S = seq_lens.shape[0]
-    q_lens = qsl[1 : S + 1] - qsl[:S]
-    Tq, Tk = int(q_lens.max()), int(seq_lens.max())
-    n_blocks = -(-Tk // block_size)
-    paged = ops.PagedKV(key_cache, value_cache, m.block_table[:S, :n_blocks])
-    kv_valid = torch.arange(n_blocks * block_size, device=device)[None] < seq_lens[:, None]
-    seg = torch.repeat_interleave(torch.arange(S, device=device), q_lens)
-    local = torch.arange(n, device=device) - qsl[:S][seg]
-    q_positions = torch.full((S, Tq), -1, dtype=torch.long, device=device)
-    q_positions[seg, local] = (seq_lens - q_lens)[seg] + local
-    q_grid = query.new_zeros(S, Tq, impl.num_heads, impl.head_size)
+    n, seg, local, q_positions, kv_valid, table = _step_layout(m, key_cache.shape[2], query.device)
+    q_grid = query.new_zeros(*q_positions.shape, impl.num_heads, impl.head_size)
     q_grid[seg, local] = query[:n].view(n, impl.num_heads, impl.head_size)
-    return n, seg, local, q_grid, q_positions, paged, kv_valid
+    return n, seg, local, q_grid, q_positions, ops.PagedKV(key_cache, value_cache, table), kv_valid
+
+
+_STEP = "_true_on_policy_step"  # one metadata object per step, shared by its attention layers
+
+
+def _step_layout(m, block_size: int, device):
+    """What :func:`_paged_layout` derives from the step's metadata alone, computed by the step's first
+    attention layer and kept on the metadata for the others."""
+    cached = m.__dict__.setdefault(_STEP, {})
+    if block_size not in cached:  # index tensors live with the cache (CPU on vLLM-CPU, the GPU on CUDA)
+        n = m.num_actual_tokens
+        qsl = m.query_start_loc.long()
+        seq_lens = m.seq_lens.long()
+        S = seq_lens.shape[0]
+        q_lens = qsl[1 : S + 1] - qsl[:S]
+        Tq, Tk = int(q_lens.max()), int(seq_lens.max())
+        n_blocks = -(-Tk // block_size)
+        kv_valid = torch.arange(n_blocks * block_size, device=device)[None] < seq_lens[:, None]
+        seg = torch.repeat_interleave(torch.arange(S, device=device), q_lens)
+        local = torch.arange(n, device=device) - qsl[:S][seg]
+        q_positions = torch.full((S, Tq), -1, dtype=torch.long, device=device)
+        q_positions[seg, local] = (seq_lens - q_lens)[seg] + local
+        cached[block_size] = (n, seg, local, q_positions, kv_valid, m.block_table[:S, :n_blocks])
+    return cached[block_size]
+
+
+def _step_plan(m, block_size: int, num_heads: int, num_kv_heads: int) -> ops.AttentionPlan:
+    """The step's :func:`ops.attention_plan` for these heads, built once per step (see :func:`_step_layout`)."""
+    cached = m.__dict__[_STEP]
+    key = (block_size, num_heads, num_kv_heads)
+    if key not in cached:
+        _, _, _, q_positions, kv_valid, _ = cached[block_size]  # _paged_layout ran first
+        cached[key] = ops.attention_plan(q_positions, kv_valid, num_heads, num_kv_heads)
+    return cached[key]
 
 
 class ConsistentAttentionImpl(CPUAttentionBackendImpl):
@@ -407,7 +451,7 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None:  # warm-up
             return output
         n, seg, local, q_grid, q_positions, paged, kv_valid = _paged_layout(self, query, kv_cache, attn_metadata)
-        plan = ops.attention_plan(q_positions, kv_valid, self.num_heads, self.num_kv_heads)
+        plan = _step_plan(attn_metadata, paged.key_cache.shape[2], self.num_heads, self.num_kv_heads)
         out = ops.paged_attention(q_grid.transpose(1, 2), paged, plan, self.scale)
         rows = out.transpose(1, 2)[seg, local]  # [n, Hq, D]
         output[:n].copy_(rows.reshape(output[:n].shape))

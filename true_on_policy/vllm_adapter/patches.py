@@ -21,7 +21,9 @@ whole footprint.
   Tensor parallelism (a power of two <= ``ops.MAX_TP``) and expert parallelism run the same bits:
   the row-parallel linears' and the vocabulary-parallel embedding's combines are replaced
   (:func:`.layers.row_parallel_forward`, :func:`.layers.vocab_parallel_embedding_forward`), the MoE
-  block handles both splits; PP, DP and EPLB are refused.
+  block handles both splits; PP, DP and EPLB are refused. The experts' weights stay unpacked (verl's
+  sync writes into them); their dot-path packs (:func:`.layers.expert_packs`) are dropped by the
+  experts' weight loader and by the post-load step, and rebuilt on first use.
 * ``apply_consistent("cuda")`` (``platform: cuda`` + ``kernels: project``, flag on): the same model,
   linear, LM-head, log-softmax and MoE patches on vLLM's GPU model runner and sampler, and the
   project's attention as the ``CUSTOM`` backend (:class:`.layers.DeviceAttentionBackend`). Written
@@ -78,6 +80,10 @@ TARGETS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "process_weights_after_loading", ("self", "layer"),
     ),
     "moe.forward": (_MOE.vllm_module, _MOE.moe.vllm_block, "forward", ("self", "hidden_states")),
+    "moe.load": (
+        "vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts", "weight_loader",
+        ("self", "param", "loaded_weight", "weight_name", "shard_id", "expert_id", "return_success"),
+    ),
     "row_parallel.forward": ("vllm.model_executor.layers.linear", "RowParallelLinear", "forward", ("self", "input_")),
     "embedding.forward": (
         "vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding", "forward", ("self", "input_"),
@@ -89,8 +95,8 @@ TARGETS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "cuda.sample_cuda": (_SAMPLER, "TopKTopPSampler", "forward_cuda", _SAMPLER_PARAMS),
 }
 SHARED_TARGETS = (
-    "linear.apply", "lm_head", "logprobs", "moe.init", "moe.weights", "moe.forward", "row_parallel.forward",
-    "embedding.forward",
+    "linear.apply", "lm_head", "logprobs", "moe.init", "moe.weights", "moe.forward", "moe.load",
+    "row_parallel.forward", "embedding.forward",
 )
 DEVICE_TARGETS = {"cpu": ("cpu.load_model", "cpu.sample"), "cuda": ("cuda.load_model", "cuda.sample_native", "cuda.sample_cuda")}
 
@@ -246,9 +252,20 @@ def apply_consistent(device: str = "cpu") -> None:
 
     def moe_keep_unpacked(self, layer):
         """No CPU kernel set-up (it re-lays w13 out): the block runs layers.moe_block_forward on
-        the loaded [E, 2I, H] / [E, H, I] weights, which verl's weight sync writes into."""
+        the loaded [E, 2I, H] / [E, H, I] weights, which verl's weight sync writes into; their packs
+        (layers.expert_packs) are dropped, to be rebuilt from them."""
+        layers.drop_expert_packs(layer)
 
     _patch("moe.weights", moe_keep_unpacked)
+
+    moe_experts_cls, _, _ = _target("moe.load")
+    original_weight_loader = moe_experts_cls.weight_loader
+
+    def moe_weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        layers.drop_expert_packs(self)  # every write into the experts' weights: bound when the layer is built
+        return original_weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success)
+
+    _patch("moe.load", moe_weight_loader)
 
     def moe_forward(self, hidden_states):
         return layers.moe_block_forward(self, hidden_states)

@@ -216,6 +216,14 @@ float spec_entry(const uint16_t* x, const uint16_t* w, int64_t k, int64_t k_chun
   return leaf[0];
 }
 
+// A weight's panels laid out once (pack_dot_weight): group b's kDotPanels panels at panels + b * kDotPanels
+// * pairs * 16 (pack_panel's layout), its values' exponents at exponents[2b], [2b + 1].
+constexpr int kDotPanels = 2;  // 16-column panels per group (one thread's unit of work)
+struct DotPack {
+  const uint32_t* panels;
+  const int32_t* exponents;
+};
+
 #if defined(__AVX512BF16__)
 constexpr bool kDotBuilt = true;
 
@@ -317,7 +325,7 @@ void dot_leaf(const uint32_t* xs, int64_t pairs, const uint32_t* panel, int64_t 
 }
 
 using DotLeaf = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*);
-constexpr int kDotRows = 12, kDotPanels = 2;  // 24 accumulators, 2 weight vectors, 1 broadcast: 27 of 32 zmm
+constexpr int kDotRows = 12;  // x kDotPanels: 24 accumulators, 2 weight vectors, 1 broadcast: 27 of 32 zmm
 
 template <int... MR>
 constexpr std::array<std::array<DotLeaf, kDotPanels>, kDotRows> dot_kernels(std::integer_sequence<int, MR...>) {
@@ -329,7 +337,7 @@ constexpr auto kDotKernels = dot_kernels(std::make_integer_sequence<int, kDotRow
 // kDotPanels 16-column panels (one thread's), the dot products where dot_exact holds, else spec_entry
 // (guarded = false: the dot products everywhere, for the test that shows what the guard is for).
 void dot_product_tree(const at::Tensor& x, const at::Tensor& weight, int64_t k_chunk, int64_t leaves, float* out,
-                      bool guarded = true) {
+                      bool guarded = true, const DotPack* pack = nullptr) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), pairs = K / 2, width = pairs / leaves;
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* w16 = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
@@ -337,14 +345,19 @@ void dot_product_tree(const at::Tensor& x, const at::Tensor& weight, int64_t k_c
   const Exponents xe = pack_pairs(reinterpret_cast<const uint32_t*>(x16), M * pairs, xs.data());
   constexpr int64_t group = kDotPanels * kLanes;
   at::parallel_for(0, (N + group - 1) / group, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<uint32_t> panel(kDotPanels * pairs * kLanes);
+    std::vector<uint32_t> own(pack ? 0 : kDotPanels * pairs * kLanes);
     std::vector<float> sums(std::max<int64_t>(leaves, 1) * kDotRows * group);  // one row block's [leaves][rows][columns]
     for (int64_t b = lo; b < hi; ++b) {
       const int64_t n0 = b * group, nn = std::min(group, N - n0), np = (nn + kLanes - 1) / kLanes, w = np * kLanes;
       Exponents we;
-      for (int64_t q = 0; q < np; ++q)
-        we.add(pack_panel(reinterpret_cast<const uint32_t*>(w16 + (n0 + q * kLanes) * K), pairs,
-                          std::min(kLanes, nn - q * kLanes), panel.data() + q * pairs * kLanes));
+      const uint32_t* panel = pack ? pack->panels + b * kDotPanels * pairs * kLanes : own.data();
+      if (pack) {
+        we.lo = pack->exponents[2 * b], we.hi = pack->exponents[2 * b + 1];
+      } else {
+        for (int64_t q = 0; q < np; ++q)
+          we.add(pack_panel(reinterpret_cast<const uint32_t*>(w16 + (n0 + q * kLanes) * K), pairs,
+                            std::min(kLanes, nn - q * kLanes), own.data() + q * pairs * kLanes));
+      }
       if (guarded && !dot_exact(xe, we)) {
         for (int64_t r = 0; r < M; ++r)
           for (int64_t c = 0; c < nn; ++c)
@@ -354,7 +367,7 @@ void dot_product_tree(const at::Tensor& x, const at::Tensor& weight, int64_t k_c
       for (int64_t r0 = 0; r0 < M; r0 += kDotRows) {
         const int64_t mr = std::min<int64_t>(kDotRows, M - r0);
         for (int64_t j = 0; j < leaves; ++j)
-          kDotKernels[mr - 1][np - 1](xs.data() + r0 * pairs, pairs, panel.data(), j * width, (j + 1) * width,
+          kDotKernels[mr - 1][np - 1](xs.data() + r0 * pairs, pairs, panel, j * width, (j + 1) * width,
                                       k_chunk / 2, sums.data() + j * mr * w);
         tree_combine_in_place(sums.data(), leaves, mr * w);
         for (int64_t i = 0; i < mr; ++i) std::copy(sums.data() + i * w, sums.data() + i * w + nn, out + (r0 + i) * N + n0);
@@ -362,14 +375,55 @@ void dot_product_tree(const at::Tensor& x, const at::Tensor& weight, int64_t k_c
     }
   });
 }
+
+std::vector<at::Tensor> pack_dot_weight(const at::Tensor& weight_in) {
+  TORCH_CHECK(weight_in.scalar_type() == at::kBFloat16 && weight_in.dim() == 2 && weight_in.size(1) % 2 == 0,
+              "pack_dot_weight: a bf16 weight [N, K] with K even, got ", weight_in.scalar_type(), " ", weight_in.sizes());
+  const auto weight = weight_in.contiguous();
+  const int64_t N = weight.size(0), K = weight.size(1), pairs = K / 2;
+  constexpr int64_t group = kDotPanels * kLanes;
+  const int64_t groups = (N + group - 1) / group;
+  auto panels = at::zeros({groups, kDotPanels * pairs * kLanes}, weight.options().dtype(at::kInt));
+  auto exponents = at::empty({groups, 2}, weight.options().dtype(at::kInt));
+  const auto* w32 = reinterpret_cast<const uint32_t*>(weight.data_ptr<at::BFloat16>());
+  auto* p = reinterpret_cast<uint32_t*>(panels.data_ptr<int32_t>());
+  int32_t* e = exponents.data_ptr<int32_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t n0 = b * group, nn = std::min(group, N - n0);
+      Exponents we;
+      for (int64_t q = 0; q * kLanes < nn; ++q)
+        we.add(pack_panel(w32 + (n0 + q * kLanes) * pairs, pairs, std::min(kLanes, nn - q * kLanes),
+                          p + (b * kDotPanels + q) * pairs * kLanes));
+      e[2 * b] = we.lo, e[2 * b + 1] = we.hi;
+    }
+  });
+  return {panels, exponents};
+}
 #else
 constexpr bool kDotBuilt = false;
-void dot_product_tree(const at::Tensor&, const at::Tensor&, int64_t, int64_t, float*, bool = true) {
+void dot_product_tree(const at::Tensor&, const at::Tensor&, int64_t, int64_t, float*, bool = true,
+                      const DotPack* = nullptr) {
   TORCH_CHECK(false, "linear: this library was built without AVX512-BF16 (bf16_dot_built() is False)");
+}
+std::vector<at::Tensor> pack_dot_weight(const at::Tensor&) {
+  TORCH_CHECK(false, "pack_dot_weight: this library was built without AVX512-BF16 (bf16_dot_built() is False)");
 }
 #endif
 
 bool bf16_dot_built() { return kDotBuilt; }
+
+// The pointers of pack_dot_weight's tensors, checked to be those of a weight [N, K].
+DotPack dot_pack_of(const std::vector<at::Tensor>& pack, int64_t N, int64_t K) {
+  constexpr int64_t group = kDotPanels * kLanes;
+  const int64_t groups = (N + group - 1) / group;
+  TORCH_CHECK(pack.size() == 2 && pack[0].scalar_type() == at::kInt && pack[1].scalar_type() == at::kInt &&
+                  pack[0].is_contiguous() && pack[1].is_contiguous() &&
+                  pack[0].sizes() == at::IntArrayRef({groups, kDotPanels * (K / 2) * kLanes}) &&
+                  pack[1].sizes() == at::IntArrayRef({groups, 2}),
+              "linear: the pack (", pack.size(), " tensors) is not pack_dot_weight's of a weight [", N, ", ", K, "]");
+  return {reinterpret_cast<const uint32_t*>(pack[0].data_ptr<int32_t>()), pack[1].data_ptr<int32_t>()};
+}
 
 // The dot path's product of bf16 x [M, K] and weight [N, K] with (guarded) or without dot_exact's guard.
 at::Tensor dot_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t k_chunk, int64_t leaves, bool guarded) {
@@ -530,7 +584,7 @@ at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
 // transposed -- weight rows times the input rows as columns -- with no tile to pad.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk, int64_t leaves, bool chain,
-                  bool dot) {
+                  bool dot, const c10::optional<std::vector<at::Tensor>>& pack) {
   const int64_t k = x.size(-1), n = weight.size(0);
   const auto rows = x.reshape({-1, k});
   const int64_t m = rows.size(0);
@@ -545,7 +599,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                     k_chunk % 2 == 0, "linear: the dot path takes bf16 operands whose leaves and chunks are even, got ",
                 rows.scalar_type(), " x ", weight.scalar_type(), ", K = ", k, ", ", leaves, " leaves, chunk ", k_chunk);
     out = at::empty({m, n}, x.options().dtype(at::kFloat));
-    dot_product_tree(rows.contiguous(), weight.contiguous(), k_chunk, leaves, out.data_ptr<float>());
+    const DotPack packed = pack ? dot_pack_of(*pack, n, k) : DotPack{};
+    dot_product_tree(rows.contiguous(), weight.contiguous(), k_chunk, leaves, out.data_ptr<float>(), true,
+                     pack ? &packed : nullptr);
   } else if (chain) {
     const int64_t lanes = round_up(m, kLanes);
     TORCH_CHECK(lanes <= kMaxBlocks * kLanes, "linear: the chain path takes at most ", kMaxBlocks * kLanes,
@@ -690,6 +746,17 @@ struct KeyValues {
     read(v, row(s, t, s_v, t_v) + h * h_v, d_v, dst, step);
   }
 };
+
+// No infinity or NaN among x[0:n] (a branch-free scan of the exponent fields, which the compiler vectorizes).
+bool all_finite(const float* x, int64_t n) {
+  uint32_t special = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    special |= (u & 0x7F800000u) == 0x7F800000u;
+  }
+  return special == 0;
+}
 
 std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                   double scaling, int64_t R, int64_t B, int64_t tiles, int64_t live, int64_t n_used,
@@ -841,17 +908,20 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
         }
         kv.value_row(s, h, slot, dst, 1);
       }
+      bool skipped = false;  // a pair of this block that this sequence skips reads idle_pv
       for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
         const int64_t g = sh * P + blocks.pairs[i];
-        if (packed_at[g] < 0) continue;
+        if (packed_at[g] < 0) {
+          skipped = true;
+          continue;
+        }
         float* out = pvd + packed_at[g] * live * W16;
         if (none)
           std::fill(out, out + live * W16, 0.0f);
         else
           fma_chain_rows(sc + packed_at[g] * g_stride, B, 1, live, vb.data(), W16, B, W16, k_chunk, out, W16, part.data());
       }
-      if (!with_probs && !none &&
-          !std::all_of(vb.begin(), vb.end(), [](float x) { return std::isfinite(x); }))  // fma(0, inf, .) is NaN
+      if (skipped && !none && !all_finite(vb.data(), B * W16))  // fma(0, inf, .) is NaN
         fma_chain_rows(zero_p.data(), B, 1, 1, vb.data(), W16, B, W16, k_chunk, idle_pv.data() + block_item * W16, W16,
                        part.data());
     }
@@ -1046,5 +1116,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_backward", &attention_backward, "_Attention.backward's products and sums, fused");
   m.def("bf16_dot_built", &bf16_dot_built, "whether linear's dot path (AVX512-BF16) was compiled");
   m.def("dot_matmul", &dot_matmul, "the dot path's product, with or without its denormal guard");
+  m.def("pack_dot_weight", &pack_dot_weight, "a bf16 weight's dot-path panels and their exponents, laid out once");
   m.def("chain_matmul", &chain_matmul, "a @ b as the fused attention's fma chains compute it");
 }
