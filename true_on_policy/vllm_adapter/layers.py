@@ -365,11 +365,16 @@ def _paged_layout(impl, query, kv_cache, m):
 _STEP = "_true_on_policy_step"  # one metadata object per step, shared by its attention layers
 
 
+def _step_cache(m) -> tuple[dict, dict]:
+    """The step's layouts (by block size) and plans (by block size and heads), kept on its metadata."""
+    return m.__dict__.setdefault(_STEP, ({}, {}))
+
+
 def _step_layout(m, block_size: int, device):
     """What :func:`_paged_layout` derives from the step's metadata alone, computed by the step's first
     attention layer and kept on the metadata for the others."""
-    cached = m.__dict__.setdefault(_STEP, {})
-    if block_size not in cached:  # index tensors live with the cache (CPU on vLLM-CPU, the GPU on CUDA)
+    layouts, _ = _step_cache(m)
+    if block_size not in layouts:  # index tensors live with the cache (CPU on vLLM-CPU, the GPU on CUDA)
         n = m.num_actual_tokens
         qsl = m.query_start_loc.long()
         seq_lens = m.seq_lens.long()
@@ -382,18 +387,18 @@ def _step_layout(m, block_size: int, device):
         local = torch.arange(n, device=device) - qsl[:S][seg]
         q_positions = torch.full((S, Tq), -1, dtype=torch.long, device=device)
         q_positions[seg, local] = (seq_lens - q_lens)[seg] + local
-        cached[block_size] = (n, seg, local, q_positions, kv_valid, m.block_table[:S, :n_blocks])
-    return cached[block_size]
+        layouts[block_size] = (n, seg, local, q_positions, kv_valid, m.block_table[:S, :n_blocks])
+    return layouts[block_size]
 
 
-def _step_plan(m, block_size: int, num_heads: int, num_kv_heads: int) -> ops.AttentionPlan:
+def _step_plan(m, block_size: int, num_heads: int, num_kv_heads: int, device) -> ops.AttentionPlan:
     """The step's :func:`ops.attention_plan` for these heads, built once per step (see :func:`_step_layout`)."""
-    cached = m.__dict__[_STEP]
+    _, plans = _step_cache(m)
     key = (block_size, num_heads, num_kv_heads)
-    if key not in cached:
-        _, _, _, q_positions, kv_valid, _ = cached[block_size]  # _paged_layout ran first
-        cached[key] = ops.attention_plan(q_positions, kv_valid, num_heads, num_kv_heads)
-    return cached[key]
+    if key not in plans:
+        _, _, _, q_positions, kv_valid, _ = _step_layout(m, block_size, device)
+        plans[key] = ops.attention_plan(q_positions, kv_valid, num_heads, num_kv_heads)
+    return plans[key]
 
 
 class ConsistentAttentionImpl(CPUAttentionBackendImpl):
@@ -451,7 +456,7 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None:  # warm-up
             return output
         n, seg, local, q_grid, q_positions, paged, kv_valid = _paged_layout(self, query, kv_cache, attn_metadata)
-        plan = _step_plan(attn_metadata, paged.key_cache.shape[2], self.num_heads, self.num_kv_heads)
+        plan = _step_plan(attn_metadata, paged.key_cache.shape[2], self.num_heads, self.num_kv_heads, query.device)
         out = ops.paged_attention(q_grid.transpose(1, 2), paged, plan, self.scale)
         rows = out.transpose(1, 2)[seg, local]  # [n, Hq, D]
         output[:n].copy_(rows.reshape(output[:n].shape))

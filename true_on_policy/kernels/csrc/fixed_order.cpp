@@ -284,6 +284,16 @@ Exponents pack_panel(const uint32_t* w, int64_t pairs, int64_t nn, uint32_t* pan
   return reduce_exponents(lo, hi);
 }
 
+// The kDotPanels panels of weight rows n0..n0+nn (nn <= kDotPanels * 16) into panel (pack_panel's layout,
+// panel q at panel + q * pairs * 16), and the exponents of the rows' values.
+Exponents pack_group(const uint32_t* w, int64_t pairs, int64_t n0, int64_t nn, uint32_t* panel) {
+  Exponents e;
+  for (int64_t q = 0; q * kLanes < nn; ++q)
+    e.add(pack_panel(w + (n0 + q * kLanes) * pairs, pairs, std::min(kLanes, nn - q * kLanes),
+                     panel + q * pairs * kLanes));
+  return e;
+}
+
 // xs[i] = pair i of x with its halves swapped (the broadcast operand), and the exponents of x's values.
 Exponents pack_pairs(const uint32_t* x, int64_t pairs, uint32_t* xs) {
   __m512i lo = _mm512_set1_epi16(0xFF), hi = _mm512_setzero_si512();
@@ -351,13 +361,10 @@ void dot_product_tree(const at::Tensor& x, const at::Tensor& weight, int64_t k_c
       const int64_t n0 = b * group, nn = std::min(group, N - n0), np = (nn + kLanes - 1) / kLanes, w = np * kLanes;
       Exponents we;
       const uint32_t* panel = pack ? pack->panels + b * kDotPanels * pairs * kLanes : own.data();
-      if (pack) {
+      if (pack)
         we.lo = pack->exponents[2 * b], we.hi = pack->exponents[2 * b + 1];
-      } else {
-        for (int64_t q = 0; q < np; ++q)
-          we.add(pack_panel(reinterpret_cast<const uint32_t*>(w16 + (n0 + q * kLanes) * K), pairs,
-                            std::min(kLanes, nn - q * kLanes), own.data() + q * pairs * kLanes));
-      }
+      else
+        we = pack_group(reinterpret_cast<const uint32_t*>(w16), pairs, n0, nn, own.data());
       if (guarded && !dot_exact(xe, we)) {
         for (int64_t r = 0; r < M; ++r)
           for (int64_t c = 0; c < nn; ++c)
@@ -390,11 +397,8 @@ std::vector<at::Tensor> pack_dot_weight(const at::Tensor& weight_in) {
   int32_t* e = exponents.data_ptr<int32_t>();
   at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
-      const int64_t n0 = b * group, nn = std::min(group, N - n0);
-      Exponents we;
-      for (int64_t q = 0; q * kLanes < nn; ++q)
-        we.add(pack_panel(w32 + (n0 + q * kLanes) * pairs, pairs, std::min(kLanes, nn - q * kLanes),
-                          p + (b * kDotPanels + q) * pairs * kLanes));
+      const int64_t n0 = b * group;
+      const Exponents we = pack_group(w32, pairs, n0, std::min(group, N - n0), p + b * kDotPanels * pairs * kLanes);
       e[2 * b] = we.lo, e[2 * b + 1] = we.hi;
     }
   });
