@@ -103,7 +103,7 @@ def test_linear_is_the_torch_codes_bits(dtype):
 def test_silu_mul_is_the_torch_codes_bits(dtype):
     """The fused activation (gate and up as halves of one tensor, as vLLM hands them, or separate)."""
     g = gen(5)
-    for rows, width in [(1, 64), (7, 100), (33, 3072), (2, 17)]:
+    for rows, width in [(1, 64), (7, 100), (33, 3072), (2, 17), (3, 2500)]:
         fused = (torch.randn(rows, 2 * width, generator=g) * 4).to(dtype)
         gate, up = fused[:, :width], fused[:, width:]
         assert torch.equal(*both_paths(lambda: ops.silu_mul(gate, up))), (rows, width)
@@ -111,6 +111,27 @@ def test_silu_mul_is_the_torch_codes_bits(dtype):
         fast, reference = both_paths(lambda: ops.silu_mul(gate, up))
         assert fast.dtype == dtype and torch.equal(fast, reference), (rows, width)
         assert torch.equal(reference, ops.silu(gate) * up)
+    gate, up = (torch.randn(2, 2, 2, 2100, generator=g) * 4).to(dtype).unbind(0)  # [batch, positions, width]
+    assert torch.equal(*both_paths(lambda: ops.silu_mul(gate, up)))
+    assert torch.equal(*both_paths(lambda: ops.silu_mul(gate.transpose(0, 1), up.transpose(0, 1))))
+
+
+def test_the_librarys_exp_is_torchs_bits():
+    """The fused kernels call MKL VML's exp directly, one short run at a time, where native.lib() found it
+    computing torch.exp's bits; otherwise (a torch without MKL) at::exp. Both give torch.exp's bits on
+    every run: specials, denormal results, vector tails, NaN payloads."""
+    lib = native.lib()
+    assert native.exp_is_torchs(lib)
+    x = torch.cat([torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, -87.5, -103.0, 88.7]),
+                   torch.randn(3000, generator=gen(11)) * 30])
+    reference = torch.exp(x).view(torch.int32)
+    try:
+        for vml in (True, False):
+            lib.use_vml_exp(vml)
+            for start, n in ((0, x.numel()), (1, 15), (8, 17), (100, 1)):
+                assert torch.equal(lib.exp_fp32(x[start : start + n]).view(torch.int32), reference[start : start + n])
+    finally:
+        lib.use_vml_exp(True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import sys
 import warnings
@@ -70,6 +71,18 @@ def build(cflags=CFLAGS, ldflags=LDFLAGS) -> ModuleType:
     )
 
 
+def exp_is_torchs(library: ModuleType) -> bool:
+    """Whether the library's exp (MKL VML's, called directly: the fused attention's exps are many small
+    runs) computes ``torch.exp``'s fp32 bits on this machine -- specials, denormal results and every
+    vector tail included."""
+    gen = torch.Generator().manual_seed(2468)
+    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 88.72, 88.73, -87.33, -103.97, -104.0, -150.0])
+    x = torch.cat([specials, torch.randn(4000, generator=gen) * 20, -torch.rand(4000, generator=gen) * 110])
+    reference = torch.exp(x).view(torch.int32)  # bits: NaN payloads too
+    return all(torch.equal(library.exp_fp32(x[a : a + n]).view(torch.int32), reference[a : a + n])
+               for a, n in ((0, x.numel()), (0, 11), (5, 1), (3, 17), (100, 1000), (7, 2049), (11, 64)))
+
+
 def lib() -> ModuleType | None:
     """The loaded library, or None (disabled, or the build failed: said once on stderr)."""
     global _lib, _tried
@@ -79,6 +92,9 @@ def lib() -> ModuleType | None:
         _tried = True
         try:
             _lib = build()
+            # VML's exp where it computes torch's bits (else at::exp: the same bits, one dispatch per run)
+            if _lib.use_vml_exp(True) and not exp_is_torchs(_lib):
+                _lib.use_vml_exp(False)
         except Exception as error:  # noqa: BLE001 -- any build failure leaves the torch code, said loudly
             warnings.warn(
                 f"true_on_policy: the native consistent kernels could not be built ({type(error).__name__}: "

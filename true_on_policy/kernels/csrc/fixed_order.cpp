@@ -3,7 +3,7 @@
 // Each function computes exactly the bits of its torch code in ops.py, with one C++ call instead of
 // 10-50 Python-dispatched ops: the same correctly rounded fp32 + - * / in the same order, torch's own
 // kernels where its bits are not IEEE's (sqrt and exp are MKL VML's; sqrt is 0.7 ulp off on some
-// inputs), at::bmm for the linears, and for attention's products the fma chain MKL's GEMM computes
+// inputs; exp is called directly where native.exp_is_torchs checked it), at::bmm for the linears, and for attention's products the fma chain MKL's GEMM computes
 // on this path (checked at load: native.fma_chain_lib); bf16 linears compute those chains on AVX512-BF16's
 // dot-product instruction (checked at load: native.bf16_dot_lib). Built with -ffp-contract=off and without
 // -ffast-math: no other FMA contraction, no reassociation.
@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -55,25 +57,48 @@ void for_rows(int64_t rows, int64_t width, Fn fn) {
   });
 }
 
-// A per-thread scratch tensor per slot, reused across calls: attention's temporaries are MBs at large
-// batches, and fresh allocations of that size come from mmap, whose page faults cost more than the work.
-// Contents are never read before being written. Requests above the cap get a fresh tensor.
-at::Tensor scratch(int slot, at::IntArrayRef shape) {
-  constexpr int64_t kCap = int64_t(1) << 24;  // floats per slot (64 MiB)
-  thread_local std::vector<at::Tensor> slots(3);
-  int64_t numel = 1;
-  for (auto n : shape) numel *= n;
-  if (numel > kCap) return at::empty(shape, at::TensorOptions().dtype(at::kFloat));
-  auto& buf = slots.at(slot);
-  if (!buf.defined() || buf.numel() < numel)
-    buf = at::empty({std::max<int64_t>(numel, 1)}, at::TensorOptions().dtype(at::kFloat));
-  return buf.narrow(0, 0, numel).view(shape);
+// fn(state, item) for items 0..n-1, handed to the threads one at a time (an atomic counter), each thread with
+// its own state = make(): a thread the OS deschedules (vLLM's engine loop shares the cores) holds up only
+// its current item, not a fixed share of the work. An item writes only its own outputs, in a fixed order:
+// the bits do not depend on which thread runs it.
+template <typename Make, typename Fn>
+void for_each_item(int64_t n, Make make, Fn fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    auto state = make();
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(state, i);
+  });
 }
 
 // The product MKL's fp32 GEMM computes on torch's BLAS path (R * K * N >= ops.BLAS_MIN_WORK, R >= 4,
 // N >= 12): each entry an fma chain over k = 0, 1, ... from 0 (measured; native.fma_chain_lib checks
 // it at load). ops.matmul_tiles splits k into chunks whose chain results are added in order.
 constexpr int64_t kLanes = 16;  // columns per register block; N, ldb and ldc are multiples of it
+
+#if defined(__AVX512F__)
+// 16 rows of 16 dwords -> 16 columns: r[j] = dword j of every row.
+void transpose_16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // rows 4g..4g+3: u[4g + c] holds, in 128-bit lane l, column 4l + c
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // the 4 x 4 transpose of 128-bit lanes across u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+#endif
 
 // c[0:MR, 0:NB*16] of the product, over k in [k0, k1): MR x NB register blocks of 16 independent chains;
 // a[i, k] is a[i * a_row + k * a_k] (a_k = 1: row-major; a_row = 1: a transposed operand read in place)
@@ -187,6 +212,23 @@ float widen(uint16_t bits) {
   return f;
 }
 
+// dst[i] = at::BFloat16(src[i]) for i < n: c10's round to nearest even (NaN: 0x7FC0), 16 at a time.
+void to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m512 v = _mm512_loadu_ps(src + i);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, lsb)), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
+}
+
 // Biased exponents of a set of bf16 values: the smallest of the nonzero ones (255 if none), the largest.
 struct Exponents {
   int lo = 255, hi = 0;
@@ -229,25 +271,8 @@ constexpr bool kDotBuilt = true;
 
 // 16 rows of 16 dwords -> 16 columns (r[j] = dword j of every row), each dword's halves swapped.
 void transpose_swapped(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {  // rows 4g..4g+3: u[4g + c] holds, in 128-bit lane l, column 4l + c
-    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // the 4 x 4 transpose of 128-bit lanes across u[c], u[4 + c], u[8 + c], u[12 + c]
-    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_rol_epi32(_mm512_shuffle_i32x4(v0, v2, 0x88), 16);
-    r[4 + c] = _mm512_rol_epi32(_mm512_shuffle_i32x4(v0, v2, 0xDD), 16);
-    r[8 + c] = _mm512_rol_epi32(_mm512_shuffle_i32x4(v1, v3, 0x88), 16);
-    r[12 + c] = _mm512_rol_epi32(_mm512_shuffle_i32x4(v1, v3, 0xDD), 16);
-  }
+  transpose_16x16(r);
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_rol_epi32(r[i], 16);
 }
 
 void add_exponents(__m512i v, __m512i& lo, __m512i& hi) {
@@ -343,42 +368,75 @@ constexpr std::array<std::array<DotLeaf, kDotPanels>, kDotRows> dot_kernels(std:
 }
 constexpr auto kDotKernels = dot_kernels(std::make_integer_sequence<int, kDotRows>{});
 
-// ops.matmul_tree of bf16 x [M, K] and weight [N, K] (both contiguous) into fp32 out [M, N]: per group of
-// kDotPanels 16-column panels (one thread's), the dot products where dot_exact holds, else spec_entry
-// (guarded = false: the dot products everywhere, for the test that shows what the guard is for).
-void dot_product_tree(const at::Tensor& x, const at::Tensor& weight, int64_t k_chunk, int64_t leaves, float* out,
-                      bool guarded = true, const DotPack* pack = nullptr) {
+// A linear's output row: ops.linear_epilogue of fp32 sums (+ fp32 bias, then one cast to T).
+void store_row(const float* sums, const float* bias, int64_t n, float* out) {
+  for (int64_t c = 0; c < n; ++c) out[c] = bias ? sums[c] + bias[c] : sums[c];
+}
+void store_row(const float* sums, const float* bias, int64_t n, at::BFloat16* out) {
+  if (!bias) return to_bf16(sums, out, n);
+  float row[kDotPanels * kLanes];  // n <= one group's columns
+  for (int64_t c = 0; c < n; ++c) row[c] = sums[c] + bias[c];
+  to_bf16(row, out, n);
+}
+
+// Where a linear writes: out [M, N] fp32 or bf16, and the fp32 bias of its columns (nullptr: none).
+struct LinearOut {
+  void* data;
+  bool bf16;
+  const float* bias;
+  void row(const float* sums, int64_t r, int64_t n0, int64_t nn, int64_t N) const {
+    const float* b = bias ? bias + n0 : nullptr;
+    if (bf16)
+      store_row(sums, b, nn, static_cast<at::BFloat16*>(data) + r * N + n0);
+    else
+      store_row(sums, b, nn, static_cast<float*>(data) + r * N + n0);
+  }
+};
+
+// ops.matmul_tree of bf16 x [M, K] and weight [N, K] (both contiguous), then the linear's epilogue, into out:
+// per group of kDotPanels 16-column panels (an item of for_each_item), the dot products where dot_exact
+// holds, else spec_entry (guarded = false: the dot products everywhere, for the test that shows what the
+// guard is for).
+void dot_product_tree(const at::Tensor& x, const at::Tensor& weight, int64_t k_chunk, int64_t leaves,
+                      const LinearOut& out, bool guarded = true, const DotPack* pack = nullptr) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), pairs = K / 2, width = pairs / leaves;
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* w16 = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   std::vector<uint32_t> xs(M * pairs);
   const Exponents xe = pack_pairs(reinterpret_cast<const uint32_t*>(x16), M * pairs, xs.data());
   constexpr int64_t group = kDotPanels * kLanes;
-  at::parallel_for(0, (N + group - 1) / group, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<uint32_t> own(pack ? 0 : kDotPanels * pairs * kLanes);
-    std::vector<float> sums(std::max<int64_t>(leaves, 1) * kDotRows * group);  // one row block's [leaves][rows][columns]
-    for (int64_t b = lo; b < hi; ++b) {
-      const int64_t n0 = b * group, nn = std::min(group, N - n0), np = (nn + kLanes - 1) / kLanes, w = np * kLanes;
-      Exponents we;
-      const uint32_t* panel = pack ? pack->panels + b * kDotPanels * pairs * kLanes : own.data();
-      if (pack)
-        we.lo = pack->exponents[2 * b], we.hi = pack->exponents[2 * b + 1];
-      else
-        we = pack_group(reinterpret_cast<const uint32_t*>(w16), pairs, n0, nn, own.data());
-      if (guarded && !dot_exact(xe, we)) {
-        for (int64_t r = 0; r < M; ++r)
-          for (int64_t c = 0; c < nn; ++c)
-            out[r * N + n0 + c] = spec_entry(x16 + r * K, w16 + (n0 + c) * K, K, k_chunk, leaves, sums.data());
-        continue;
+  struct Buffers {
+    std::vector<uint32_t> own;  // the group's panels, unless packed
+    std::vector<float> sums;    // one row block's [leaves][rows][columns]
+  };
+  auto make = [&] {
+    return Buffers{std::vector<uint32_t>(pack ? 0 : kDotPanels * pairs * kLanes),
+                   std::vector<float>(std::max<int64_t>(leaves, 1) * kDotRows * group)};
+  };
+  for_each_item((N + group - 1) / group, make, [&](Buffers& buf, int64_t b) {
+    const int64_t n0 = b * group, nn = std::min(group, N - n0), np = (nn + kLanes - 1) / kLanes, w = np * kLanes;
+    float* sums = buf.sums.data();
+    Exponents we;
+    const uint32_t* panel = pack ? pack->panels + b * kDotPanels * pairs * kLanes : buf.own.data();
+    if (pack)
+      we.lo = pack->exponents[2 * b], we.hi = pack->exponents[2 * b + 1];
+    else
+      we = pack_group(reinterpret_cast<const uint32_t*>(w16), pairs, n0, nn, buf.own.data());
+    if (guarded && !dot_exact(xe, we)) {
+      std::vector<float> row(nn);
+      for (int64_t r = 0; r < M; ++r) {
+        for (int64_t c = 0; c < nn; ++c) row[c] = spec_entry(x16 + r * K, w16 + (n0 + c) * K, K, k_chunk, leaves, sums);
+        out.row(row.data(), r, n0, nn, N);
       }
-      for (int64_t r0 = 0; r0 < M; r0 += kDotRows) {
-        const int64_t mr = std::min<int64_t>(kDotRows, M - r0);
-        for (int64_t j = 0; j < leaves; ++j)
-          kDotKernels[mr - 1][np - 1](xs.data() + r0 * pairs, pairs, panel, j * width, (j + 1) * width,
-                                      k_chunk / 2, sums.data() + j * mr * w);
-        tree_combine_in_place(sums.data(), leaves, mr * w);
-        for (int64_t i = 0; i < mr; ++i) std::copy(sums.data() + i * w, sums.data() + i * w + nn, out + (r0 + i) * N + n0);
-      }
+      return;
+    }
+    for (int64_t r0 = 0; r0 < M; r0 += kDotRows) {
+      const int64_t mr = std::min<int64_t>(kDotRows, M - r0);
+      for (int64_t j = 0; j < leaves; ++j)
+        kDotKernels[mr - 1][np - 1](xs.data() + r0 * pairs, pairs, panel, j * width, (j + 1) * width, k_chunk / 2,
+                                    sums + j * mr * w);
+      tree_combine_in_place(sums, leaves, mr * w);
+      for (int64_t i = 0; i < mr; ++i) out.row(sums + i * w, r0 + i, n0, nn, N);
     }
   });
 }
@@ -406,7 +464,7 @@ std::vector<at::Tensor> pack_dot_weight(const at::Tensor& weight_in) {
 }
 #else
 constexpr bool kDotBuilt = false;
-void dot_product_tree(const at::Tensor&, const at::Tensor&, int64_t, int64_t, float*, bool = true,
+void dot_product_tree(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const LinearOut&, bool = true,
                       const DotPack* = nullptr) {
   TORCH_CHECK(false, "linear: this library was built without AVX512-BF16 (bf16_dot_built() is False)");
 }
@@ -435,7 +493,8 @@ at::Tensor dot_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t k_c
                   weight.dim() == 2 && x.size(1) == weight.size(1) && (x.size(1) / leaves) % 2 == 0,
               "dot_matmul: bf16 x [M, K] and weight [N, K], even leaves");
   auto out = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
-  dot_product_tree(x.contiguous(), weight.contiguous(), k_chunk, leaves, out.data_ptr<float>(), guarded);
+  dot_product_tree(x.contiguous(), weight.contiguous(), k_chunk, leaves, LinearOut{out.data_ptr<float>(), false, nullptr},
+                   guarded);
   return out;
 }
 
@@ -470,34 +529,43 @@ float select_and_max(float* row, const bool* hidden, int64_t n) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
-// The pairs of each KV block, in pair order (CSR: block j's pairs are pairs[start[j]:start[j + 1]]), and the
-// blocks in the order 0, n-1, 1, n-2, ...: the causal blocks' pair counts fall with j, so interleaving them
-// gives the contiguous halves at::parallel_for hands the threads about the same work.
-struct BlockPairs {
-  std::vector<int64_t> start, pairs, order;
-  BlockPairs(const int64_t* pj, int64_t P, int64_t n_used) : start(n_used + 1, 0), pairs(P), order(n_used) {
-    for (int64_t p = 0; p < P; ++p) ++start[pj[p] + 1];
-    for (int64_t j = 0; j < n_used; ++j) start[j + 1] += start[j];
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < P; ++p) pairs[fill[pj[p]]++] = p;
-    for (int64_t i = 0; i < n_used; ++i) order[i] = i % 2 == 0 ? i / 2 : n_used - 1 - i / 2;
+// Queries [S, Hq, Tq, D], fp32 or bf16, read through their strides (D's stride 1).
+struct Queries {
+  const char* data;
+  bool bf16;
+  int64_t s_q, h_q, t_q;
+  explicit Queries(const at::Tensor& q)
+      : data(static_cast<const char*>(q.data_ptr())), bf16(q.scalar_type() == at::kBFloat16), s_q(q.stride(0)),
+        h_q(q.stride(1)), t_q(q.stride(2)) {
+    TORCH_CHECK((q.scalar_type() == at::kFloat || bf16) && q.dim() == 4 && q.stride(3) == 1,
+                "attention: queries fp32 or bf16 [S, Hq, Tq, D] with unit stride in D, got ", q.scalar_type(), " ",
+                q.sizes(), " strides ", q.strides());
+  }
+  // dst[d] = fp32 query (s, head, t, d) * scale, for d < D (the torch code's fp32 q * fp32 scaling)
+  void scaled(int64_t s, int64_t head, int64_t t, int64_t D, float scale, float* dst) const {
+    const int64_t at = s * s_q + head * h_q + t * t_q;
+    if (bf16) {
+      const auto* src = reinterpret_cast<const uint16_t*>(data) + at;
+      for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]) * scale;
+    } else {
+      const auto* src = reinterpret_cast<const float*>(data) + at;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+    }
   }
 };
 
 // The tile rows of query head group h: row = position * rep + head within the group (ops._heads_to_tiles),
-// scaled (fp32 q * fp32 scaling, as the torch code multiplies) -- zero rows after the real ones.
-void scaled_query_rows(const float* qd, int64_t Hq, int64_t Tq, int64_t D, int64_t rep, int64_t s, int64_t h,
+// scaled -- zero rows after the real ones.
+void scaled_query_rows(const Queries& q, int64_t Tq, int64_t D, int64_t rep, int64_t s, int64_t h,
                        int64_t first_row, int64_t n, float scale, float* dst, int64_t ld) {
   const int64_t rows = Tq * rep;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t row = first_row + r;
     float* out = dst + r * ld;
-    if (row >= rows) {
+    if (row >= rows)
       std::fill(out, out + D, 0.0f);
-      continue;
-    }
-    const float* src = qd + ((s * Hq + h * rep + row % rep) * Tq + row / rep) * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = src[d] * scale;
+    else
+      q.scaled(s, h * rep + row % rep, row / rep, D, scale, out);
   }
 }
 
@@ -552,32 +620,85 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * normed.to(x.scalar_type());  // torch's cast (round to nearest even) and promotion
 }
 
-// ops.silu_mul (inference): (h / (1 + exp(-h))).to(dtype) * up, h = fp32 gate, exp torch's own (on the
-// whole tensor, as the torch code calls it); the product rounded once to dtype, as ATen multiplies.
+// torch.exp's fp32 bits where this torch has MKL: ATen's vml::vexp calls VML's vmsExp with high accuracy,
+// denormals kept and errors ignored on every contiguous run, and VML's result is elementwise. Resolved
+// weakly (a torch without MKL lacks it) and used only once native.exp_is_torchs has checked it
+// (use_vml_exp); otherwise exp_in_place calls at::exp.
+extern "C" void VMSEXP_(const int* n, const float* a, float* r, const long long* mode) __attribute__((weak));
+constexpr long long kVmlTorchMode = 0x2 /* HA */ | 0x140000 /* FTZDAZ_OFF */ | 0x100 /* ERRMODE_IGNORE */;
+std::atomic<bool> g_vml_exp{false};
+
+bool use_vml_exp(bool on) {
+  g_vml_exp = on && VMSEXP_ != nullptr;
+  return g_vml_exp;
+}
+
+void exp_in_place(float* x, int64_t n) {
+  if (n <= 0) return;
+  if (g_vml_exp) {
+    const int count = static_cast<int>(n);
+    VMSEXP_(&count, x, x, &kVmlTorchMode);
+  } else {
+    at::from_blob(x, {n}, at::TensorOptions().dtype(at::kFloat)).exp_();
+  }
+}
+
+// exp_in_place on a copy of a 1-d fp32 tensor (what native.exp_is_torchs compares with torch.exp).
+at::Tensor exp_fp32(const at::Tensor& x) {
+  check_cpu_float(x, "exp_fp32");
+  auto out = x.contiguous().clone();
+  exp_in_place(out.data_ptr<float>(), out.numel());
+  return out;
+}
+
+// ops.silu_mul (inference) in one pass over runs of each row: h = fp32 gate, e = exp(-h) (torch's bits:
+// exp_in_place), silu = h / (1 + e) rounded to dtype, out = silu * up rounded once to dtype, as ATen
+// multiplies. Gate and up are read through their row strides (vLLM hands in halves of one gate_up row).
 template <typename T>
-void silu_mul_loop(const float* neg_h, const float* e, const T* up, T* out, int64_t n) {
-  at::parallel_for(0, n, 4096, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const T silu = static_cast<T>(-neg_h[i] / (1.0f + e[i]));
-      out[i] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(up[i]));
+void silu_mul_rows(const T* gate, int64_t gate_row, const T* up, int64_t up_row, T* out, int64_t rows, int64_t n) {
+  constexpr int64_t kRun = 1024;  // elements per exp call and per unit of work
+  const int64_t runs = (n + kRun - 1) / kRun;
+  at::parallel_for(0, rows * runs, 2, [&](int64_t lo, int64_t hi) {
+    float e[kRun];
+    for (int64_t unit = lo; unit < hi; ++unit) {
+      const int64_t r = unit / runs, first = (unit % runs) * kRun, len = std::min(kRun, n - first);
+      const T* g = gate + r * gate_row + first;
+      const T* u = up + r * up_row + first;
+      T* o = out + r * n + first;
+      for (int64_t i = 0; i < len; ++i) e[i] = -static_cast<float>(g[i]);
+      exp_in_place(e, len);
+      for (int64_t i = 0; i < len; ++i) e[i] = static_cast<float>(g[i]) / (1.0f + e[i]);
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t i = 0; i < len; ++i) o[i] = e[i] * u[i];
+      } else {  // silu and the product each rounded to bf16
+        to_bf16(e, o, len);
+        for (int64_t i = 0; i < len; ++i) e[i] = static_cast<float>(o[i]) * static_cast<float>(u[i]);
+        to_bf16(e, o, len);
+      }
     }
   });
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
   TORCH_CHECK(gate_in.sizes() == up_in.sizes() && gate_in.scalar_type() == up_in.scalar_type() &&
-                  (gate_in.scalar_type() == at::kFloat || gate_in.scalar_type() == at::kBFloat16),
+                  (gate_in.scalar_type() == at::kFloat || gate_in.scalar_type() == at::kBFloat16) && gate_in.dim() >= 1,
               "silu_mul: gate and up of one shape and dtype (fp32 or bf16), got ", gate_in.sizes(), " ",
               gate_in.scalar_type(), " and ", up_in.sizes(), " ", up_in.scalar_type());
-  const auto neg_h = gate_in.to(at::kFloat).neg().contiguous();  // -h: exact
-  const auto e = at::exp(neg_h);
-  const auto up = up_in.contiguous();
-  auto out = at::empty(up.sizes(), up.options());
+  const int64_t n = gate_in.size(-1), rows = n ? gate_in.numel() / n : 0;
+  // [rows, n] views with unit inner stride where the leading dims allow, else contiguous copies
+  auto as_rows = [&](const at::Tensor& x) {
+    auto view = x.dim() == 2 ? x : (x.is_contiguous() ? x.reshape({rows, n}) : x.contiguous().view({rows, n}));
+    return view.stride(1) == 1 ? view : view.contiguous();
+  };
+  const auto gate = as_rows(gate_in), up = as_rows(up_in);
+  auto out = at::empty(up_in.sizes(), up_in.options());
+  if (rows == 0 || n == 0) return out;
   if (up.scalar_type() == at::kFloat)
-    silu_mul_loop(neg_h.data_ptr<float>(), e.data_ptr<float>(), up.data_ptr<float>(), out.data_ptr<float>(), up.numel());
+    silu_mul_rows(gate.data_ptr<float>(), gate.stride(0), up.data_ptr<float>(), up.stride(0), out.data_ptr<float>(),
+                  rows, n);
   else
-    silu_mul_loop(neg_h.data_ptr<float>(), e.data_ptr<float>(), up.data_ptr<at::BFloat16>(),
-                  out.data_ptr<at::BFloat16>(), up.numel());
+    silu_mul_rows(gate.data_ptr<at::BFloat16>(), gate.stride(0), up.data_ptr<at::BFloat16>(), up.stride(0),
+                  out.data_ptr<at::BFloat16>(), rows, n);
   return out;
 }
 
@@ -602,10 +723,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     TORCH_CHECK(rows.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && (k / leaves) % 2 == 0 &&
                     k_chunk % 2 == 0, "linear: the dot path takes bf16 operands whose leaves and chunks are even, got ",
                 rows.scalar_type(), " x ", weight.scalar_type(), ", K = ", k, ", ", leaves, " leaves, chunk ", k_chunk);
-    out = at::empty({m, n}, x.options().dtype(at::kFloat));
+    TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "linear: the dot path writes fp32 or bf16, got ",
+                out_dtype);
+    const auto b = bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    TORCH_CHECK(!b.defined() || b.numel() == n, "linear: a bias of ", b.numel(), " for ", n, " output features");
+    out = at::empty({m, n}, x.options().dtype(out_dtype));
     const DotPack packed = pack ? dot_pack_of(*pack, n, k) : DotPack{};
-    dot_product_tree(rows.contiguous(), weight.contiguous(), k_chunk, leaves, out.data_ptr<float>(), true,
-                     pack ? &packed : nullptr);
+    dot_product_tree(rows.contiguous(), weight.contiguous(), k_chunk, leaves,
+                     LinearOut{out.data_ptr(), out_dtype == at::kBFloat16, b.defined() ? b.data_ptr<float>() : nullptr},
+                     true, pack ? &packed : nullptr);
+    return out.view(out_sizes);  // the epilogue is done
   } else if (chain) {
     const int64_t lanes = round_up(m, kLanes);
     TORCH_CHECK(lanes <= kMaxBlocks * kLanes, "linear: the chain path takes at most ", kMaxBlocks * kLanes,
@@ -680,12 +807,14 @@ at::Tensor chain_matmul(const at::Tensor& a_in, const at::Tensor& b_in) {
   return c.narrow(1, 0, N).contiguous();
 }
 
-// ops._attention_kernel without faults, fused: the online softmax over the plan's (tile, block) pairs in
-// the Python code's order, each score and PV entry the fma chain MKL computes (above), keys and values
-// read through their strides once per block (a block's pairs share them); exp stays torch's.
-// with_probs (training) also returns the backward's probabilities p * exp(ref - lse) per pair
-// [G, R, B] (rows >= live unused), as the torch code saves them, and the output's tile rows
-// [S, Hkv, tiles, live, D] (ops._heads_to_tiles of the fp32 output); the output is then fp32.
+// ops._attention_kernel without faults, fused: per (sequence, kv head) and query tile, the online softmax
+// over the tile's blocks in order -- scores, running maximum, p, PV and the rescaled accumulator of one
+// (tile, block) pair at a time, in cache -- each score and PV entry the fma chain MKL computes (above), each
+// exp torch's (exp_in_place); keys and values read through their strides once per (sequence, kv head).
+// The output is in q's dtype. with_probs (training) also returns the backward's probabilities
+// p * exp(ref - lse) per pair [G, R, B] (rows >= live unused), as the torch code saves them, and the
+// output's tile rows [S, Hkv, tiles, live, D] (ops._heads_to_tiles of the fp32 output); the output is
+// then fp32.
 // Attention's keys and values, fp32 or bf16 (widened as read: exact), either [S, Hkv, Tk, D] read through
 // their strides, or vLLM's paged cache [blocks, Hkv, block_size, D] (keys and values) where slot t of
 // sequence s is the row at element offset slot_rows[s, t] (its block's and its offset's strides).
@@ -740,6 +869,31 @@ struct KeyValues {
   }
   // kt[d * ldk + b] = key (s, h, t0 + b, d) for b < n, d < D: a block's keys, transposed
   void key_block(int64_t s, int64_t h, int64_t t0, int64_t n, float* kt, int64_t ldk) const {
+#if defined(__AVX512F__)
+    if (d_k == 1 && dim % kLanes == 0) {  // 16 keys x 16 dims at a time, widened and transposed in registers
+      for (int64_t b0 = 0; b0 < n; b0 += kLanes) {
+        int64_t at[kLanes];
+        const int64_t nb = std::min(kLanes, n - b0);
+        for (int64_t i = 0; i < nb; ++i) at[i] = row(s, t0 + b0 + i, s_k, t_k) + h * h_k;
+        for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {
+          __m512i r[16];
+          for (int64_t i = 0; i < kLanes; ++i) {
+            if (i >= nb)
+              r[i] = _mm512_setzero_si512();
+            else if (bf16)
+              r[i] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                         reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(k) + at[i] + d0))), 16);
+            else
+              r[i] = _mm512_loadu_si512(reinterpret_cast<const float*>(k) + at[i] + d0);
+          }
+          transpose_16x16(r);
+          for (int64_t d = 0; d < kLanes; ++d)
+            _mm512_mask_storeu_epi32(kt + (d0 + d) * ldk + b0, static_cast<__mmask16>((1u << nb) - 1), r[d]);
+        }
+      }
+      return;
+    }
+#endif
     if (slot_rows) {
       for (int64_t b = 0; b < n; ++b) read(k, row(s, t0 + b, s_k, t_k) + h * h_k, d_k, kt + b, ldk);
     } else {  // strided rows: d outer, so each store run is contiguous
@@ -750,6 +904,21 @@ struct KeyValues {
     read(v, row(s, t, s_v, t_v) + h * h_v, d_v, dst, step);
   }
 };
+
+// Every one of n flags set (bools are bytes 0 / 1), eight at a time.
+bool all_hidden(const bool* flags, int64_t n) {
+  constexpr uint64_t kAllSet = 0x0101010101010101ull;
+  uint64_t all = kAllSet;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, flags + i, sizeof word);
+    all &= word;
+  }
+  bool hidden = all == kAllSet;
+  for (; i < n; ++i) hidden = hidden && flags[i];
+  return hidden;
+}
 
 // No infinity or NaN among x[0:n] (a branch-free scan of the exponent fields, which the compiler vectorizes).
 bool all_finite(const float* x, int64_t n) {
@@ -770,236 +939,243 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
   TORCH_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && v_in.device().is_cpu(),
               "attention: CPU tensors only");
   TORCH_CHECK(B <= k_chunk, "attention: a KV block of ", B, " keys exceeds the K chunk ", k_chunk);
-  const auto q = q_in.to(at::kFloat).contiguous();
+  const auto q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const Queries queries(q);
   const auto pair_t = pair_t_in.contiguous(), pair_j = pair_j_in.contiguous();
   const auto invisible = invisible_in.contiguous(), kv_invalid = kv_invalid_in.contiguous();
   const KeyValues kv(k_in, v_in, slot_rows_in);
   const int64_t S = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3), Hkv = kv.heads, Tk = kv.slots;
   const int64_t rep = Hq / Hkv, rows = Tq * rep, P = pair_t.numel(), G = S * Hkv * P, span = kv_invalid.size(1);
+  const int64_t W = D + 1, W16 = round_up(W, kLanes);
   const int64_t* pt = pair_t.data_ptr<int64_t>();
   const int64_t* pj = pair_j.data_ptr<int64_t>();
   const bool* inv = invisible.data_ptr<bool>();
   const bool* kv_inv = kv_invalid.data_ptr<bool>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  auto opts = q.options();
-  const int64_t lanes = S * Hkv * tiles, items = S * Hkv * n_used;  // items: (s, h, block)
-  const BlockPairs blocks(pj, P, n_used);
+  const float scale = static_cast<float>(scaling);
+  auto opts = q.options().dtype(at::kFloat);
+  const int64_t lanes = S * Hkv * tiles;
 
-  // The plan's pairs are shared by the batch's sequences; a pair with no key visible to any of a
-  // sequence's live rows is an exact no-op for that sequence (scores -inf, so m, l and acc stay as
-  // they were; its PV is the block's zero-probability chain). In inference its chains and exps are
-  // skipped: scores and PV are kept only for the active pairs (packed_at[g] >= 0, g = (s * Hkv + h) * P + p).
-  std::vector<char> active(S * P, 1);
-  if (!with_probs)
-    at::parallel_for(0, S * P, 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) active[i] = !std::all_of(inv + i * live * B, inv + (i + 1) * live * B,
-                                                                 [](bool hidden) { return hidden; });
-    });
-  std::vector<int64_t> packed_at(G, -1);
-  int64_t G_active = 0;
-  for (int64_t g = 0; g < G; ++g)
-    if (active[(g / (Hkv * P)) * P + g % P]) packed_at[g] = G_active++;
-
-  // every tile's scaled query rows, [S * Hkv, tiles, live, D]
-  auto q_rows = scratch(2, {lanes * live * D});
-  float* qr = q_rows.data_ptr<float>();
-  at::parallel_for(0, lanes, 4, [&](int64_t lo, int64_t hi) {
-    for (int64_t c = lo; c < hi; ++c)
-      scaled_query_rows(q.data_ptr<float>(), Hq, Tq, D, rep, c / (Hkv * tiles), (c / tiles) % Hkv, (c % tiles) * R,
-                        live, static_cast<float>(scaling), qr + c * live * D, D);
-  });
-
-  // scores of every pair's live rows against the block's keys (zero after the last key); invisible keys
-  // selected away (-inf); each row's maximum into the running-maximum grid (-inf where a pair is skipped)
-  // (with_probs: p is kept in a fresh [G, R, B] tensor, the layout the torch code saves)
-  auto scores = with_probs ? at::empty({G, R, B}, opts).narrow(1, 0, live) : scratch(0, {G_active, live, B});
-  auto m_run = at::full({S, Hkv, tiles, n_used, live}, neg_inf, opts);
-  float* sc = scores.data_ptr<float>();
-  const int64_t g_stride = scores.stride(0);  // live * B, or R * B with_probs
-  float* mr = m_run.data_ptr<float>();
-  at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> kt(D * B), part(kMaxRows * B);
-    for (int64_t item = lo; item < hi; ++item) {
-      const int64_t sh = item / n_used, j = blocks.order[item % n_used], s = sh / Hkv, h = sh % Hkv;
-      if (blocks.start[j] == blocks.start[j + 1]) continue;
-      // keys after the last one visible to a live row of the block's pairs only ever reach a row as -inf:
-      // not read (zero)
-      int64_t n_vis = 0;
-      for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
-        if (packed_at[sh * P + blocks.pairs[i]] < 0) continue;
-        const bool* hidden = inv + (s * P + blocks.pairs[i]) * live * B;
-        for (int64_t r = 0; r < live; ++r)
-          for (int64_t b = B - 1; b >= n_vis; --b)
-            if (!hidden[r * B + b]) {
-              n_vis = b + 1;
-              break;
-            }
-      }
-      if (n_vis == 0 && !with_probs) continue;  // no active pair
-      const int64_t n_keys = std::min(std::clamp<int64_t>(Tk - j * B, 0, B), n_vis);
-      kv.key_block(s, h, j * B, n_keys, kt.data(), B);  // the block's keys, transposed: [D, B]
-      for (int64_t d = 0; d < D; ++d) std::fill(kt.data() + d * B + n_keys, kt.data() + (d + 1) * B, 0.0f);
-      for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
-        const int64_t p = blocks.pairs[i], c = sh * tiles + pt[p];
-        if (packed_at[sh * P + p] < 0) continue;
-        const bool* hidden = inv + (s * P + p) * live * B;
-        float* out = sc + packed_at[sh * P + p] * g_stride;
-        fma_chain_rows(qr + c * live * D, D, 1, live, kt.data(), B, D, B, k_chunk, out, B, part.data());
-        for (int64_t r = 0; r < live; ++r)
-          mr[(c * n_used + j) * live + r] = select_and_max(out + r * B, hidden + r * B, B);
-      }
-    }
-  });
-
-  // the running maximum over the tile's blocks (cummax), its reference (0 while -inf), the rescale
-  // factors alpha_j = exp(m_{j-1} - ref_j) and p = exp(scores - ref)
-  for (int64_t c = 0; c < lanes; ++c)
-    for (int64_t j = 1; j < n_used; ++j)
-      for (int64_t r = 0; r < live; ++r) {
-        float& cur = mr[(c * n_used + j) * live + r];
-        const float prev = mr[(c * n_used + j - 1) * live + r];
-        if (!(cur >= prev) && !std::isnan(cur)) cur = prev;
-      }
-  auto m_ref = at::empty_like(m_run);
-  float* mf = m_ref.data_ptr<float>();
-  const int64_t n_m = m_run.numel();
-  for (int64_t i = 0; i < n_m; ++i) mf[i] = mr[i] == neg_inf ? 0.0f : mr[i];
-  auto alpha = at::empty({lanes, std::max<int64_t>(n_used - 1, 0), live}, opts);
-  float* al = alpha.data_ptr<float>();
-  for (int64_t c = 0; c < lanes; ++c)
-    for (int64_t j = 1; j < n_used; ++j)
-      for (int64_t r = 0; r < live; ++r)
-        al[(c * (n_used - 1) + j - 1) * live + r] =
-            mr[(c * n_used + j - 1) * live + r] - mf[(c * n_used + j) * live + r];
-  alpha.exp_();
-  at::parallel_for(0, G, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t g = lo; g < hi; ++g) {
-      const int64_t sh = g / P, p = g % P;
-      if (packed_at[g] < 0) continue;
-      for (int64_t r = 0; r < live; ++r) {
-        const float m = mf[((sh * tiles + pt[p]) * n_used + pj[p]) * live + r];
-        float* row = sc + packed_at[g] * g_stride + r * B;
-        for (int64_t b = 0; b < B; ++b) row[b] = row[b] - m;
-      }
-    }
-  });
-  scores.exp_();
-
-  // PV of every active pair: values of invisible slots 0 and a ones column, so entry D is the row's sum
-  // of p; per item, idle_pv: the block's chain for p = 0, every skipped pair's row (+0, or NaN in a
-  // column with a non-finite value)
-  const int64_t W = D + 1, W16 = round_up(W, kLanes);
-  auto pv = scratch(1, {G_active, live, W16});
-  float* pvd = pv.data_ptr<float>();
-  std::vector<float> idle_pv(with_probs ? 0 : items * W16, 0.0f);
-  at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> vb(B * W16, 0.0f), part(kMaxRows * W16), zero_p(B, 0.0f);
-    for (int64_t item = lo; item < hi; ++item) {
-      const int64_t sh = item / n_used, j = blocks.order[item % n_used], s = sh / Hkv, h = sh % Hkv;
-      if (blocks.start[j] == blocks.start[j + 1]) continue;
-      const int64_t block_item = sh * n_used + j;
-      const int64_t first = j * B, n_slots = std::clamp<int64_t>(Tk - first, 0, B);
-      // every value zeroed: each chain is fma(p, 0, +0) = +0
-      const bool none = std::all_of(kv_inv + s * span + first, kv_inv + s * span + first + n_slots,
-                                    [](bool x) { return x; });
-      for (int64_t b = 0; !none && b < B; ++b) {  // the block's values: [B, D + 1 (+ zero lanes)]
-        const int64_t slot = first + b;
-        float* dst = vb.data() + b * W16;
-        dst[D] = 1.0f;
-        if (slot >= Tk || kv_inv[s * span + slot]) {
-          std::fill(dst, dst + D, 0.0f);
-          continue;
-        }
-        kv.value_row(s, h, slot, dst, 1);
-      }
-      bool skipped = false;  // a pair of this block that this sequence skips reads idle_pv
-      for (int64_t i = blocks.start[j]; i < blocks.start[j + 1]; ++i) {
-        const int64_t g = sh * P + blocks.pairs[i];
-        if (packed_at[g] < 0) {
-          skipped = true;
-          continue;
-        }
-        float* out = pvd + packed_at[g] * live * W16;
-        if (none)
-          std::fill(out, out + live * W16, 0.0f);
-        else
-          fma_chain_rows(sc + packed_at[g] * g_stride, B, 1, live, vb.data(), W16, B, W16, k_chunk, out, W16, part.data());
-      }
-      if (skipped && !none && !all_finite(vb.data(), B * W16))  // fma(0, inf, .) is NaN
-        fma_chain_rows(zero_p.data(), B, 1, 1, vb.data(), W16, B, W16, k_chunk, idle_pv.data() + block_item * W16, W16,
-                       part.data());
-    }
-  });
-
-  // acc_j = acc_{j-1} * alpha_j + pv_j in block order (pv = 0 for a skipped pair), then acc / l
+  // the plan's pair (t, j), -1 where it has none: a block after every row of the tile, which the torch
+  // code scatters as -inf scores and zero PV
   std::vector<int64_t> pair_of(tiles * n_used, -1);
   for (int64_t p = 0; p < P; ++p) pair_of[pt[p] * n_used + pj[p]] = p;
-  auto out = at::empty({S, Hq, Tq, D}, opts);
+  // The plan's pairs are shared by the batch's sequences; a pair with no key visible to any of a
+  // sequence's live rows is an exact no-op for that sequence (scores -inf, so m, l and acc stay as
+  // they were; its PV is the block's zero-probability chain). And a row that sees no key at all has
+  // l = 0, so its output is 0. In inference neither is computed: seen[s * P + p] is 1 + the pair's last
+  // row that sees a key (0: the pair is skipped), seen_rows[s * tiles + t] the most of the tile's pairs
+  // (the tile's rows from there on are written as 0; a decode step's tile holds one position's rows).
+  std::vector<int64_t> seen(S * P, live), seen_rows(S * tiles, with_probs ? live : 0);
+  if (!with_probs) {
+    at::parallel_for(0, S * P, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        int64_t r = live;
+        while (r > 0 && all_hidden(inv + (i * live + r - 1) * B, B)) --r;
+        seen[i] = r;
+      }
+    });
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t p = 0; p < P; ++p)
+        seen_rows[s * tiles + pt[p]] = std::max(seen_rows[s * tiles + pt[p]], seen[s * P + p]);
+  }
+  // keys at or after a sequence's last valid slot only ever reach a row as -inf: not read (zero)
+  std::vector<int64_t> n_keys(S, 0);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t t = std::min(Tk, span); t > 0; --t)
+      if (!kv_inv[s * span + t - 1]) {
+        n_keys[s] = t;
+        break;
+      }
+
+  // the output: in q's dtype in inference (the fp32 result cast once, as the torch code does), fp32 with_probs
+  auto out = at::empty({S, Hq, Tq, D}, with_probs ? opts : q.options());
+  const bool out_bf16 = out.scalar_type() == at::kBFloat16;
+  // output row `row` of tile rows (position-major) of (s, h): acc / l, 0 for a row without keys (l = 0)
+  auto out_row = [&](int64_t s, int64_t h, int64_t row, const float* acc, float l) {
+    const int64_t at = ((s * Hq + h * rep + row % rep) * Tq + row / rep) * D;
+    if (out_bf16) {
+      thread_local std::vector<float> row;
+      row.resize(D);
+      for (int64_t d = 0; d < D; ++d) row[d] = l > 0 ? acc[d] / l : 0.0f;
+      to_bf16(row.data(), out.data_ptr<at::BFloat16>() + at, D);
+    } else {
+      float* dst = out.data_ptr<float>() + at;
+      for (int64_t d = 0; d < D; ++d) dst[d] = l > 0 ? acc[d] / l : 0.0f;
+    }
+  };
+  const std::vector<float> no_keys(D + 1, 0.0f);  // acc of a row that sees no key: l = 0
+  // with_probs (training): p of every pair in the [G, R, B] layout the torch code saves, each pair's
+  // reference maximum, each row's l and final running maximum, the output's tile rows
+  auto probs = with_probs ? at::empty({G, R, B}, opts).narrow(1, 0, live) : at::Tensor();
   auto out_tiles = with_probs ? at::empty({S, Hkv, tiles, live, D}, opts) : at::Tensor();
-  float* od = out.data_ptr<float>();
-  float* ot = with_probs ? out_tiles.data_ptr<float>() : nullptr;
-  std::vector<float> l_rows(lanes * live);  // each row's l = sum of p (for the backward's lse)
-  const std::vector<float> zeros(W16, 0.0f);
-  at::parallel_for(0, lanes, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> acc(W);
-    for (int64_t c = lo; c < hi; ++c) {
-      const int64_t sh = c / tiles, t = c % tiles;
-      for (int64_t r = 0; r < live; ++r) {
-        for (int64_t j = 0; j < n_used; ++j) {
-          const int64_t p = pair_of[t * n_used + j];
-          const float* pvr = p < 0 ? zeros.data()
-                             : packed_at[sh * P + p] < 0 ? idle_pv.data() + (sh * n_used + j) * W16
-                             : pvd + (packed_at[sh * P + p] * live + r) * W16;
-          if (j == 0) {
-            std::copy(pvr, pvr + W, acc.data());
-          } else {
-            const float a = al[(c * (n_used - 1) + j - 1) * live + r];
-            for (int64_t d = 0; d < W; ++d) acc[d] = acc[d] * a + pvr[d];  // two roundings: no fma
+  std::vector<float> m_pair(with_probs ? G * live : 0), l_rows(with_probs ? lanes * live : 0),
+      m_last(with_probs ? lanes * live : 0);
+
+  // Work items (s, h, part): part k of the (s, h)'s tiles takes tiles k, k + parts, ... (parts > 1 only
+  // when there are fewer (s, h) than twice the threads); handed out largest first, each to the next free
+  // thread. Every output is written by the one item computing it, in a fixed order: the bits do not
+  // depend on which thread runs which item.
+  const int64_t threads = at::get_num_threads(), heads = S * Hkv;
+  const int64_t parts = std::clamp<int64_t>((2 * threads + heads - 1) / heads, 1, tiles);
+  std::vector<int64_t> work(S, 0), items(heads * parts);
+  for (int64_t s = 0; s < S; ++s) work[s] = std::accumulate(seen.begin() + s * P, seen.begin() + (s + 1) * P, int64_t(0));
+  for (int64_t i = 0; i < heads * parts; ++i) items[i] = i;
+  std::stable_sort(items.begin(), items.end(), [&](int64_t a, int64_t b) { return work[a / parts / Hkv] > work[b / parts / Hkv]; });
+  // one (s, h)'s blocks as the products read them: keys transposed [D, B], values [B, W16] with invalid
+  // slots 0, a ones column (entry D of a PV row is the row's l) and zero lanes; loaded on first use
+  struct Buffers {
+    std::vector<float> kt, vb, idle;
+    std::vector<char> loaded, none, idle_done;
+    std::vector<float> qr, sc, pv, acc, part, m_prev, m_run, m_ref, alpha;
+  };
+  auto make = [&] {
+    return Buffers{std::vector<float>(n_used * D * B), std::vector<float>(n_used * B * W16),
+                   std::vector<float>(n_used * W16), std::vector<char>(n_used), std::vector<char>(n_used),
+                   std::vector<char>(n_used), std::vector<float>(live * D), std::vector<float>(live * B),
+                   std::vector<float>(live * W16), std::vector<float>(live * W),
+                   std::vector<float>(kMaxRows * std::max(B, W16)), std::vector<float>(live),
+                   std::vector<float>(live), std::vector<float>(live), std::vector<float>(live)};
+  };
+  const std::vector<float> zeros(std::max(B, W16), 0.0f);  // a zero PV row; the zero probabilities of an idle chain
+  for_each_item(heads * parts, make, [&](Buffers& buf, int64_t item) {
+    auto &kt = buf.kt, &vb = buf.vb, &idle = buf.idle, &qr = buf.qr, &sc = buf.sc, &pv = buf.pv, &acc = buf.acc;
+    auto &part = buf.part, &m_prev = buf.m_prev, &m_run = buf.m_run, &m_ref = buf.m_ref, &alpha = buf.alpha;
+    auto &loaded = buf.loaded, &none = buf.none, &idle_done = buf.idle_done;
+    {
+      const int64_t it = items[item], sh = it / parts, first_tile = it % parts, s = sh / Hkv, h = sh % Hkv;
+      std::fill(loaded.begin(), loaded.end(), 0);
+      std::fill(idle_done.begin(), idle_done.end(), 0);
+      auto values = [&](int64_t j) -> const float* {  // block j loaded; nullptr if none of its slots is valid
+        if (!loaded[j]) {
+          loaded[j] = 1;
+          const int64_t first = j * B, n_slots = std::clamp<int64_t>(Tk - first, 0, B);
+          none[j] = std::all_of(kv_inv + s * span + first, kv_inv + s * span + first + n_slots,
+                                [](bool x) { return x; });
+          float* kj = kt.data() + j * D * B;
+          const int64_t n = std::clamp<int64_t>(n_keys[s] - first, 0, B);
+          kv.key_block(s, h, first, n, kj, B);
+          for (int64_t d = 0; d < D; ++d) std::fill(kj + d * B + n, kj + (d + 1) * B, 0.0f);
+          float* vj = vb.data() + j * B * W16;
+          for (int64_t b = 0; b < B; ++b) {
+            float* dst = vj + b * W16;
+            std::fill(dst + D, dst + W16, 0.0f);
+            dst[D] = 1.0f;
+            const int64_t slot = first + b;
+            if (none[j] || slot >= Tk || kv_inv[s * span + slot])
+              std::fill(dst, dst + D, 0.0f);
+            else
+              kv.value_row(s, h, slot, dst, 1);
           }
         }
-        const int64_t row = t * R + r;
-        const float l = acc[D];
-        l_rows[c * live + r] = l;
-        float* tile_row = with_probs ? ot + (c * live + r) * D : nullptr;
-        if (row >= rows) {
-          if (tile_row) std::fill(tile_row, tile_row + D, 0.0f);
-          continue;
+        return none[j] ? nullptr : vb.data() + j * B * W16;
+      };
+      for (int64_t t = first_tile; t < tiles; t += parts) {
+        const int64_t c = sh * tiles + t;
+        // inference computes only the tile's real rows; training all live rows, as the torch code saves them
+        const int64_t n_rows = seen_rows[s * tiles + t];
+        for (int64_t row = t * R + n_rows; !with_probs && row < std::min(rows, (t + 1) * R); ++row)  // rows seeing no key
+          out_row(s, h, row, no_keys.data(), 0.0f);
+        if (n_rows == 0) continue;
+        scaled_query_rows(queries, Tq, D, rep, s, h, t * R, n_rows, scale, qr.data(), D);
+        for (int64_t j = 0; j < n_used; ++j) {
+          const int64_t p = pair_of[t * n_used + j], g = sh * P + p;
+          const bool computed = p >= 0 && seen[s * P + p] > 0;
+          const float* pvr = zeros.data();  // the PV rows added (step 0: one row for all)
+          int64_t pv_step = 0;
+          float* scores = with_probs && p >= 0 ? probs.data_ptr<float>() + g * R * B : sc.data();
+          if (computed) {
+            const float* vj = values(j);
+            fma_chain_rows(qr.data(), D, 1, n_rows, kt.data() + j * D * B, B, D, B, k_chunk, scores, B, part.data());
+            const bool* hidden = inv + (s * P + p) * live * B;
+            for (int64_t r = 0; r < n_rows; ++r) m_run[r] = select_and_max(scores + r * B, hidden + r * B, B);
+            for (int64_t r = 0; r < n_rows; ++r) {  // the running maximum (cummax: NaN stays) and its reference
+              if (j > 0 && !(m_run[r] >= m_prev[r]) && !std::isnan(m_run[r])) m_run[r] = m_prev[r];
+              m_ref[r] = m_run[r] == neg_inf ? 0.0f : m_run[r];
+              float* row = scores + r * B;
+              for (int64_t b = 0; b < B; ++b) row[b] = row[b] - m_ref[r];
+            }
+            exp_in_place(scores, n_rows * B);
+            if (vj != nullptr) {
+              fma_chain_rows(scores, B, 1, n_rows, vj, W16, B, W16, k_chunk, pv.data(), W16, part.data());
+              pvr = pv.data(), pv_step = W16;
+            }  // else every value is 0: each chain is fma(p, 0, +0) = +0
+          } else {
+            for (int64_t r = 0; r < n_rows; ++r) {
+              m_run[r] = j > 0 ? m_prev[r] : neg_inf;
+              m_ref[r] = m_run[r] == neg_inf ? 0.0f : m_run[r];
+            }
+            if (p >= 0) {  // a skipped pair's PV: the block's chain for p = 0, +0 unless a value is not finite
+              const float* vj = values(j);
+              if (vj != nullptr && !idle_done[j]) {
+                idle_done[j] = 1;
+                float* dst = idle.data() + j * W16;
+                std::fill(dst, dst + W16, 0.0f);
+                if (!all_finite(vj, B * W16))  // fma(0, inf, .) is NaN
+                  fma_chain_rows(zeros.data(), B, 1, 1, vj, W16, B, W16, k_chunk, dst, W16, part.data());
+              }
+              if (vj != nullptr) pvr = idle.data() + j * W16;
+            }
+          }
+          if (with_probs && p >= 0) std::copy(m_ref.begin(), m_ref.begin() + n_rows, m_pair.begin() + g * live);
+          // acc_j = acc_{j-1} * alpha_j + pv_j in block order, alpha_j = exp(m_{j-1} - ref_j)
+          if (j == 0) {
+            for (int64_t r = 0; r < n_rows; ++r) std::copy(pvr + r * pv_step, pvr + r * pv_step + W, acc.data() + r * W);
+          } else {
+            for (int64_t r = 0; r < n_rows; ++r) alpha[r] = m_prev[r] - m_ref[r];
+            exp_in_place(alpha.data(), n_rows);
+            for (int64_t r = 0; r < n_rows; ++r) {
+              float* a = acc.data() + r * W;
+              const float* add = pvr + r * pv_step;
+              for (int64_t d = 0; d < W; ++d) a[d] = a[d] * alpha[r] + add[d];  // two roundings: no fma
+            }
+          }
+          std::copy(m_run.begin(), m_run.begin() + n_rows, m_prev.begin());
         }
-        float* dst = od + (((sh / Hkv) * Hq + (sh % Hkv) * rep + row % rep) * Tq + row / rep) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = l > 0 ? acc[d] / l : 0.0f;
-        if (tile_row) std::copy(dst, dst + D, tile_row);
+        for (int64_t r = 0; r < n_rows; ++r) {  // out = acc / l (0 for a row without keys)
+          const int64_t row = t * R + r;
+          const float* a = acc.data() + r * W;
+          const float l = a[D];
+          float* tile_row = with_probs ? out_tiles.data_ptr<float>() + (c * live + r) * D : nullptr;
+          if (with_probs) l_rows[c * live + r] = l, m_last[c * live + r] = m_prev[r];
+          if (row >= rows) {
+            if (tile_row) std::fill(tile_row, tile_row + D, 0.0f);
+            continue;
+          }
+          out_row(s, h, row, a, l);
+          if (tile_row) for (int64_t d = 0; d < D; ++d) tile_row[d] = l > 0 ? a[d] / l : 0.0f;
+        }
       }
     }
   });
-  if (!with_probs) return {out.to(q_in.scalar_type())};
+  if (!with_probs) return {out};
 
   // lse = m + log(l) (0 where not finite) per row, then probs = p * exp(ref - lse) per pair
   auto lse = at::empty({lanes, live}, opts);
   float* ls = lse.data_ptr<float>();
-  for (int64_t c = 0; c < lanes; ++c)
-    for (int64_t r = 0; r < live; ++r) ls[c * live + r] = l_rows[c * live + r];
+  std::copy(l_rows.begin(), l_rows.end(), ls);
   lse.log_();
-  for (int64_t c = 0; c < lanes; ++c)
-    for (int64_t r = 0; r < live; ++r) {
-      const float value = mr[(c * n_used + n_used - 1) * live + r] + ls[c * live + r];
-      ls[c * live + r] = std::isfinite(value) ? value : 0.0f;
-    }
+  for (int64_t i = 0; i < lanes * live; ++i) {
+    const float value = m_last[i] + ls[i];
+    ls[i] = std::isfinite(value) ? value : 0.0f;
+  }
   auto factor = at::empty({G, live}, opts);
   float* fa = factor.data_ptr<float>();
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t sh = g / P, p = g % P, c = sh * tiles + pt[p];
-    for (int64_t r = 0; r < live; ++r) fa[g * live + r] = mf[(c * n_used + pj[p]) * live + r] - ls[c * live + r];
+    const int64_t c = (g / P) * tiles + pt[g % P];
+    for (int64_t r = 0; r < live; ++r) fa[g * live + r] = m_pair[g * live + r] - ls[c * live + r];
   }
   factor.exp_();
+  float* sc = probs.data_ptr<float>();
   at::parallel_for(0, G, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t g = lo; g < hi; ++g)
       for (int64_t r = 0; r < live; ++r) {
-        float* row = sc + g * g_stride + r * B;
+        float* row = sc + g * R * B + r * B;
         const float f = fa[g * live + r];
         for (int64_t b = 0; b < B; ++b) row[b] = row[b] * f;
       }
   });
-  return {out, scores, out_tiles};
+  return {out, probs, out_tiles};
 }
 
 // _Attention.backward's products and sums, fused: per pair p (tile t, block j), in pair order,
@@ -1019,6 +1195,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& do_in, const at::Te
   const auto dout = do_in.contiguous(), delta = delta_in.contiguous(), probs = probs_in.contiguous();
   const auto pair_t = pair_t_in.contiguous(), pair_j = pair_j_in.contiguous(), kv_invalid = kv_invalid_in.contiguous();
   const auto q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat), v = v_in.to(at::kFloat);
+  const Queries queries(q);
   const int64_t S = dout.size(0), Hkv = dout.size(1), tiles = dout.size(2), live = dout.size(3), D = dout.size(4);
   const int64_t B = probs.size(-1), P = pair_t.numel(), Hq = q.size(1), Tq = q.size(2), Tk = k.size(2);
   const int64_t rep = Hq / Hkv, span = kv_invalid.size(1);
@@ -1066,7 +1243,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& do_in, const at::Te
         if (t != loaded_t) {  // the tile's rows of do and q, zero-padded to 16 columns (pairs come tile by tile)
           const float* dot = dd + ((sh * tiles + t) * live) * D;
           for (int64_t r = 0; r < live; ++r) std::copy(dot + r * D, dot + (r + 1) * D, do16.data() + r * D16);
-          scaled_query_rows(q.data_ptr<float>(), Hq, Tq, D, rep, s, h, t * R, live, static_cast<float>(scaling),
+          scaled_query_rows(queries, Tq, D, rep, s, h, t * R, live, static_cast<float>(scaling),
                             q16.data(), D16);
           loaded_t = t;
         }
@@ -1121,5 +1298,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_built", &bf16_dot_built, "whether linear's dot path (AVX512-BF16) was compiled");
   m.def("dot_matmul", &dot_matmul, "the dot path's product, with or without its denormal guard");
   m.def("pack_dot_weight", &pack_dot_weight, "a bf16 weight's dot-path panels and their exponents, laid out once");
+  m.def("use_vml_exp", &use_vml_exp, "use VML's exp (checked to be torch.exp's bits) where it is linked");
+  m.def("exp_fp32", &exp_fp32, "exp of an fp32 tensor as the fused attention computes it");
   m.def("chain_matmul", &chain_matmul, "a @ b as the fused attention's fma chains compute it");
 }
