@@ -285,6 +285,34 @@ def test_twin_a_pack_is_a_copy_that_a_weight_load_leaves_stale():
     assert torch.equal(ops.linear(x, w, pack=ops.pack_weight(w)), ops.linear(x, w))
 
 
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the experts run as one native call on the dot path only")
+def test_packed_experts_in_one_native_call_are_the_torch_codes_bits():
+    """vLLM's experts (bf16, unsharded, packed) run as one native call: gather, gate and up with the
+    activation, down and the scatter to the slots. The same bits as the torch code's per-expert linears:
+    decode and prefill heights, an expert no token chose, leaves on both products, and an expert whose
+    denormal weights the guard must take off the dot product."""
+    g = gen(7)
+    E, H, inter, top_k = 6, 96, 64, 3
+    gate_up = [(torch.randn(2 * inter, H, generator=g) * 0.05).to(torch.bfloat16) for _ in range(E)]
+    down = [(torch.randn(H, inter, generator=g) * 0.05).to(torch.bfloat16) for _ in range(E)]
+    gate_up[2][5] = (torch.randn(H, generator=g) * 2.0**-130).to(torch.bfloat16)  # a row the dot product flushes
+    packs = ([ops.pack_weight(w) for w in gate_up], [ops.pack_weight(w) for w in down])
+    assert ops._native_moe_experts(torch.zeros(1, H, dtype=torch.bfloat16), gate_up, 1, None, packs) is not None
+    for tokens in (1, 4, 70):
+        hidden = (torch.randn(tokens, H, generator=g) * 2.0**20).to(torch.bfloat16)
+        chosen = torch.stack([torch.randperm(E - 1, generator=g)[:top_k] for _ in range(tokens)])  # expert 5: none
+        chosen[0] = torch.tensor([2, 0, 1])
+        lib, x = native.lib(), hidden[:1]  # the premise: unguarded, the dot product flushes that row's products
+        assert not torch.equal(lib.dot_matmul(x, gate_up[2], ops.K_CHUNK, 8, False),
+                               lib.dot_matmul(x, gate_up[2], ops.K_CHUNK, 8, True))
+        fast = ops.moe_experts(hidden, chosen, gate_up, down, packs=packs)
+        with native.disabled():
+            reference = ops.moe_experts(hidden, chosen, gate_up, down)
+        assert fast.dtype == torch.bfloat16 and torch.equal(fast, reference), tokens
+    with pytest.raises(RuntimeError, match="expert id 6 of 6 experts"):
+        ops.moe_experts(hidden, torch.full_like(chosen, 6), gate_up, down, packs=packs)
+
+
 def _attention_case(g, S, Hq, Hkv, Tq, Tk, D, dtype, garbage=False):
     q = torch.randn(S, Hq, Tq, D, generator=g).to(dtype)
     k = torch.randn(S, Hkv, Tk, D, generator=g).to(dtype)

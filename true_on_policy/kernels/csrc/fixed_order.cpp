@@ -197,6 +197,37 @@ void fma_chain_tree_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, 
   }
 }
 
+// torch.exp's fp32 bits where this torch has MKL: ATen's vml::vexp calls VML's vmsExp with high accuracy,
+// denormals kept and errors ignored on every contiguous run, and VML's result is elementwise. Resolved
+// weakly (a torch without MKL lacks it) and used only once native.exp_is_torchs has checked it
+// (use_vml_exp); otherwise exp_in_place calls at::exp.
+extern "C" void VMSEXP_(const int* n, const float* a, float* r, const long long* mode) __attribute__((weak));
+constexpr long long kVmlTorchMode = 0x2 /* HA */ | 0x140000 /* FTZDAZ_OFF */ | 0x100 /* ERRMODE_IGNORE */;
+std::atomic<bool> g_vml_exp{false};
+
+bool use_vml_exp(bool on) {
+  g_vml_exp = on && VMSEXP_ != nullptr;
+  return g_vml_exp;
+}
+
+void exp_in_place(float* x, int64_t n) {
+  if (n <= 0) return;
+  if (g_vml_exp) {
+    const int count = static_cast<int>(n);
+    VMSEXP_(&count, x, x, &kVmlTorchMode);
+  } else {
+    at::from_blob(x, {n}, at::TensorOptions().dtype(at::kFloat)).exp_();
+  }
+}
+
+// exp_in_place on a copy of a 1-d fp32 tensor (what native.exp_is_torchs compares with torch.exp).
+at::Tensor exp_fp32(const at::Tensor& x) {
+  check_cpu_float(x, "exp_fp32");
+  auto out = x.contiguous().clone();
+  exp_in_place(out.data_ptr<float>(), out.numel());
+  return out;
+}
+
 // ---- bf16 linears on the dot-product instruction (AVX512-BF16) ----
 // vdpbf16ps adds two bf16 products to an fp32 lane, the high half's first, each add rounded to nearest:
 // two steps of an fma chain, as a product of two bf16 is exact in fp32. With each k pair's halves
@@ -261,10 +292,12 @@ float spec_entry(const uint16_t* x, const uint16_t* w, int64_t k, int64_t k_chun
 // A weight's panels laid out once (pack_dot_weight): group b's kDotPanels panels at panels + b * kDotPanels
 // * pairs * 16 (pack_panel's layout), its values' exponents at exponents[2b], [2b + 1].
 constexpr int kDotPanels = 2;  // 16-column panels per group (one thread's unit of work)
+constexpr int64_t kDotGroup = kDotPanels * kLanes;  // columns per group
 struct DotPack {
   const uint32_t* panels;
   const int32_t* exponents;
 };
+DotPack dot_pack_of(const std::vector<at::Tensor>& pack, int64_t N, int64_t K);
 
 #if defined(__AVX512BF16__)
 constexpr bool kDotBuilt = true;
@@ -393,51 +426,68 @@ struct LinearOut {
   }
 };
 
+// A bf16 matrix x [M, K] (contiguous) as the dot product reads it: its pairs with halves swapped (the
+// broadcast operand) and its values' exponents.
+struct DotRows {
+  const uint16_t* x16;
+  const uint32_t* xs;
+  int64_t M, K;
+  Exponents xe;
+};
+
+// Columns n0..n0+nn (nn <= one group) of ops.matmul_tree(x, weight^T), weight [N, K] bf16 (w16) with the
+// group's panels `panel` and exponents `we`: each row's fp32 sums handed to emit(r, sums) -- the dot products
+// where dot_exact holds (or !guarded), else spec_entry. sums: kDotRows * group * max(leaves, 1) floats.
+template <typename Emit>
+void dot_group(const DotRows& x, const uint16_t* w16, const uint32_t* panel, Exponents we, int64_t n0, int64_t nn,
+               int64_t k_chunk, int64_t leaves, bool guarded, float* sums, Emit emit) {
+  const int64_t K = x.K, pairs = K / 2, width = pairs / leaves, np = (nn + kLanes - 1) / kLanes, w = np * kLanes;
+  if (guarded && !dot_exact(x.xe, we)) {
+    for (int64_t r = 0; r < x.M; ++r) {
+      float row[kDotPanels * kLanes];
+      for (int64_t c = 0; c < nn; ++c) row[c] = spec_entry(x.x16 + r * K, w16 + (n0 + c) * K, K, k_chunk, leaves, sums);
+      emit(r, row);
+    }
+    return;
+  }
+  for (int64_t r0 = 0; r0 < x.M; r0 += kDotRows) {
+    const int64_t mr = std::min<int64_t>(kDotRows, x.M - r0);
+    for (int64_t j = 0; j < leaves; ++j)
+      kDotKernels[mr - 1][np - 1](x.xs + r0 * pairs, pairs, panel, j * width, (j + 1) * width, k_chunk / 2,
+                                  sums + j * mr * w);
+    tree_combine_in_place(sums, leaves, mr * w);
+    for (int64_t i = 0; i < mr; ++i) emit(r0 + i, sums + i * w);
+  }
+}
+
 // ops.matmul_tree of bf16 x [M, K] and weight [N, K] (both contiguous), then the linear's epilogue, into out:
-// per group of kDotPanels 16-column panels (an item of for_each_item), the dot products where dot_exact
-// holds, else spec_entry (guarded = false: the dot products everywhere, for the test that shows what the
-// guard is for).
+// per group of kDotPanels 16-column panels (an item of for_each_item), dot_group (guarded = false: the dot
+// products everywhere, for the test that shows what the guard is for).
 void dot_product_tree(const at::Tensor& x, const at::Tensor& weight, int64_t k_chunk, int64_t leaves,
                       const LinearOut& out, bool guarded = true, const DotPack* pack = nullptr) {
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), pairs = K / 2, width = pairs / leaves;
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), pairs = K / 2;
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* w16 = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   std::vector<uint32_t> xs(M * pairs);
-  const Exponents xe = pack_pairs(reinterpret_cast<const uint32_t*>(x16), M * pairs, xs.data());
-  constexpr int64_t group = kDotPanels * kLanes;
+  const DotRows rows{x16, xs.data(), M, K, pack_pairs(reinterpret_cast<const uint32_t*>(x16), M * pairs, xs.data())};
   struct Buffers {
     std::vector<uint32_t> own;  // the group's panels, unless packed
-    std::vector<float> sums;    // one row block's [leaves][rows][columns]
+    std::vector<float> sums;
   };
   auto make = [&] {
     return Buffers{std::vector<uint32_t>(pack ? 0 : kDotPanels * pairs * kLanes),
-                   std::vector<float>(std::max<int64_t>(leaves, 1) * kDotRows * group)};
+                   std::vector<float>(std::max<int64_t>(leaves, 1) * kDotRows * kDotGroup)};
   };
-  for_each_item((N + group - 1) / group, make, [&](Buffers& buf, int64_t b) {
-    const int64_t n0 = b * group, nn = std::min(group, N - n0), np = (nn + kLanes - 1) / kLanes, w = np * kLanes;
-    float* sums = buf.sums.data();
+  for_each_item((N + kDotGroup - 1) / kDotGroup, make, [&](Buffers& buf, int64_t b) {
+    const int64_t n0 = b * kDotGroup, nn = std::min(kDotGroup, N - n0);
     Exponents we;
     const uint32_t* panel = pack ? pack->panels + b * kDotPanels * pairs * kLanes : buf.own.data();
     if (pack)
       we.lo = pack->exponents[2 * b], we.hi = pack->exponents[2 * b + 1];
     else
       we = pack_group(reinterpret_cast<const uint32_t*>(w16), pairs, n0, nn, buf.own.data());
-    if (guarded && !dot_exact(xe, we)) {
-      std::vector<float> row(nn);
-      for (int64_t r = 0; r < M; ++r) {
-        for (int64_t c = 0; c < nn; ++c) row[c] = spec_entry(x16 + r * K, w16 + (n0 + c) * K, K, k_chunk, leaves, sums);
-        out.row(row.data(), r, n0, nn, N);
-      }
-      return;
-    }
-    for (int64_t r0 = 0; r0 < M; r0 += kDotRows) {
-      const int64_t mr = std::min<int64_t>(kDotRows, M - r0);
-      for (int64_t j = 0; j < leaves; ++j)
-        kDotKernels[mr - 1][np - 1](xs.data() + r0 * pairs, pairs, panel, j * width, (j + 1) * width, k_chunk / 2,
-                                    sums + j * mr * w);
-      tree_combine_in_place(sums, leaves, mr * w);
-      for (int64_t i = 0; i < mr; ++i) out.row(sums + i * w, r0 + i, n0, nn, N);
-    }
+    dot_group(rows, w16, panel, we, n0, nn, k_chunk, leaves, guarded, buf.sums.data(),
+              [&](int64_t r, const float* sums) { out.row(sums, r, n0, nn, N); });
   });
 }
 
@@ -446,8 +496,7 @@ std::vector<at::Tensor> pack_dot_weight(const at::Tensor& weight_in) {
               "pack_dot_weight: a bf16 weight [N, K] with K even, got ", weight_in.scalar_type(), " ", weight_in.sizes());
   const auto weight = weight_in.contiguous();
   const int64_t N = weight.size(0), K = weight.size(1), pairs = K / 2;
-  constexpr int64_t group = kDotPanels * kLanes;
-  const int64_t groups = (N + group - 1) / group;
+  const int64_t group = kDotGroup, groups = (N + group - 1) / group;
   auto panels = at::zeros({groups, kDotPanels * pairs * kLanes}, weight.options().dtype(at::kInt));
   auto exponents = at::empty({groups, 2}, weight.options().dtype(at::kInt));
   const auto* w32 = reinterpret_cast<const uint32_t*>(weight.data_ptr<at::BFloat16>());
@@ -462,6 +511,111 @@ std::vector<at::Tensor> pack_dot_weight(const at::Tensor& weight_in) {
   });
   return {panels, exponents};
 }
+// ops.moe_experts for bf16 hidden [T, H] without sharding, every expert's weights packed (pack_dot_weight):
+// per expert its (token, slot) pairs in token order, x = hidden rows, down(silu_mul(gate, up)) with
+// gate, up = linear(x, gate_up) -- the dot path's bits and epilogues, as the torch code's calls compute them
+// -- in four rounds of items: the experts' rows gathered; (expert, column group) of gate and up with the
+// activation; the activations' pairs; (expert, column group) of down, written to the pairs' slots.
+// Returns [T * top_k, H] bf16 in slot order.
+at::Tensor moe_experts(const at::Tensor& hidden_in, const at::Tensor& top_k_index, const std::vector<at::Tensor>& gate_up,
+                       const std::vector<at::Tensor>& down, const std::vector<std::vector<at::Tensor>>& gate_up_packs,
+                       const std::vector<std::vector<at::Tensor>>& down_packs, int64_t k_chunk, int64_t gate_up_leaves,
+                       int64_t down_leaves) {
+  const auto hidden = hidden_in.contiguous();
+  const auto chosen = top_k_index.to(at::kLong).contiguous();
+  const int64_t E = gate_up.size(), T = hidden.size(0), H = hidden.size(1), top_k = chosen.size(1);
+  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2 && chosen.dim() == 2 && chosen.size(0) == T &&
+                  E > 0 && down.size() == static_cast<size_t>(E) && gate_up_packs.size() == static_cast<size_t>(E) &&
+                  down_packs.size() == static_cast<size_t>(E),
+              "moe_experts: bf16 hidden [T, H], top_k_index [T, k], and per expert a gate_up, down and their packs");
+  const int64_t I = gate_up[0].size(0) / 2;
+  TORCH_CHECK(I % kDotGroup == 0 && H % 2 == 0 && I % 2 == 0 && (H / 2) % gate_up_leaves == 0 && (I / 2) % down_leaves == 0,
+              "moe_experts: an intermediate size ", I, " that is a multiple of ", kDotGroup, " and even leaves");
+  std::vector<const uint16_t*> gu16(E), dn16(E);
+  std::vector<DotPack> gu_pack(E), dn_pack(E);
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(gate_up[e].scalar_type() == at::kBFloat16 && down[e].scalar_type() == at::kBFloat16 &&
+                    gate_up[e].is_contiguous() && down[e].is_contiguous() &&
+                    gate_up[e].sizes() == at::IntArrayRef({2 * I, H}) && down[e].sizes() == at::IntArrayRef({H, I}),
+                "moe_experts: expert ", e, "'s weights are not contiguous bf16 [2I, H] and [H, I] with I = ", I);
+    gu16[e] = reinterpret_cast<const uint16_t*>(gate_up[e].data_ptr<at::BFloat16>());
+    dn16[e] = reinterpret_cast<const uint16_t*>(down[e].data_ptr<at::BFloat16>());
+    gu_pack[e] = dot_pack_of(gate_up_packs[e], 2 * I, H);
+    dn_pack[e] = dot_pack_of(down_packs[e], H, I);
+  }
+  // the (token, slot) pairs grouped by expert, token order inside an expert (the torch code's stable sort)
+  const int64_t n_pairs = T * top_k;
+  const int64_t* ids = chosen.data_ptr<int64_t>();
+  std::vector<int64_t> start(E + 1, 0), order(n_pairs);
+  for (int64_t i = 0; i < n_pairs; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < E, "moe_experts: expert id ", ids[i], " of ", E, " experts");
+    ++start[ids[i] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < n_pairs; ++i) order[fill[ids[i]]++] = i;
+  }
+  auto opts = hidden.options();
+  auto x = at::empty({n_pairs, H}, opts), act = at::empty({n_pairs, I}, opts);
+  auto* x16 = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* a16 = reinterpret_cast<uint16_t*>(act.data_ptr<at::BFloat16>());
+  std::vector<uint32_t> xs(n_pairs * H / 2), as(n_pairs * I / 2);
+  std::vector<DotRows> x_rows(E), a_rows(E);
+  const auto* h16 = reinterpret_cast<const uint16_t*>(hidden.data_ptr<at::BFloat16>());
+  auto none = [] { return 0; };
+  for_each_item(E, none, [&](int, int64_t e) {  // each expert's rows and their pairs
+    const int64_t first = start[e], count = start[e + 1] - first;
+    for (int64_t i = 0; i < count; ++i)
+      std::copy_n(h16 + (order[first + i] / top_k) * H, H, x16 + (first + i) * H);
+    const Exponents xe = pack_pairs(reinterpret_cast<const uint32_t*>(x16 + first * H), count * H / 2,
+                                    xs.data() + first * H / 2);
+    x_rows[e] = DotRows{x16 + first * H, xs.data() + first * H / 2, count, H, xe};
+  });
+  const int64_t gu_groups = I / kDotGroup, dn_groups = (H + kDotGroup - 1) / kDotGroup;
+  const int64_t sums_size = kDotRows * kDotGroup * std::max(gate_up_leaves, down_leaves);
+  auto sums_buffer = [&] { return std::vector<float>(sums_size); };
+  for_each_item(E * gu_groups, sums_buffer, [&](std::vector<float>& sums, int64_t item) {
+    // columns g*32.. of gate and of up, then act = bf16(silu(gate)) * up, each rounded to bf16
+    const int64_t e = item / gu_groups, g = item % gu_groups, count = start[e + 1] - start[e];
+    if (count == 0) return;
+    std::vector<at::BFloat16> gate(count * kDotGroup), up(count * kDotGroup);
+    for (int half = 0; half < 2; ++half) {
+      const int64_t b = g + half * gu_groups;  // the pack's group: gate rows first, then up rows
+      at::BFloat16* dst = half == 0 ? gate.data() : up.data();
+      dot_group(x_rows[e], gu16[e], gu_pack[e].panels + b * kDotPanels * (H / 2) * kLanes,
+                Exponents{gu_pack[e].exponents[2 * b], gu_pack[e].exponents[2 * b + 1]}, b * kDotGroup, kDotGroup,
+                k_chunk, gate_up_leaves, true, sums.data(),
+                [&](int64_t r, const float* row) { to_bf16(row, dst + r * kDotGroup, kDotGroup); });
+    }
+    std::vector<float> e_(count * kDotGroup), prod(count * kDotGroup);
+    for (int64_t i = 0; i < count * kDotGroup; ++i) e_[i] = -static_cast<float>(gate[i]);
+    exp_in_place(e_.data(), count * kDotGroup);
+    for (int64_t i = 0; i < count * kDotGroup; ++i) e_[i] = static_cast<float>(gate[i]) / (1.0f + e_[i]);
+    to_bf16(e_.data(), gate.data(), count * kDotGroup);  // silu in bf16
+    for (int64_t i = 0; i < count * kDotGroup; ++i) prod[i] = static_cast<float>(gate[i]) * static_cast<float>(up[i]);
+    for (int64_t r = 0; r < count; ++r)
+      to_bf16(prod.data() + r * kDotGroup, reinterpret_cast<at::BFloat16*>(a16) + (start[e] + r) * I + g * kDotGroup,
+              kDotGroup);
+  });
+  for_each_item(E, none, [&](int, int64_t e) {  // the activations' pairs
+    const int64_t first = start[e], count = start[e + 1] - first;
+    const Exponents ae = pack_pairs(reinterpret_cast<const uint32_t*>(a16 + first * I), count * I / 2,
+                                    as.data() + first * I / 2);
+    a_rows[e] = DotRows{a16 + first * I, as.data() + first * I / 2, count, I, ae};
+  });
+  auto out = at::empty({n_pairs, H}, opts);
+  auto* o16 = out.data_ptr<at::BFloat16>();
+  for_each_item(E * dn_groups, sums_buffer, [&](std::vector<float>& sums, int64_t item) {
+    const int64_t e = item / dn_groups, b = item % dn_groups, n0 = b * kDotGroup, nn = std::min(kDotGroup, H - n0);
+    if (start[e + 1] == start[e]) return;
+    dot_group(a_rows[e], dn16[e], dn_pack[e].panels + b * kDotPanels * (I / 2) * kLanes,
+              Exponents{dn_pack[e].exponents[2 * b], dn_pack[e].exponents[2 * b + 1]}, n0, nn, k_chunk, down_leaves, true,
+              sums.data(), [&](int64_t r, const float* row) { to_bf16(row, o16 + order[start[e] + r] * H + n0, nn); });
+  });
+  return out;
+}
+
 #else
 constexpr bool kDotBuilt = false;
 void dot_product_tree(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const LinearOut&, bool = true,
@@ -471,14 +625,18 @@ void dot_product_tree(const at::Tensor&, const at::Tensor&, int64_t, int64_t, co
 std::vector<at::Tensor> pack_dot_weight(const at::Tensor&) {
   TORCH_CHECK(false, "pack_dot_weight: this library was built without AVX512-BF16 (bf16_dot_built() is False)");
 }
+at::Tensor moe_experts(const at::Tensor&, const at::Tensor&, const std::vector<at::Tensor>&,
+                       const std::vector<at::Tensor>&, const std::vector<std::vector<at::Tensor>>&,
+                       const std::vector<std::vector<at::Tensor>>&, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "moe_experts: this library was built without AVX512-BF16 (bf16_dot_built() is False)");
+}
 #endif
 
 bool bf16_dot_built() { return kDotBuilt; }
 
 // The pointers of pack_dot_weight's tensors, checked to be those of a weight [N, K].
 DotPack dot_pack_of(const std::vector<at::Tensor>& pack, int64_t N, int64_t K) {
-  constexpr int64_t group = kDotPanels * kLanes;
-  const int64_t groups = (N + group - 1) / group;
+  const int64_t groups = (N + kDotGroup - 1) / kDotGroup;
   TORCH_CHECK(pack.size() == 2 && pack[0].scalar_type() == at::kInt && pack[1].scalar_type() == at::kInt &&
                   pack[0].is_contiguous() && pack[1].is_contiguous() &&
                   pack[0].sizes() == at::IntArrayRef({groups, kDotPanels * (K / 2) * kLanes}) &&
@@ -618,37 +776,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       for (int64_t i = 0; i < n; ++i) dst[r * n + i] = src[r * n + i] / rt[r];
   });
   return weight * normed.to(x.scalar_type());  // torch's cast (round to nearest even) and promotion
-}
-
-// torch.exp's fp32 bits where this torch has MKL: ATen's vml::vexp calls VML's vmsExp with high accuracy,
-// denormals kept and errors ignored on every contiguous run, and VML's result is elementwise. Resolved
-// weakly (a torch without MKL lacks it) and used only once native.exp_is_torchs has checked it
-// (use_vml_exp); otherwise exp_in_place calls at::exp.
-extern "C" void VMSEXP_(const int* n, const float* a, float* r, const long long* mode) __attribute__((weak));
-constexpr long long kVmlTorchMode = 0x2 /* HA */ | 0x140000 /* FTZDAZ_OFF */ | 0x100 /* ERRMODE_IGNORE */;
-std::atomic<bool> g_vml_exp{false};
-
-bool use_vml_exp(bool on) {
-  g_vml_exp = on && VMSEXP_ != nullptr;
-  return g_vml_exp;
-}
-
-void exp_in_place(float* x, int64_t n) {
-  if (n <= 0) return;
-  if (g_vml_exp) {
-    const int count = static_cast<int>(n);
-    VMSEXP_(&count, x, x, &kVmlTorchMode);
-  } else {
-    at::from_blob(x, {n}, at::TensorOptions().dtype(at::kFloat)).exp_();
-  }
-}
-
-// exp_in_place on a copy of a 1-d fp32 tensor (what native.exp_is_torchs compares with torch.exp).
-at::Tensor exp_fp32(const at::Tensor& x) {
-  check_cpu_float(x, "exp_fp32");
-  auto out = x.contiguous().clone();
-  exp_in_place(out.data_ptr<float>(), out.numel());
-  return out;
 }
 
 // ops.silu_mul (inference) in one pass over runs of each row: h = fp32 gate, e = exp(-h) (torch's bits:
@@ -1297,6 +1424,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_backward", &attention_backward, "_Attention.backward's products and sums, fused");
   m.def("bf16_dot_built", &bf16_dot_built, "whether linear's dot path (AVX512-BF16) was compiled");
   m.def("dot_matmul", &dot_matmul, "the dot path's product, with or without its denormal guard");
+  m.def("moe_experts", &moe_experts, "ops.moe_experts (bf16, unsharded, packed) in one call");
   m.def("pack_dot_weight", &pack_dot_weight, "a bf16 weight's dot-path panels and their exponents, laid out once");
   m.def("use_vml_exp", &use_vml_exp, "use VML's exp (checked to be torch.exp's bits) where it is linked");
   m.def("exp_fp32", &exp_fp32, "exp of an fp32 tensor as the fused attention computes it");
