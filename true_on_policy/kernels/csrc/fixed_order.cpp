@@ -869,7 +869,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     const float* xs = xf.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < k; ++j) xt[j * lanes + i] = xs[i * k + j];
-    fma_chain_tree_rows(w.data_ptr<float>(), k, 1, n, xt.data(), lanes, k, lanes, k_chunk, leaves, st.data(), lanes);
+    constexpr int64_t kFeatures = 8 * kMaxRows;  // output features per item: each entry is its own chain
+    for_each_item((n + kFeatures - 1) / kFeatures, [] { return 0; }, [&](int, int64_t item) {
+      const int64_t n0 = item * kFeatures, nn = std::min(kFeatures, n - n0);
+      fma_chain_tree_rows(w.data_ptr<float>() + n0 * k, k, 1, nn, xt.data(), lanes, k, lanes, k_chunk, leaves,
+                          st.data() + n0 * lanes, lanes);
+    });
     out = at::empty({m, n}, xf.options());
     float* o = out.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i)
