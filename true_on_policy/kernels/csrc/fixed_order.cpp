@@ -3,10 +3,11 @@
 // Each function computes exactly the bits of its torch code in ops.py, with one C++ call instead of
 // 10-50 Python-dispatched ops: the same correctly rounded fp32 + - * / in the same order, torch's own
 // kernels where its bits are not IEEE's (sqrt and exp are MKL VML's; sqrt is 0.7 ulp off on some
-// inputs; exp is called directly where native.exp_is_torchs checked it), at::bmm for the linears, and for attention's products the fma chain MKL's GEMM computes
-// on this path (checked at load: native.fma_chain_lib); bf16 linears compute those chains on AVX512-BF16's
-// dot-product instruction (checked at load: native.bf16_dot_lib). Built with -ffp-contract=off and without
-// -ffast-math: no other FMA contraction, no reassociation.
+// inputs; exp is called directly where native.exp_is_torchs checked it), at::bmm for the linears, and
+// for attention's products the fma chain MKL's GEMM computes on this path (checked at load:
+// native.fma_chain_lib); bf16 linears compute those chains on AVX512-BF16's dot-product instruction
+// (checked at load: native.bf16_dot_lib). Built with -ffp-contract=off and without -ffast-math: no other
+// FMA contraction, no reassociation.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -243,7 +244,8 @@ float widen(uint16_t bits) {
   return f;
 }
 
-// dst[i] = at::BFloat16(src[i]) for i < n: c10's round to nearest even (NaN: 0x7FC0), 16 at a time.
+// dst[i] = at::BFloat16(src[i]) for i < n: c10's round to nearest even, 16 at a time. A NaN becomes 0x7FC0, as
+// c10 writes it (torch's vectorized cast writes 0xFFFF): a NaN's payload is the one thing it may not share.
 void to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
