@@ -1129,10 +1129,10 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
   auto out_row = [&](int64_t s, int64_t h, int64_t row, const float* acc, float l) {
     const int64_t at = ((s * Hq + h * rep + row % rep) * Tq + row / rep) * D;
     if (out_bf16) {
-      thread_local std::vector<float> row;
-      row.resize(D);
-      for (int64_t d = 0; d < D; ++d) row[d] = l > 0 ? acc[d] / l : 0.0f;
-      to_bf16(row.data(), out.data_ptr<at::BFloat16>() + at, D);
+      thread_local std::vector<float> values;
+      values.resize(D);
+      for (int64_t d = 0; d < D; ++d) values[d] = l > 0 ? acc[d] / l : 0.0f;
+      to_bf16(values.data(), out.data_ptr<at::BFloat16>() + at, D);
     } else {
       float* dst = out.data_ptr<float>() + at;
       for (int64_t d = 0; d < D; ++d) dst[d] = l > 0 ? acc[d] / l : 0.0f;
@@ -1176,109 +1176,107 @@ std::vector<at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in
     auto &kt = buf.kt, &vb = buf.vb, &idle = buf.idle, &qr = buf.qr, &sc = buf.sc, &pv = buf.pv, &acc = buf.acc;
     auto &part = buf.part, &m_prev = buf.m_prev, &m_run = buf.m_run, &m_ref = buf.m_ref, &alpha = buf.alpha;
     auto &loaded = buf.loaded, &none = buf.none, &idle_done = buf.idle_done;
-    {
-      const int64_t it = items[item], sh = it / parts, first_tile = it % parts, s = sh / Hkv, h = sh % Hkv;
-      std::fill(loaded.begin(), loaded.end(), 0);
-      std::fill(idle_done.begin(), idle_done.end(), 0);
-      auto values = [&](int64_t j) -> const float* {  // block j loaded; nullptr if none of its slots is valid
-        if (!loaded[j]) {
-          loaded[j] = 1;
-          const int64_t first = j * B, n_slots = std::clamp<int64_t>(Tk - first, 0, B);
-          none[j] = std::all_of(kv_inv + s * span + first, kv_inv + s * span + first + n_slots,
-                                [](bool x) { return x; });
-          float* kj = kt.data() + j * D * B;
-          const int64_t n = std::clamp<int64_t>(n_keys[s] - first, 0, B);
-          kv.key_block(s, h, first, n, kj, B);
-          for (int64_t d = 0; d < D; ++d) std::fill(kj + d * B + n, kj + (d + 1) * B, 0.0f);
-          float* vj = vb.data() + j * B * W16;
-          for (int64_t b = 0; b < B; ++b) {
-            float* dst = vj + b * W16;
-            std::fill(dst + D, dst + W16, 0.0f);
-            dst[D] = 1.0f;
-            const int64_t slot = first + b;
-            if (none[j] || slot >= Tk || kv_inv[s * span + slot])
-              std::fill(dst, dst + D, 0.0f);
-            else
-              kv.value_row(s, h, slot, dst, 1);
-          }
+    const int64_t it = items[item], sh = it / parts, first_tile = it % parts, s = sh / Hkv, h = sh % Hkv;
+    std::fill(loaded.begin(), loaded.end(), 0);
+    std::fill(idle_done.begin(), idle_done.end(), 0);
+    auto values = [&](int64_t j) -> const float* {  // block j loaded; nullptr if none of its slots is valid
+      if (!loaded[j]) {
+        loaded[j] = 1;
+        const int64_t first = j * B, n_slots = std::clamp<int64_t>(Tk - first, 0, B);
+        none[j] = std::all_of(kv_inv + s * span + first, kv_inv + s * span + first + n_slots,
+                              [](bool x) { return x; });
+        float* kj = kt.data() + j * D * B;
+        const int64_t n = std::clamp<int64_t>(n_keys[s] - first, 0, B);
+        kv.key_block(s, h, first, n, kj, B);
+        for (int64_t d = 0; d < D; ++d) std::fill(kj + d * B + n, kj + (d + 1) * B, 0.0f);
+        float* vj = vb.data() + j * B * W16;
+        for (int64_t b = 0; b < B; ++b) {
+          float* dst = vj + b * W16;
+          std::fill(dst + D, dst + W16, 0.0f);
+          dst[D] = 1.0f;
+          const int64_t slot = first + b;
+          if (none[j] || slot >= Tk || kv_inv[s * span + slot])
+            std::fill(dst, dst + D, 0.0f);
+          else
+            kv.value_row(s, h, slot, dst, 1);
         }
-        return none[j] ? nullptr : vb.data() + j * B * W16;
-      };
-      for (int64_t t = first_tile; t < tiles; t += parts) {
-        const int64_t c = sh * tiles + t;
-        // inference computes only the tile's real rows; training all live rows, as the torch code saves them
-        const int64_t n_rows = seen_rows[s * tiles + t];
-        for (int64_t row = t * R + n_rows; !with_probs && row < std::min(rows, (t + 1) * R); ++row)  // rows seeing no key
-          out_row(s, h, row, no_keys.data(), 0.0f);
-        if (n_rows == 0) continue;
-        scaled_query_rows(queries, Tq, D, rep, s, h, t * R, n_rows, scale, qr.data(), D);
-        for (int64_t j = 0; j < n_used; ++j) {
-          const int64_t p = pair_of[t * n_used + j], g = sh * P + p;
-          const bool computed = p >= 0 && seen[s * P + p] > 0;
-          const float* pvr = zeros.data();  // the PV rows added (step 0: one row for all)
-          int64_t pv_step = 0;
-          float* scores = with_probs && p >= 0 ? probs.data_ptr<float>() + g * R * B : sc.data();
-          if (computed) {
+      }
+      return none[j] ? nullptr : vb.data() + j * B * W16;
+    };
+    for (int64_t t = first_tile; t < tiles; t += parts) {
+      const int64_t c = sh * tiles + t;
+      // inference computes only the tile's real rows; training all live rows, as the torch code saves them
+      const int64_t n_rows = seen_rows[s * tiles + t];
+      for (int64_t row = t * R + n_rows; !with_probs && row < std::min(rows, (t + 1) * R); ++row)  // rows seeing no key
+        out_row(s, h, row, no_keys.data(), 0.0f);
+      if (n_rows == 0) continue;
+      scaled_query_rows(queries, Tq, D, rep, s, h, t * R, n_rows, scale, qr.data(), D);
+      for (int64_t j = 0; j < n_used; ++j) {
+        const int64_t p = pair_of[t * n_used + j], g = sh * P + p;
+        const bool computed = p >= 0 && seen[s * P + p] > 0;
+        const float* pvr = zeros.data();  // the PV rows added (step 0: one row for all)
+        int64_t pv_step = 0;
+        float* scores = with_probs && p >= 0 ? probs.data_ptr<float>() + g * R * B : sc.data();
+        if (computed) {
+          const float* vj = values(j);
+          fma_chain_rows(qr.data(), D, 1, n_rows, kt.data() + j * D * B, B, D, B, k_chunk, scores, B, part.data());
+          const bool* hidden = inv + (s * P + p) * live * B;
+          for (int64_t r = 0; r < n_rows; ++r) m_run[r] = select_and_max(scores + r * B, hidden + r * B, B);
+          for (int64_t r = 0; r < n_rows; ++r) {  // the running maximum (cummax: NaN stays) and its reference
+            if (j > 0 && !(m_run[r] >= m_prev[r]) && !std::isnan(m_run[r])) m_run[r] = m_prev[r];
+            m_ref[r] = m_run[r] == neg_inf ? 0.0f : m_run[r];
+            float* row = scores + r * B;
+            for (int64_t b = 0; b < B; ++b) row[b] = row[b] - m_ref[r];
+          }
+          exp_in_place(scores, n_rows * B);
+          if (vj != nullptr) {
+            fma_chain_rows(scores, B, 1, n_rows, vj, W16, B, W16, k_chunk, pv.data(), W16, part.data());
+            pvr = pv.data(), pv_step = W16;
+          }  // else every value is 0: each chain is fma(p, 0, +0) = +0
+        } else {
+          for (int64_t r = 0; r < n_rows; ++r) {
+            m_run[r] = j > 0 ? m_prev[r] : neg_inf;
+            m_ref[r] = m_run[r] == neg_inf ? 0.0f : m_run[r];
+          }
+          if (p >= 0) {  // a skipped pair's PV: the block's chain for p = 0, +0 unless a value is not finite
             const float* vj = values(j);
-            fma_chain_rows(qr.data(), D, 1, n_rows, kt.data() + j * D * B, B, D, B, k_chunk, scores, B, part.data());
-            const bool* hidden = inv + (s * P + p) * live * B;
-            for (int64_t r = 0; r < n_rows; ++r) m_run[r] = select_and_max(scores + r * B, hidden + r * B, B);
-            for (int64_t r = 0; r < n_rows; ++r) {  // the running maximum (cummax: NaN stays) and its reference
-              if (j > 0 && !(m_run[r] >= m_prev[r]) && !std::isnan(m_run[r])) m_run[r] = m_prev[r];
-              m_ref[r] = m_run[r] == neg_inf ? 0.0f : m_run[r];
-              float* row = scores + r * B;
-              for (int64_t b = 0; b < B; ++b) row[b] = row[b] - m_ref[r];
+            if (vj != nullptr && !idle_done[j]) {
+              idle_done[j] = 1;
+              float* dst = idle.data() + j * W16;
+              std::fill(dst, dst + W16, 0.0f);
+              if (!all_finite(vj, B * W16))  // fma(0, inf, .) is NaN
+                fma_chain_rows(zeros.data(), B, 1, 1, vj, W16, B, W16, k_chunk, dst, W16, part.data());
             }
-            exp_in_place(scores, n_rows * B);
-            if (vj != nullptr) {
-              fma_chain_rows(scores, B, 1, n_rows, vj, W16, B, W16, k_chunk, pv.data(), W16, part.data());
-              pvr = pv.data(), pv_step = W16;
-            }  // else every value is 0: each chain is fma(p, 0, +0) = +0
-          } else {
-            for (int64_t r = 0; r < n_rows; ++r) {
-              m_run[r] = j > 0 ? m_prev[r] : neg_inf;
-              m_ref[r] = m_run[r] == neg_inf ? 0.0f : m_run[r];
-            }
-            if (p >= 0) {  // a skipped pair's PV: the block's chain for p = 0, +0 unless a value is not finite
-              const float* vj = values(j);
-              if (vj != nullptr && !idle_done[j]) {
-                idle_done[j] = 1;
-                float* dst = idle.data() + j * W16;
-                std::fill(dst, dst + W16, 0.0f);
-                if (!all_finite(vj, B * W16))  // fma(0, inf, .) is NaN
-                  fma_chain_rows(zeros.data(), B, 1, 1, vj, W16, B, W16, k_chunk, dst, W16, part.data());
-              }
-              if (vj != nullptr) pvr = idle.data() + j * W16;
-            }
+            if (vj != nullptr) pvr = idle.data() + j * W16;
           }
-          if (with_probs && p >= 0) std::copy(m_ref.begin(), m_ref.begin() + n_rows, m_pair.begin() + g * live);
-          // acc_j = acc_{j-1} * alpha_j + pv_j in block order, alpha_j = exp(m_{j-1} - ref_j)
-          if (j == 0) {
-            for (int64_t r = 0; r < n_rows; ++r) std::copy(pvr + r * pv_step, pvr + r * pv_step + W, acc.data() + r * W);
-          } else {
-            for (int64_t r = 0; r < n_rows; ++r) alpha[r] = m_prev[r] - m_ref[r];
-            exp_in_place(alpha.data(), n_rows);
-            for (int64_t r = 0; r < n_rows; ++r) {
-              float* a = acc.data() + r * W;
-              const float* add = pvr + r * pv_step;
-              for (int64_t d = 0; d < W; ++d) a[d] = a[d] * alpha[r] + add[d];  // two roundings: no fma
-            }
-          }
-          std::copy(m_run.begin(), m_run.begin() + n_rows, m_prev.begin());
         }
-        for (int64_t r = 0; r < n_rows; ++r) {  // out = acc / l (0 for a row without keys)
-          const int64_t row = t * R + r;
-          const float* a = acc.data() + r * W;
-          const float l = a[D];
-          float* tile_row = with_probs ? out_tiles.data_ptr<float>() + (c * live + r) * D : nullptr;
-          if (with_probs) l_rows[c * live + r] = l, m_last[c * live + r] = m_prev[r];
-          if (row >= rows) {
-            if (tile_row) std::fill(tile_row, tile_row + D, 0.0f);
-            continue;
+        if (with_probs && p >= 0) std::copy(m_ref.begin(), m_ref.begin() + n_rows, m_pair.begin() + g * live);
+        // acc_j = acc_{j-1} * alpha_j + pv_j in block order, alpha_j = exp(m_{j-1} - ref_j)
+        if (j == 0) {
+          for (int64_t r = 0; r < n_rows; ++r) std::copy(pvr + r * pv_step, pvr + r * pv_step + W, acc.data() + r * W);
+        } else {
+          for (int64_t r = 0; r < n_rows; ++r) alpha[r] = m_prev[r] - m_ref[r];
+          exp_in_place(alpha.data(), n_rows);
+          for (int64_t r = 0; r < n_rows; ++r) {
+            float* a = acc.data() + r * W;
+            const float* add = pvr + r * pv_step;
+            for (int64_t d = 0; d < W; ++d) a[d] = a[d] * alpha[r] + add[d];  // two roundings: no fma
           }
-          out_row(s, h, row, a, l);
-          if (tile_row) for (int64_t d = 0; d < D; ++d) tile_row[d] = l > 0 ? a[d] / l : 0.0f;
         }
+        std::copy(m_run.begin(), m_run.begin() + n_rows, m_prev.begin());
+      }
+      for (int64_t r = 0; r < n_rows; ++r) {  // out = acc / l (0 for a row without keys)
+        const int64_t row = t * R + r;
+        const float* a = acc.data() + r * W;
+        const float l = a[D];
+        float* tile_row = with_probs ? out_tiles.data_ptr<float>() + (c * live + r) * D : nullptr;
+        if (with_probs) l_rows[c * live + r] = l, m_last[c * live + r] = m_prev[r];
+        if (row >= rows) {
+          if (tile_row) std::fill(tile_row, tile_row + D, 0.0f);
+          continue;
+        }
+        out_row(s, h, row, a, l);
+        if (tile_row) for (int64_t d = 0; d < D; ++d) tile_row[d] = l > 0 ? a[d] / l : 0.0f;
       }
     }
   });
