@@ -262,6 +262,25 @@ void to_bf16(const float* src, at::BFloat16* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
 }
 
+// ops.silu_mul's bits on one run of len <= kSiluRun values (the one activation of silu_mul and moe_experts):
+// h = fp32 gate, e = exp(-h) (exp_in_place), silu = h / (1 + e) rounded to T, out = silu * up rounded once to
+// T, as ATen multiplies. out may be gate (each value is read before it is written).
+constexpr int64_t kSiluRun = 1024;  // values per exp call
+template <typename T>
+void silu_mul_run(const T* g, const T* u, T* o, int64_t len) {
+  float e[kSiluRun];
+  for (int64_t i = 0; i < len; ++i) e[i] = -static_cast<float>(g[i]);
+  exp_in_place(e, len);
+  for (int64_t i = 0; i < len; ++i) e[i] = static_cast<float>(g[i]) / (1.0f + e[i]);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < len; ++i) o[i] = e[i] * u[i];
+  } else {  // silu and the product each rounded to bf16
+    to_bf16(e, o, len);
+    for (int64_t i = 0; i < len; ++i) e[i] = static_cast<float>(o[i]) * static_cast<float>(u[i]);
+    to_bf16(e, o, len);
+  }
+}
+
 // Biased exponents of a set of bf16 values: the smallest of the nonzero ones (255 if none), the largest.
 struct Exponents {
   int lo = 255, hi = 0;
@@ -298,6 +317,9 @@ constexpr int64_t kDotGroup = kDotPanels * kLanes;  // columns per group
 struct DotPack {
   const uint32_t* panels;
   const int32_t* exponents;
+  int64_t pairs;  // K / 2 of the weight [N, K]
+  const uint32_t* group_panels(int64_t b) const { return panels + b * kDotPanels * pairs * kLanes; }
+  Exponents group_exponents(int64_t b) const { return Exponents{exponents[2 * b], exponents[2 * b + 1]}; }
 };
 DotPack dot_pack_of(const std::vector<at::Tensor>& pack, int64_t N, int64_t K);
 
@@ -482,12 +504,9 @@ void dot_product_tree(const at::Tensor& x, const at::Tensor& weight, int64_t k_c
   };
   for_each_item((N + kDotGroup - 1) / kDotGroup, make, [&](Buffers& buf, int64_t b) {
     const int64_t n0 = b * kDotGroup, nn = std::min(kDotGroup, N - n0);
-    Exponents we;
-    const uint32_t* panel = pack ? pack->panels + b * kDotPanels * pairs * kLanes : buf.own.data();
-    if (pack)
-      we.lo = pack->exponents[2 * b], we.hi = pack->exponents[2 * b + 1];
-    else
-      we = pack_group(reinterpret_cast<const uint32_t*>(w16), pairs, n0, nn, buf.own.data());
+    const uint32_t* panel = pack ? pack->group_panels(b) : buf.own.data();
+    const Exponents we = pack ? pack->group_exponents(b)
+                              : pack_group(reinterpret_cast<const uint32_t*>(w16), pairs, n0, nn, buf.own.data());
     dot_group(rows, w16, panel, we, n0, nn, k_chunk, leaves, guarded, buf.sums.data(),
               [&](int64_t r, const float* sums) { out.row(sums, r, n0, nn, N); });
   });
@@ -575,30 +594,33 @@ at::Tensor moe_experts(const at::Tensor& hidden_in, const at::Tensor& top_k_inde
     x_rows[e] = DotRows{x16 + first * H, xs.data() + first * H / 2, count, H, xe};
   });
   const int64_t gu_groups = I / kDotGroup, dn_groups = (H + kDotGroup - 1) / kDotGroup;
-  const int64_t sums_size = kDotRows * kDotGroup * std::max(gate_up_leaves, down_leaves);
-  auto sums_buffer = [&] { return std::vector<float>(sums_size); };
-  for_each_item(E * gu_groups, sums_buffer, [&](std::vector<float>& sums, int64_t item) {
-    // columns g*32.. of gate and of up, then act = bf16(silu(gate)) * up, each rounded to bf16
+  struct Buffers {
+    std::vector<float> sums;
+    std::vector<at::BFloat16> gate, up;  // one (expert, column group)'s [count, kDotGroup], grown as needed
+  };
+  auto make = [&] {
+    return Buffers{std::vector<float>(kDotRows * kDotGroup * std::max(gate_up_leaves, down_leaves)), {}, {}};
+  };
+  for_each_item(E * gu_groups, make, [&](Buffers& buf, int64_t item) {
+    // columns g*32.. of gate and of up, then act = silu_mul_run(gate, up)
     const int64_t e = item / gu_groups, g = item % gu_groups, count = start[e + 1] - start[e];
     if (count == 0) return;
-    std::vector<at::BFloat16> gate(count * kDotGroup), up(count * kDotGroup);
+    if (buf.gate.size() < static_cast<size_t>(count * kDotGroup))
+      buf.gate.resize(count * kDotGroup), buf.up.resize(count * kDotGroup);
     for (int half = 0; half < 2; ++half) {
       const int64_t b = g + half * gu_groups;  // the pack's group: gate rows first, then up rows
-      at::BFloat16* dst = half == 0 ? gate.data() : up.data();
-      dot_group(x_rows[e], gu16[e], gu_pack[e].panels + b * kDotPanels * (H / 2) * kLanes,
-                Exponents{gu_pack[e].exponents[2 * b], gu_pack[e].exponents[2 * b + 1]}, b * kDotGroup, kDotGroup,
-                k_chunk, gate_up_leaves, true, sums.data(),
+      at::BFloat16* dst = half == 0 ? buf.gate.data() : buf.up.data();
+      dot_group(x_rows[e], gu16[e], gu_pack[e].group_panels(b), gu_pack[e].group_exponents(b), b * kDotGroup,
+                kDotGroup, k_chunk, gate_up_leaves, true, buf.sums.data(),
                 [&](int64_t r, const float* row) { to_bf16(row, dst + r * kDotGroup, kDotGroup); });
     }
-    std::vector<float> e_(count * kDotGroup), prod(count * kDotGroup);
-    for (int64_t i = 0; i < count * kDotGroup; ++i) e_[i] = -static_cast<float>(gate[i]);
-    exp_in_place(e_.data(), count * kDotGroup);
-    for (int64_t i = 0; i < count * kDotGroup; ++i) e_[i] = static_cast<float>(gate[i]) / (1.0f + e_[i]);
-    to_bf16(e_.data(), gate.data(), count * kDotGroup);  // silu in bf16
-    for (int64_t i = 0; i < count * kDotGroup; ++i) prod[i] = static_cast<float>(gate[i]) * static_cast<float>(up[i]);
+    for (int64_t first = 0; first < count * kDotGroup; first += kSiluRun) {  // in place in gate
+      at::BFloat16* run = buf.gate.data() + first;
+      silu_mul_run(run, buf.up.data() + first, run, std::min(kSiluRun, count * kDotGroup - first));
+    }
     for (int64_t r = 0; r < count; ++r)
-      to_bf16(prod.data() + r * kDotGroup, reinterpret_cast<at::BFloat16*>(a16) + (start[e] + r) * I + g * kDotGroup,
-              kDotGroup);
+      std::copy_n(buf.gate.data() + r * kDotGroup, kDotGroup,
+                  reinterpret_cast<at::BFloat16*>(a16) + (start[e] + r) * I + g * kDotGroup);
   });
   for_each_item(E, none, [&](int, int64_t e) {  // the activations' pairs
     const int64_t first = start[e], count = start[e + 1] - first;
@@ -608,12 +630,12 @@ at::Tensor moe_experts(const at::Tensor& hidden_in, const at::Tensor& top_k_inde
   });
   auto out = at::empty({n_pairs, H}, opts);
   auto* o16 = out.data_ptr<at::BFloat16>();
-  for_each_item(E * dn_groups, sums_buffer, [&](std::vector<float>& sums, int64_t item) {
+  for_each_item(E * dn_groups, make, [&](Buffers& buf, int64_t item) {
     const int64_t e = item / dn_groups, b = item % dn_groups, n0 = b * kDotGroup, nn = std::min(kDotGroup, H - n0);
     if (start[e + 1] == start[e]) return;
-    dot_group(a_rows[e], dn16[e], dn_pack[e].panels + b * kDotPanels * (I / 2) * kLanes,
-              Exponents{dn_pack[e].exponents[2 * b], dn_pack[e].exponents[2 * b + 1]}, n0, nn, k_chunk, down_leaves, true,
-              sums.data(), [&](int64_t r, const float* row) { to_bf16(row, o16 + order[start[e] + r] * H + n0, nn); });
+    dot_group(a_rows[e], dn16[e], dn_pack[e].group_panels(b), dn_pack[e].group_exponents(b), n0, nn, k_chunk,
+              down_leaves, true, buf.sums.data(),
+              [&](int64_t r, const float* row) { to_bf16(row, o16 + order[start[e] + r] * H + n0, nn); });
   });
   return out;
 }
@@ -644,7 +666,7 @@ DotPack dot_pack_of(const std::vector<at::Tensor>& pack, int64_t N, int64_t K) {
                   pack[0].sizes() == at::IntArrayRef({groups, kDotPanels * (K / 2) * kLanes}) &&
                   pack[1].sizes() == at::IntArrayRef({groups, 2}),
               "linear: the pack (", pack.size(), " tensors) is not pack_dot_weight's of a weight [", N, ", ", K, "]");
-  return {reinterpret_cast<const uint32_t*>(pack[0].data_ptr<int32_t>()), pack[1].data_ptr<int32_t>()};
+  return {reinterpret_cast<const uint32_t*>(pack[0].data_ptr<int32_t>()), pack[1].data_ptr<int32_t>(), K / 2};
 }
 
 // The dot path's product of bf16 x [M, K] and weight [N, K] with (guarded) or without dot_exact's guard.
@@ -780,30 +802,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * normed.to(x.scalar_type());  // torch's cast (round to nearest even) and promotion
 }
 
-// ops.silu_mul (inference) in one pass over runs of each row: h = fp32 gate, e = exp(-h) (torch's bits:
-// exp_in_place), silu = h / (1 + e) rounded to dtype, out = silu * up rounded once to dtype, as ATen
-// multiplies. Gate and up are read through their row strides (vLLM hands in halves of one gate_up row).
+// ops.silu_mul (inference) in one pass: silu_mul_run over runs of each row. Gate and up are read through
+// their row strides (vLLM hands in halves of one gate_up row).
 template <typename T>
 void silu_mul_rows(const T* gate, int64_t gate_row, const T* up, int64_t up_row, T* out, int64_t rows, int64_t n) {
-  constexpr int64_t kRun = 1024;  // elements per exp call and per unit of work
-  const int64_t runs = (n + kRun - 1) / kRun;
+  const int64_t runs = (n + kSiluRun - 1) / kSiluRun;
   at::parallel_for(0, rows * runs, 2, [&](int64_t lo, int64_t hi) {
-    float e[kRun];
     for (int64_t unit = lo; unit < hi; ++unit) {
-      const int64_t r = unit / runs, first = (unit % runs) * kRun, len = std::min(kRun, n - first);
-      const T* g = gate + r * gate_row + first;
-      const T* u = up + r * up_row + first;
-      T* o = out + r * n + first;
-      for (int64_t i = 0; i < len; ++i) e[i] = -static_cast<float>(g[i]);
-      exp_in_place(e, len);
-      for (int64_t i = 0; i < len; ++i) e[i] = static_cast<float>(g[i]) / (1.0f + e[i]);
-      if constexpr (std::is_same_v<T, float>) {
-        for (int64_t i = 0; i < len; ++i) o[i] = e[i] * u[i];
-      } else {  // silu and the product each rounded to bf16
-        to_bf16(e, o, len);
-        for (int64_t i = 0; i < len; ++i) e[i] = static_cast<float>(o[i]) * static_cast<float>(u[i]);
-        to_bf16(e, o, len);
-      }
+      const int64_t r = unit / runs, first = (unit % runs) * kSiluRun;
+      silu_mul_run(gate + r * gate_row + first, up + r * up_row + first, out + r * n + first,
+                   std::min(kSiluRun, n - first));
     }
   });
 }
