@@ -87,7 +87,8 @@ def test_twin_an_ieee_square_root_changes_rms_norm_bits():
 def test_linear_is_the_torch_codes_bits(dtype):
     g = gen(2)
     for m in (1, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64, 65, 130):
-        for n, k, bias in [(24, 64, True), (192, 64, False), (4, 200, True), (2, 16, False), (3, 300, False)]:
+        for n, k, bias in [(24, 64, True), (192, 64, False), (4, 200, True), (2, 16, False), (3, 300, False),
+                           (20, 1100, True)]:  # leaves of 275: three K chunks each
             x = torch.randn(m, k, generator=g).to(dtype)
             w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
             b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None

@@ -110,8 +110,10 @@ def lib() -> ModuleType | None:
 # chain over k from 0 -- what the fused attention writes out -- for N >= 12 output columns only
 FMA_CHAIN_MIN_N = 12
 # (rows, K, N) the check below covers: the attention's products (scores: K = head dim, N = KV_BLOCK;
-# PV: K = KV_BLOCK, N = head dim + 1) and the narrowest N the chain is claimed for
-CHAIN_CHECK_SHAPES = ((8, 16, 64), (4, 64, 17), (32, 128, 64), (8, 64, 129), (5, 100, 64), (8, 64, FMA_CHAIN_MIN_N))
+# PV: K = KV_BLOCK, N = head dim + 1), the narrowest N the chain is claimed for and a linear's full tile
+# (ops.TILE_ROWS rows, one K_CHUNK)
+CHAIN_CHECK_SHAPES = ((8, 16, 64), (4, 64, 17), (32, 128, 64), (8, 64, 129), (5, 100, 64), (8, 64, FMA_CHAIN_MIN_N),
+                      (64, 128, 80))
 _fma_chain: bool | None = None
 
 
@@ -125,9 +127,6 @@ def gemm_is_fma_chain(library: ModuleType) -> bool:
         if not all(torch.equal(library.chain_matmul(a[g], b[g]), reference[g]) for g in range(3)):
             return False
     return True
-
-
-CHAIN_MAX_ROWS = 64  # a linear of at most this many rows (decode) runs as fma chains
 
 
 def fma_chain_lib(width: int) -> ModuleType | None:

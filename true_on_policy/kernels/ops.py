@@ -374,8 +374,8 @@ def _padded_linear_forward(x, weight, bias, out_dtype, leaves: int, pack: Weight
     height = tile_rows(m, k, n, TILE_ROWS, x.device, leaves)
     with _no_autocast(x.device):
         if x.device.type == "cpu" and (lib := native.lib()) is not None:
-            # from C++: the same aten calls, or for a few rows the same entries as fma chains
-            chain = m <= native.CHAIN_MAX_ROWS and native.fma_chain_lib(n) is not None
+            # from C++: the same entries as fma chains where MKL's are (checked), else the same aten calls
+            chain = native.fma_chain_lib(n) is not None
             # bf16 read as bf16 by the dot-product instruction: the same fma chains
             dot = x.dtype == weight.dtype == torch.bfloat16 and (k // leaves) % 2 == 0
             dot = dot and native.bf16_dot_lib() is not None

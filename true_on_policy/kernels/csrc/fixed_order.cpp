@@ -842,8 +842,9 @@ at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
 // ops._padded_linear_forward: x @ weight.T (+ bias) over row tiles of tile_rows, K split in `leaves` equal
 // leaves (each in k_chunk chunks whose fp32 partials are added in order) combined by the pairwise tree
 // (ops.matmul_tree); the same aten calls as the Python code, minus its dispatch.
-// chain (a few rows, N >= 12, the fma chain checked): the same entries as fma chains, computed
-// transposed -- weight rows times the input rows as columns -- with no tile to pad.
+// chain (N >= 12, the fma chain checked): the same entries as fma chains with no tile to pad -- for a few
+// rows computed transposed (weight rows times the input rows as columns), for more the input rows times
+// the weight transposed once per call, in items of (row block, column block).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk, int64_t leaves, bool chain,
                   bool dot, const c10::optional<std::vector<at::Tensor>>& pack) {
@@ -870,10 +871,24 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                      LinearOut{out.data_ptr(), out_dtype == at::kBFloat16, b.defined() ? b.data_ptr<float>() : nullptr},
                      true, pack ? &packed : nullptr);
     return out.view(out_sizes);  // the epilogue is done
+  } else if (chain && m > kMaxBlocks * kLanes) {
+    const int64_t n16 = round_up(n, kLanes);
+    const auto xf = rows.to(at::kFloat).contiguous();
+    auto wt = at::zeros({k, n16}, xf.options());  // weight^T, its columns padded to whole 16-lane blocks
+    wt.narrow(1, 0, n).copy_(weight.t());
+    out = at::empty({m, n16}, xf.options());
+    constexpr int64_t kBlockRows = 16 * kMaxRows, kBlockCols = kMaxBlocks * kLanes;
+    const int64_t col_blocks = (n16 + kBlockCols - 1) / kBlockCols;
+    const float *xs = xf.data_ptr<float>(), *ws = wt.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    for_each_item((m + kBlockRows - 1) / kBlockRows * col_blocks, [] { return 0; }, [&](int, int64_t item) {
+      const int64_t r0 = item / col_blocks * kBlockRows, n0 = item % col_blocks * kBlockCols;
+      fma_chain_tree_rows(xs + r0 * k, k, 1, std::min(kBlockRows, m - r0), ws + n0, n16, k,
+                          std::min(kBlockCols, n16 - n0), k_chunk, leaves, o + r0 * n16 + n0, n16);
+    });
+    if (n16 != n) out = out.narrow(1, 0, n);
   } else if (chain) {
     const int64_t lanes = round_up(m, kLanes);
-    TORCH_CHECK(lanes <= kMaxBlocks * kLanes, "linear: the chain path takes at most ", kMaxBlocks * kLanes,
-                " rows, got ", m);
     const auto xf = rows.to(at::kFloat).contiguous(), w = weight.to(at::kFloat).contiguous();
     std::vector<float> xt(k * lanes, 0.0f), st(n * lanes);
     const float* xs = xf.data_ptr<float>();
