@@ -5,13 +5,15 @@ is an autograd Function), a full model training forward + backward (packed and p
 rollout (chunked prefill + decode steps over KV caches, then the rollout engine's sampled tokens
 and recorded log-probs) for the tiny dense and MoE models in fp32 and bf16. The inputs and the
 weights come from one ``torch.Generator`` (not from transformers' initialisers), so they depend on
-nothing but this file. ``tests/data/kernel_goldens.pt`` holds what the kernels' torch code (the
-specification, :func:`native.disabled`) computes (``python tests/kernel_goldens.py --write``), with the
-torch build and CPU capability they were computed on; ``tests/test_kernel_goldens.py`` asserts
-``torch.equal`` for every entry. History: first written from the original kernels (commit 0c2b828);
-rewritten once, when the linear's reduction over K became the TP-invariant tree (issue 21: every
-``linear/``, ``model/`` and new ``linear/tree/`` entry changed, every other op's entry kept its bits;
-``tests/test_tp_invariant_kernels.py`` holds the old order's twin).
+nothing but this file. ``tests/data/kernel_goldens_<capability>.pt`` holds what the kernels' torch code
+(the specification, :func:`native.disabled`) computes (``python tests/kernel_goldens.py --write``) on
+torch's CPU capability of that name (its GEMM and ``exp`` kernels differ between AVX2 and AVX512),
+with the torch build; ``tests/test_kernel_goldens.py`` asserts ``torch.equal`` for every entry.
+History: first written from the original kernels (commit 0c2b828); rewritten once, when the linear's
+reduction over K became the TP-invariant tree (issue 21: every ``linear/``, ``model/`` and new
+``linear/tree/`` entry changed, every other op's entry kept its bits;
+``tests/test_tp_invariant_kernels.py`` holds the old order's twin). AVX512 is that file; AVX2 was
+added from the torch code of 6fbb93a, the commit after which the AVX512 goldens last held.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pathlib
 
 import torch
 
-GOLDEN_PATH = pathlib.Path(__file__).parent / "data" / "kernel_goldens.pt"
+DATA = pathlib.Path(__file__).parent / "data"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -309,7 +311,7 @@ GROUPS = ("ops",) + tuple(f"model/{k}/{d}" for k in ("dense", "moe") for d in DT
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help=f"(re)write {GOLDEN_PATH}")
+    parser.add_argument("--write", action="store_true", help="(re)write tests/data/kernel_goldens_<this CPU capability>.pt")
     args = parser.parse_args()
     torch.set_num_threads(2)
     from true_on_policy.kernels import native
@@ -319,9 +321,9 @@ def main() -> None:
     size = sum(v.numel() * v.element_size() for v in goldens.values())
     print(f"{len(goldens)} entries, {size / 1e6:.2f} MB")
     if args.write:
-        GOLDEN_PATH.parent.mkdir(exist_ok=True)
-        torch.save({"environment": environment(), "tensors": goldens}, GOLDEN_PATH)
-        print(f"wrote {GOLDEN_PATH}")
+        DATA.mkdir(exist_ok=True)
+        torch.save({"environment": environment(), "tensors": goldens}, golden_path())
+        print(f"wrote {golden_path()}")
 
 
 def environment() -> dict[str, str]:
@@ -329,17 +331,27 @@ def environment() -> dict[str, str]:
     return {"torch": str(torch.__version__), "cpu_capability": str(torch.backends.cpu.get_cpu_capability())}
 
 
+def golden_path() -> pathlib.Path:
+    """This CPU capability's goldens file."""
+    return DATA / f"kernel_goldens_{environment()['cpu_capability']}.pt"
+
+
 def load() -> dict[str, torch.Tensor]:
-    """The stored goldens; an error naming the difference if they were made in another environment."""
-    stored = torch.load(GOLDEN_PATH)
-    here = environment()
+    """The stored goldens of this CPU capability; an error naming the difference if there are none or
+    they were made with another torch build."""
+    path, here = golden_path(), environment()
+    recipe = (
+        "GEMM and exp bits depend on both. Write it from the kernels' torch code of a commit whose goldens held "
+        "(git archive <commit> true_on_policy tests | tar -x -C /tmp/ref; cd /tmp/ref && PYTHONPATH=/tmp/ref "
+        f"python tests/kernel_goldens.py --write; copy the file it wrote to tests/data/{path.name}), then run the test "
+        "on the current kernels."
+    )
+    if not path.exists():
+        held = sorted(p.name for p in DATA.glob("kernel_goldens_*.pt"))
+        raise RuntimeError(f"no {path.name} (there are {held}) for this environment, {here}: {recipe}")
+    stored = torch.load(path)
     if stored["environment"] != here:
-        raise RuntimeError(
-            f"{GOLDEN_PATH.name} was written with {stored['environment']}, this is {here}: GEMM and exp bits "
-            "depend on both. Regenerate it from the kernels' torch code of a commit whose goldens passed here "
-            "(git archive <commit> true_on_policy tests | tar -x -C /tmp/ref; cd /tmp/ref && PYTHONPATH=/tmp/ref "
-            "python tests/kernel_goldens.py --write), then run the test on the current kernels."
-        )
+        raise RuntimeError(f"{path.name} was written with {stored['environment']}, this is {here}: {recipe}")
     return stored["tensors"]
 
 

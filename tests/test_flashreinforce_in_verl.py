@@ -423,7 +423,9 @@ def test_plain_import_of_verl_registers_flashreinforce_through_the_entry_point(e
 def test_padding_rows_anywhere_change_no_bit_of_the_loss(flashreinforce_settings):
     """verl's padding rows (no response token) are masked, not selected away (a data-dependent shape
     is a host sync on a device): the loss adds per row, then over rows in order, so zero rows in the
-    middle of a micro-batch change no bit of the loss, and none of the gradient."""
+    middle of a micro-batch change no bit of the loss, and none of its gradient (with respect to the
+    log-probs: what the weights' gradient adds up after it is torch's GEMM, whose blocking over rows is
+    the CPU's, not the loss's)."""
     batch = make_batch()
     order = [0, None, 1, 2, None, None, 3, 4, 5]  # None: a padding row (row 0's data, no response)
     padded = {"weight": batch["weight"]}
@@ -434,17 +436,15 @@ def test_padding_rows_anywhere_change_no_bit_of_the_loss(flashreinforce_settings
     )
     losses, gradients = [], []
     for data, rows in ((batch, None), (padded, list(range(len(order))))):
-        weight = batch["weight"].clone().requires_grad_(True)
         index = torch.arange(ROWS) if rows is None else torch.tensor(rows)
-        loss, _ = call_policy_loss(
-            data, rows=rows, advantages=verl_advantages(data)[index],
-            log_prob=current_log_probs(data["features"][index], weight, data["tokens"][index]),
-        )
+        log_prob = current_log_probs(data["features"][index], batch["weight"], data["tokens"][index]).requires_grad_(True)
+        loss, _ = call_policy_loss(data, rows=rows, advantages=verl_advantages(data)[index], log_prob=log_prob)
         loss.backward()
         losses.append(loss.detach())
-        gradients.append(weight.grad)
-    assert torch.equal(losses[0], losses[1]) and torch.equal(gradients[0], gradients[1])
+        gradients.append(log_prob.grad)
     index = torch.tensor([row for row, source in enumerate(order) if source is not None])
+    assert torch.equal(losses[0], losses[1]) and torch.equal(gradients[0], gradients[1][index])
+    assert not gradients[1][[row for row, source in enumerate(order) if source is None]].any()
     assert torch.equal(verl_advantages(padded)[index], verl_advantages(batch))  # the batch mean too
     # twin: one flat sum over the padded [rows, T] layout (what the loss added before) is another number
     terms = torch.randn(ROWS, RESPONSE_LENGTH, dtype=F64, generator=torch.Generator().manual_seed(3)) * batch["mask"]

@@ -1,7 +1,7 @@
 """Every consistent kernel, a model's training forward/backward and its rollout keep their bits.
 
-``tests/data/kernel_goldens.pt`` was written by ``python tests/kernel_goldens.py --write`` from the
-kernels' torch code; any speed-up must reproduce every entry with ``torch.equal``. Its twins show
+``tests/data/kernel_goldens_<CPU capability>.pt`` was written by ``python tests/kernel_goldens.py --write``
+from the kernels' torch code; any speed-up must reproduce every entry with ``torch.equal``. Its twins show
 the check has teeth: the kernels' own siblings (a different K chunk, the linear's previous order)
 change bits.
 """

@@ -323,6 +323,31 @@ struct DotPack {
 };
 DotPack dot_pack_of(const std::vector<at::Tensor>& pack, int64_t N, int64_t K);
 
+// A linear's output row: ops.linear_epilogue of fp32 sums (+ fp32 bias, then one cast to T).
+void store_row(const float* sums, const float* bias, int64_t n, float* out) {
+  for (int64_t c = 0; c < n; ++c) out[c] = bias ? sums[c] + bias[c] : sums[c];
+}
+void store_row(const float* sums, const float* bias, int64_t n, at::BFloat16* out) {
+  if (!bias) return to_bf16(sums, out, n);
+  float row[kDotPanels * kLanes];  // n <= one group's columns
+  for (int64_t c = 0; c < n; ++c) row[c] = sums[c] + bias[c];
+  to_bf16(row, out, n);
+}
+
+// Where a linear writes: out [M, N] fp32 or bf16, and the fp32 bias of its columns (nullptr: none).
+struct LinearOut {
+  void* data;
+  bool bf16;
+  const float* bias;
+  void row(const float* sums, int64_t r, int64_t n0, int64_t nn, int64_t N) const {
+    const float* b = bias ? bias + n0 : nullptr;
+    if (bf16)
+      store_row(sums, b, nn, static_cast<at::BFloat16*>(data) + r * N + n0);
+    else
+      store_row(sums, b, nn, static_cast<float*>(data) + r * N + n0);
+  }
+};
+
 #if defined(__AVX512BF16__)
 constexpr bool kDotBuilt = true;
 
@@ -424,31 +449,6 @@ constexpr std::array<std::array<DotLeaf, kDotPanels>, kDotRows> dot_kernels(std:
   return {{{dot_leaf<MR + 1, 1>, dot_leaf<MR + 1, 2>}...}};
 }
 constexpr auto kDotKernels = dot_kernels(std::make_integer_sequence<int, kDotRows>{});
-
-// A linear's output row: ops.linear_epilogue of fp32 sums (+ fp32 bias, then one cast to T).
-void store_row(const float* sums, const float* bias, int64_t n, float* out) {
-  for (int64_t c = 0; c < n; ++c) out[c] = bias ? sums[c] + bias[c] : sums[c];
-}
-void store_row(const float* sums, const float* bias, int64_t n, at::BFloat16* out) {
-  if (!bias) return to_bf16(sums, out, n);
-  float row[kDotPanels * kLanes];  // n <= one group's columns
-  for (int64_t c = 0; c < n; ++c) row[c] = sums[c] + bias[c];
-  to_bf16(row, out, n);
-}
-
-// Where a linear writes: out [M, N] fp32 or bf16, and the fp32 bias of its columns (nullptr: none).
-struct LinearOut {
-  void* data;
-  bool bf16;
-  const float* bias;
-  void row(const float* sums, int64_t r, int64_t n0, int64_t nn, int64_t N) const {
-    const float* b = bias ? bias + n0 : nullptr;
-    if (bf16)
-      store_row(sums, b, nn, static_cast<at::BFloat16*>(data) + r * N + n0);
-    else
-      store_row(sums, b, nn, static_cast<float*>(data) + r * N + n0);
-  }
-};
 
 // A bf16 matrix x [M, K] (contiguous) as the dot product reads it: its pairs with halves swapped (the
 // broadcast operand) and its values' exponents.
