@@ -121,6 +121,29 @@ void chain_tile(const float* a, int64_t a_row, int64_t a_k, const float* bt, int
   for (int i = 0; i < MR; ++i)
     for (int nb = 0; nb < NB; ++nb) _mm512_storeu_ps(c + i * ldc + nb * kLanes, acc[i][nb]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// 16 ymm registers: one 16-column block at a time (MR x 2 accumulators), NB blocks one after another
+template <int MR, int NB>
+void chain_tile(const float* a, int64_t a_row, int64_t a_k, const float* bt, int64_t ldb, int64_t k0, int64_t k1,
+                float* c, int64_t ldc) {
+  for (int nb = 0; nb < NB; ++nb) {
+    __m256 acc[MR][2];
+    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const float* b = bt + nb * kLanes;
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 ai = _mm256_set1_ps(a[i * a_row + k * a_k]);
+        acc[i][0] = _mm256_fmadd_ps(ai, b0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(ai, b1, acc[i][1]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      _mm256_storeu_ps(c + i * ldc + nb * kLanes, acc[i][0]);
+      _mm256_storeu_ps(c + i * ldc + nb * kLanes + 8, acc[i][1]);
+    }
+  }
+}
 #else
 template <int MR, int NB>
 void chain_tile(const float* a, int64_t a_row, int64_t a_k, const float* bt, int64_t ldb, int64_t k0, int64_t k1,
