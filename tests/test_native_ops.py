@@ -298,7 +298,7 @@ def test_packed_experts_in_one_native_call_are_the_torch_codes_bits():
     down = [(torch.randn(H, inter, generator=g) * 0.05).to(torch.bfloat16) for _ in range(E)]
     gate_up[2][5] = (torch.randn(H, generator=g) * 2.0**-130).to(torch.bfloat16)  # a row the dot product flushes
     packs = ([ops.pack_weight(w) for w in gate_up], [ops.pack_weight(w) for w in down])
-    assert ops._native_moe_experts(torch.zeros(1, H, dtype=torch.bfloat16), gate_up, 1, None, packs) is not None
+    assert ops._native_moe_experts(torch.zeros(1, H, dtype=torch.bfloat16), gate_up, down, 1, None, packs) is not None
     for tokens in (1, 4, 70):
         hidden = (torch.randn(tokens, H, generator=g) * 2.0**20).to(torch.bfloat16)
         chosen = torch.stack([torch.randperm(E - 1, generator=g)[:top_k] for _ in range(tokens)])  # expert 5: none
@@ -312,6 +312,28 @@ def test_packed_experts_in_one_native_call_are_the_torch_codes_bits():
         assert fast.dtype == torch.bfloat16 and torch.equal(fast, reference), tokens
     with pytest.raises(RuntimeError, match="expert id 6 of 6 experts"):
         ops.moe_experts(hidden, torch.full_like(chosen, 6), gate_up, down, packs=packs)
+
+
+def test_fp32_experts_in_one_native_call_are_the_torch_codes_bits():
+    """fp32 experts (unsharded, no packs) run as one native call, each linear's fma chains computed with
+    the expert's rows as vector lanes: the torch code's bits at decode and prefill heights (more than 64
+    rows for an expert), a hidden and an intermediate size that are not multiples of 16, leaves on both
+    products, and an expert no token chose."""
+    g = gen(8)
+    E, H, inter, top_k = 6, 100, 56, 3
+    gate_up = [torch.randn(2 * inter, H, generator=g) * 0.1 for _ in range(E)]
+    down = [torch.randn(H, inter, generator=g) * 0.1 for _ in range(E)]
+    assert ops.local_leaves(H, 1) > 1 and ops.local_leaves(inter, 1) > 1
+    assert ops._native_moe_experts(torch.zeros(1, H), gate_up, down, 1, None, None) is native.lib()
+    for tokens in (1, 4, 150):
+        hidden = torch.randn(tokens, H, generator=g)
+        chosen = torch.stack([torch.randperm(E - 1, generator=g)[:top_k] for _ in range(tokens)])  # expert 5: none
+        fast = ops.moe_experts(hidden, chosen, gate_up, down)
+        with native.disabled():
+            reference = ops.moe_experts(hidden, chosen, gate_up, down)
+        assert fast.dtype == torch.float32 and torch.equal(fast, reference), tokens
+    with pytest.raises(RuntimeError, match="expert id 6 of 6 experts"):
+        ops.moe_experts(hidden, torch.full_like(chosen, 6), gate_up, down)
 
 
 def _attention_case(g, S, Hq, Hkv, Tq, Tk, D, dtype, garbage=False):

@@ -1017,11 +1017,15 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
         raise ValueError("moe_experts: k_parts > 1 needs gather (the shards' partials in shard order)")
     if packs is not None and not (len(packs) == 2 and len(packs[0]) == len(packs[1]) == len(gate_up)):
         raise ValueError(f"moe_experts: packs must be (gate_up packs, down packs) for {len(gate_up)} experts")
-    if (lib := _native_moe_experts(hidden, gate_up, k_parts, experts, packs)) is not None:
+    if (lib := _native_moe_experts(hidden, gate_up, down, k_parts, experts, packs)) is not None:
         gate_up_list, down_list = list(gate_up), list(down)
-        return lib.moe_experts(hidden, top_k_index, gate_up_list, down_list, [p.tensors for p in packs[0]],
-                               [p.tensors for p in packs[1]], K_CHUNK, local_leaves(hidden.shape[-1], 1),
-                               local_leaves(down_list[0].shape[-1], 1)).view(tokens, top_k, hidden.shape[-1])
+        leaves = (local_leaves(hidden.shape[-1], 1), local_leaves(down_list[0].shape[-1], 1))
+        if hidden.dtype == torch.float32:
+            per_slot = lib.moe_experts_fp32(hidden, top_k_index, gate_up_list, down_list, K_CHUNK, *leaves)
+        else:
+            per_slot = lib.moe_experts(hidden, top_k_index, gate_up_list, down_list, [p.tensors for p in packs[0]],
+                                       [p.tensors for p in packs[1]], K_CHUNK, *leaves)
+        return per_slot.view(tokens, top_k, hidden.shape[-1])
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.bincount(flat, minlength=max(held, default=-1) + 1).tolist()
     starts = [0]
@@ -1049,16 +1053,19 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
     return per_slot.view(tokens, top_k, width)
 
 
-def _native_moe_experts(hidden, gate_up, k_parts, experts, packs):
-    """The library where :func:`moe_experts` runs as one native call -- bf16 inference on CPU, unsharded,
-    every expert packed, an intermediate size of whole column groups -- else None."""
-    if packs is None or k_parts != 1 or experts is not None or hidden.device.type != "cpu":
+def _native_moe_experts(hidden, gate_up, down, k_parts, experts, packs):
+    """The library where :func:`moe_experts` runs as one native call -- inference on CPU, unsharded, and
+    either fp32 (the linears' fma chains checked for both widths) or bf16 with every expert packed and an
+    intermediate size of whole column groups -- else None."""
+    if k_parts != 1 or experts is not None or hidden.device.type != "cpu" or hidden.dim() != 2 or len(gate_up) == 0:
         return None
-    if hidden.dtype != torch.bfloat16 or hidden.dim() != 2 or (torch.is_grad_enabled() and hidden.requires_grad):
+    if torch.is_grad_enabled() and (hidden.requires_grad or gate_up[0].requires_grad or down[0].requires_grad):
+        return None  # training: the torch code's autograd
+    if hidden.dtype == gate_up[0].dtype == down[0].dtype == torch.float32:
+        return native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0]))
+    if hidden.dtype != torch.bfloat16 or packs is None or gate_up[0].shape[0] % (2 * NATIVE_MOE_GROUP):
         return None
-    if gate_up[0].shape[0] % (2 * NATIVE_MOE_GROUP) or (lib := native.bf16_dot_lib()) is None:
-        return None
-    return lib
+    return native.bf16_dot_lib()
 
 
 NATIVE_MOE_GROUP = 32  # columns of the native dot path's column group (csrc: kDotGroup)

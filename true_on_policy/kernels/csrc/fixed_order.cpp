@@ -21,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -122,27 +123,33 @@ void chain_tile(const float* a, int64_t a_row, int64_t a_k, const float* bt, int
     for (int nb = 0; nb < NB; ++nb) _mm512_storeu_ps(c + i * ldc + nb * kLanes, acc[i][nb]);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// 16 ymm registers: one 16-column block at a time (MR x 2 accumulators), NB blocks one after another
+// 16 ymm registers: G 16-column blocks at a time (MR x 2G <= 12 accumulators), enough chains in flight to hide
+// the fma latency where MR is small
+template <int MR, int G>
+void chain_blocks(const float* a, int64_t a_row, int64_t a_k, const float* bt, int64_t ldb, int64_t k0, int64_t k1,
+                  float* c, int64_t ldc) {
+  __m256 acc[MR][2 * G];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2 * G; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    __m256 b[2 * G];
+    for (int v = 0; v < 2 * G; ++v) b[v] = _mm256_loadu_ps(bt + k * ldb + 8 * v);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 ai = _mm256_set1_ps(a[i * a_row + k * a_k]);
+      for (int v = 0; v < 2 * G; ++v) acc[i][v] = _mm256_fmadd_ps(ai, b[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2 * G; ++v) _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
+}
 template <int MR, int NB>
 void chain_tile(const float* a, int64_t a_row, int64_t a_k, const float* bt, int64_t ldb, int64_t k0, int64_t k1,
                 float* c, int64_t ldc) {
-  for (int nb = 0; nb < NB; ++nb) {
-    __m256 acc[MR][2];
-    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    const float* b = bt + nb * kLanes;
-    for (int64_t k = k0; k < k1; ++k) {
-      const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
-      for (int i = 0; i < MR; ++i) {
-        const __m256 ai = _mm256_set1_ps(a[i * a_row + k * a_k]);
-        acc[i][0] = _mm256_fmadd_ps(ai, b0, acc[i][0]);
-        acc[i][1] = _mm256_fmadd_ps(ai, b1, acc[i][1]);
-      }
-    }
-    for (int i = 0; i < MR; ++i) {
-      _mm256_storeu_ps(c + i * ldc + nb * kLanes, acc[i][0]);
-      _mm256_storeu_ps(c + i * ldc + nb * kLanes + 8, acc[i][1]);
-    }
-  }
+  constexpr int G = std::min(NB, std::max(1, 6 / MR));
+  int nb = 0;
+  for (; nb + G <= NB; nb += G) chain_blocks<MR, G>(a, a_row, a_k, bt + nb * kLanes, ldb, k0, k1, c + nb * kLanes, ldc);
+  if constexpr (NB % G != 0)
+    chain_blocks<MR, NB % G>(a, a_row, a_k, bt + nb * kLanes, ldb, k0, k1, c + nb * kLanes, ldc);
 }
 #else
 template <int MR, int NB>
@@ -218,6 +225,64 @@ void fma_chain_tree_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, 
                      leaf.data() + j * kMaxRows * N, N, part.data());
     tree_combine_in_place(leaf.data(), leaves, kMaxRows * N);
     for (int64_t i = 0; i < mr; ++i) std::copy(leaf.data() + i * N, leaf.data() + (i + 1) * N, c + (m0 + i) * ldc);
+  }
+}
+
+// wt[k * ldp + j] = w[j * ldw + k] for j < rows (<= 16) and k < K, 0 for j >= rows: 16 rows of a weight as a
+// panel of its transpose (copies: no bit changes)
+void weight_panel(const float* w, int64_t ldw, int64_t rows, int64_t K, float* wt, int64_t ldp) {
+  int64_t k0 = 0;
+#if defined(__AVX512F__)
+  if (rows == kLanes)
+    for (; k0 + kLanes <= K; k0 += kLanes) {
+      __m512i r[16];
+      for (int64_t j = 0; j < kLanes; ++j) r[j] = _mm512_loadu_si512(w + j * ldw + k0);
+      transpose_16x16(r);
+      for (int64_t d = 0; d < kLanes; ++d) _mm512_storeu_si512(wt + (k0 + d) * ldp, r[d]);
+    }
+#elif defined(__AVX2__)
+  if (rows == kLanes)
+    for (; k0 + 8 <= K; k0 += 8)
+      for (int64_t half = 0; half < 2; ++half) {  // rows 8 * half .. + 7: an 8 x 8 transpose
+        __m256 r[8], t[8];
+        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(w + (8 * half + j) * ldw + k0);
+        for (int j = 0; j < 8; j += 2) {
+          t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+          t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+        }
+        for (int g = 0; g < 8; g += 4) {
+          r[g] = _mm256_shuffle_ps(t[g], t[g + 2], _MM_SHUFFLE(1, 0, 1, 0));
+          r[g + 1] = _mm256_shuffle_ps(t[g], t[g + 2], _MM_SHUFFLE(3, 2, 3, 2));
+          r[g + 2] = _mm256_shuffle_ps(t[g + 1], t[g + 3], _MM_SHUFFLE(1, 0, 1, 0));
+          r[g + 3] = _mm256_shuffle_ps(t[g + 1], t[g + 3], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+        for (int d = 0; d < 4; ++d) {  // k0 + d from the low 128 bits, k0 + 4 + d from the high
+          _mm256_storeu_ps(wt + (k0 + d) * ldp + 8 * half, _mm256_permute2f128_ps(r[d], r[4 + d], 0x20));
+          _mm256_storeu_ps(wt + (k0 + 4 + d) * ldp + 8 * half, _mm256_permute2f128_ps(r[d], r[4 + d], 0x31));
+        }
+      }
+#endif
+  for (int64_t k = k0; k < K; ++k)
+    for (int64_t j = 0; j < kLanes; ++j) wt[k * ldp + j] = j < rows ? w[j * ldw + k] : 0.0f;
+}
+
+// fma_chain_tree_rows's entries for few rows x [M, K] (x[i * ldx + k]) and weight rows w [N, K] (w[n * ldw + k]),
+// computed the other way round: each 64 weight rows laid out as four panels of the transpose (weight_panel),
+// the rows broadcast -- the weight rows' chains fill the vector lanes, where x's few rows would leave them
+// empty. c[i * ldc + n]; scratch: buffers the caller keeps.
+struct PanelScratch {
+  std::vector<float> panel, sums;
+};
+void few_rows_times_weight(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw, int64_t N, int64_t K,
+                           int64_t k_chunk, int64_t leaves, float* c, int64_t ldc, PanelScratch& s) {
+  constexpr int64_t kWidth = kMaxBlocks * kLanes;
+  s.panel.resize(K * kWidth), s.sums.resize(M * kWidth);
+  for (int64_t n0 = 0; n0 < N; n0 += kWidth) {
+    const int64_t nn = std::min(kWidth, N - n0), width = round_up(nn, kLanes);
+    for (int64_t p = 0; p < width; p += kLanes)
+      weight_panel(w + (n0 + p) * ldw, ldw, std::min(kLanes, nn - p), K, s.panel.data() + p, width);
+    fma_chain_tree_rows(x, ldx, 1, M, s.panel.data(), width, K, width, k_chunk, leaves, s.sums.data(), width);
+    for (int64_t i = 0; i < M; ++i) std::copy(s.sums.data() + i * width, s.sums.data() + i * width + nn, c + i * ldc + n0);
   }
 }
 
@@ -345,6 +410,22 @@ struct DotPack {
   Exponents group_exponents(int64_t b) const { return Exponents{exponents[2 * b], exponents[2 * b + 1]}; }
 };
 DotPack dot_pack_of(const std::vector<at::Tensor>& pack, int64_t N, int64_t K);
+
+// The (token, slot) pairs of top_k_index [T, k] (slot = t * k + j) grouped by expert, token order inside an
+// expert (the torch code's stable sort): expert e's pairs are order[start[e]:start[e + 1]].
+std::pair<std::vector<int64_t>, std::vector<int64_t>> expert_pairs(const at::Tensor& chosen, int64_t E) {
+  const int64_t n_pairs = chosen.numel();
+  const int64_t* ids = chosen.data_ptr<int64_t>();
+  std::vector<int64_t> start(E + 1, 0), order(n_pairs);
+  for (int64_t i = 0; i < n_pairs; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < E, "moe_experts: expert id ", ids[i], " of ", E, " experts");
+    ++start[ids[i] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < n_pairs; ++i) order[fill[ids[i]]++] = i;
+  return {std::move(start), std::move(order)};
+}
 
 // A linear's output row: ops.linear_epilogue of fp32 sums (+ fp32 bias, then one cast to T).
 void store_row(const float* sums, const float* bias, int64_t n, float* out) {
@@ -587,19 +668,9 @@ at::Tensor moe_experts(const at::Tensor& hidden_in, const at::Tensor& top_k_inde
     gu_pack[e] = dot_pack_of(gate_up_packs[e], 2 * I, H);
     dn_pack[e] = dot_pack_of(down_packs[e], H, I);
   }
-  // the (token, slot) pairs grouped by expert, token order inside an expert (the torch code's stable sort)
   const int64_t n_pairs = T * top_k;
-  const int64_t* ids = chosen.data_ptr<int64_t>();
-  std::vector<int64_t> start(E + 1, 0), order(n_pairs);
-  for (int64_t i = 0; i < n_pairs; ++i) {
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < E, "moe_experts: expert id ", ids[i], " of ", E, " experts");
-    ++start[ids[i] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < n_pairs; ++i) order[fill[ids[i]]++] = i;
-  }
+  std::vector<int64_t> start, order;
+  std::tie(start, order) = expert_pairs(chosen, E);
   auto opts = hidden.options();
   auto x = at::empty({n_pairs, H}, opts), act = at::empty({n_pairs, I}, opts);
   auto* x16 = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -823,6 +894,107 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       for (int64_t i = 0; i < n; ++i) dst[r * n + i] = src[r * n + i] / rt[r];
   });
   return weight * normed.to(x.scalar_type());  // torch's cast (round to nearest even) and promotion
+}
+
+// ops.moe_experts for fp32 hidden [T, H] without sharding: per expert its (token, slot) pairs in token order,
+// down(silu_mul(gate, up)) with gate, up = linear(x, gate_up) -- each linear's entries the fma chains of its
+// chain path -- in three rounds of items: the experts' rows; (expert, block of intermediate features) of gate
+// and up with the activation; (expert, block of output features) of down, written to the pairs' slots. An
+// expert of few rows (<= kFewRows) computes them as few_rows_times_weight; one of more, transposed (weight
+// rows times the expert's rows as 16-lane columns, no weight laid out; the activation is elementwise, so it
+// runs on the transposed values). Returns [T * top_k, H] fp32.
+at::Tensor moe_experts_fp32(const at::Tensor& hidden_in, const at::Tensor& top_k_index,
+                            const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, int64_t k_chunk,
+                            int64_t gate_up_leaves, int64_t down_leaves) {
+  const auto hidden = hidden_in.contiguous();
+  const auto chosen = top_k_index.to(at::kLong).contiguous();
+  const int64_t E = gate_up.size(), T = hidden.size(0), H = hidden.size(1), top_k = chosen.size(1);
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && chosen.dim() == 2 && chosen.size(0) == T &&
+                  E > 0 && down.size() == static_cast<size_t>(E),
+              "moe_experts_fp32: fp32 hidden [T, H], top_k_index [T, k], and per expert a gate_up and a down");
+  const int64_t I = gate_up[0].size(0) / 2;
+  TORCH_CHECK(H % gate_up_leaves == 0 && I % down_leaves == 0, "moe_experts_fp32: H = ", H, " and I = ", I,
+              " in ", gate_up_leaves, " and ", down_leaves, " equal leaves");
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(gate_up[e].scalar_type() == at::kFloat && down[e].scalar_type() == at::kFloat &&
+                    gate_up[e].is_contiguous() && down[e].is_contiguous() &&
+                    gate_up[e].sizes() == at::IntArrayRef({2 * I, H}) && down[e].sizes() == at::IntArrayRef({H, I}),
+                "moe_experts_fp32: expert ", e, "'s weights are not contiguous fp32 [2I, H] and [H, I] with I = ", I);
+  std::vector<int64_t> start, order;
+  std::tie(start, order) = expert_pairs(chosen, E);
+  // few rows, expert e's rows x[e] [count, H] and activations act[e] [count, I]; else its rows as columns,
+  // x[e] [H, lanes] and act[e] [I, lanes] with zero-padded lanes
+  constexpr int64_t kFewRows = 8;
+  const auto count = [&](int64_t e) { return start[e + 1] - start[e]; };
+  const auto lanes = [&](int64_t e) { return round_up(count(e), kLanes); };
+  std::vector<std::vector<float>> x(E), act(E);
+  const float* h = hidden.data_ptr<float>();
+  for_each_item(E, [] { return 0; }, [&](int, int64_t e) {
+    const int64_t n = count(e), l = lanes(e);
+    if (n == 0) return;
+    const bool few = n <= kFewRows;
+    x[e].assign(H * (few ? n : l), 0.0f), act[e].assign(I * (few ? n : l), 0.0f);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = h + order[start[e] + t] / top_k * H;
+      if (few)
+        std::copy(row, row + H, x[e].data() + t * H);
+      else
+        for (int64_t j = 0; j < H; ++j) x[e][j * l + t] = row[j];
+    }
+  });
+  constexpr int64_t kBlock = 8 * kMaxRows, kLaneBlock = kMaxBlocks * kLanes;  // weight rows per item; lanes per pass
+  struct Buffers {
+    std::vector<float> up;
+    PanelScratch panel;
+  };
+  const int64_t gu_blocks = (I + kBlock - 1) / kBlock, dn_blocks = (H + kBlock - 1) / kBlock;
+  for_each_item(E * gu_blocks, [] { return Buffers(); }, [&](Buffers& buf, int64_t item) {
+    const int64_t e = item / gu_blocks, j0 = item % gu_blocks * kBlock, rows = std::min(kBlock, I - j0), n = count(e);
+    if (n == 0) return;
+    const float* w = gate_up[e].data_ptr<float>();
+    if (n <= kFewRows) {  // gate into act[e] [n, I], up [n, rows]; the activation over each row's block
+      buf.up.resize(n * rows);
+      float* gate = act[e].data() + j0;
+      few_rows_times_weight(x[e].data(), H, n, w + j0 * H, H, rows, H, k_chunk, gate_up_leaves, gate, I, buf.panel);
+      few_rows_times_weight(x[e].data(), H, n, w + (I + j0) * H, H, rows, H, k_chunk, gate_up_leaves, buf.up.data(),
+                            rows, buf.panel);
+      for (int64_t t = 0; t < n; ++t) silu_mul_run(gate + t * I, buf.up.data() + t * rows, gate + t * I, rows);
+      return;
+    }
+    const int64_t l = lanes(e);
+    buf.up.resize(rows * l);
+    float* gate = act[e].data() + j0 * l;  // the activation is written over its gate
+    for (int64_t n0 = 0; n0 < l; n0 += kLaneBlock) {  // the lanes in blocks that stay in cache across the rows
+      const int64_t nn = std::min(kLaneBlock, l - n0);
+      const float* xt = x[e].data() + n0;
+      fma_chain_tree_rows(w + j0 * H, H, 1, rows, xt, l, H, nn, k_chunk, gate_up_leaves, gate + n0, l);
+      fma_chain_tree_rows(w + (I + j0) * H, H, 1, rows, xt, l, H, nn, k_chunk, gate_up_leaves, buf.up.data() + n0, l);
+    }
+    for (int64_t first = 0; first < rows * l; first += kSiluRun)
+      silu_mul_run(gate + first, buf.up.data() + first, gate + first, std::min(kSiluRun, rows * l - first));
+  });
+  auto out = at::empty({T * top_k, H}, hidden.options());
+  float* o = out.data_ptr<float>();
+  for_each_item(E * dn_blocks, [] { return Buffers(); }, [&](Buffers& buf, int64_t item) {
+    const int64_t e = item / dn_blocks, n0 = item % dn_blocks * kBlock, rows = std::min(kBlock, H - n0), n = count(e);
+    if (n == 0) return;
+    const float* w = down[e].data_ptr<float>() + n0 * I;
+    std::vector<float>& sums = buf.up;
+    if (n <= kFewRows) {
+      sums.resize(n * rows);
+      few_rows_times_weight(act[e].data(), I, n, w, I, rows, I, k_chunk, down_leaves, sums.data(), rows, buf.panel);
+      for (int64_t t = 0; t < n; ++t) std::copy(sums.data() + t * rows, sums.data() + (t + 1) * rows, o + order[start[e] + t] * H + n0);
+      return;
+    }
+    const int64_t l = lanes(e);
+    sums.resize(rows * l);
+    for (int64_t l0 = 0; l0 < l; l0 += kLaneBlock)
+      fma_chain_tree_rows(w, I, 1, rows, act[e].data() + l0, l, I, std::min(kLaneBlock, l - l0), k_chunk, down_leaves,
+                          sums.data() + l0, l);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t i = 0; i < rows; ++i) o[order[start[e] + t] * H + n0 + i] = sums[i * l + t];
+  });
+  return out;
 }
 
 // ops.silu_mul (inference) in one pass: silu_mul_run over runs of each row. Gate and up are read through
@@ -1470,6 +1642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fixed_sum", &fixed_sum, "ops.fixed_sum for an fp32 CPU tensor");
   m.def("rms_norm", &rms_norm, "ops.rms_norm (inference) for a CPU tensor");
   m.def("linear", &linear, "ops._linear_forward for CPU tensors");
+  m.def("moe_experts_fp32", &moe_experts_fp32, "ops.moe_experts for fp32 inference, unsharded, in one call");
   m.def("silu_mul", &silu_mul, "ops.silu_mul (inference) for CPU tensors");
   m.def("attention", &attention, "ops._attention_kernel without faults, for CPU tensors");
   m.def("attention_backward", &attention_backward, "_Attention.backward's products and sums, fused");
