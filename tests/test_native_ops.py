@@ -315,17 +315,18 @@ def test_packed_experts_in_one_native_call_are_the_torch_codes_bits():
 
 
 def test_fp32_experts_in_one_native_call_are_the_torch_codes_bits():
-    """fp32 experts (unsharded, no packs) run as one native call, each linear's fma chains computed with
-    the expert's rows as vector lanes: the torch code's bits at decode and prefill heights (more than 64
-    rows for an expert), a hidden and an intermediate size that are not multiples of 16, leaves on both
-    products, and an expert no token chose."""
+    """fp32 experts (unsharded, no packs) run as one native call, each linear's fma chains computed for
+    an expert of few rows against its weight's panels, for one of more with its rows as vector lanes: the
+    torch code's bits at decode and prefill heights (experts of 1-4, 5-64 and more than 64 rows), a hidden
+    and an intermediate size that are not multiples of 16, leaves on both products, and an expert no
+    token chose."""
     g = gen(8)
     E, H, inter, top_k = 6, 100, 56, 3
     gate_up = [torch.randn(2 * inter, H, generator=g) * 0.1 for _ in range(E)]
     down = [torch.randn(H, inter, generator=g) * 0.1 for _ in range(E)]
     assert ops.local_leaves(H, 1) > 1 and ops.local_leaves(inter, 1) > 1
     assert ops._native_moe_experts(torch.zeros(1, H), gate_up, down, 1, None, None) is native.lib()
-    for tokens in (1, 4, 150):
+    for tokens in (1, 4, 12, 150):
         hidden = torch.randn(tokens, H, generator=g)
         chosen = torch.stack([torch.randperm(E - 1, generator=g)[:top_k] for _ in range(tokens)])  # expert 5: none
         fast = ops.moe_experts(hidden, chosen, gate_up, down)

@@ -270,6 +270,7 @@ void weight_panel(const float* w, int64_t ldw, int64_t rows, int64_t K, float* w
 // computed the other way round: each 64 weight rows laid out as four panels of the transpose (weight_panel),
 // the rows broadcast -- the weight rows' chains fill the vector lanes, where x's few rows would leave them
 // empty. c[i * ldc + n]; scratch: buffers the caller keeps.
+constexpr int64_t kFewRows = 4;  // up to this many rows, a linear's rows are broadcast against weight panels
 struct PanelScratch {
   std::vector<float> panel, sums;
 };
@@ -924,7 +925,6 @@ at::Tensor moe_experts_fp32(const at::Tensor& hidden_in, const at::Tensor& top_k
   std::tie(start, order) = expert_pairs(chosen, E);
   // few rows, expert e's rows x[e] [count, H] and activations act[e] [count, I]; else its rows as columns,
   // x[e] [H, lanes] and act[e] [I, lanes] with zero-padded lanes
-  constexpr int64_t kFewRows = 8;
   const auto count = [&](int64_t e) { return start[e + 1] - start[e]; };
   const auto lanes = [&](int64_t e) { return round_up(count(e), kLanes); };
   std::vector<std::vector<float>> x(E), act(E);
@@ -1037,9 +1037,10 @@ at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
 // ops._padded_linear_forward: x @ weight.T (+ bias) over row tiles of tile_rows, K split in `leaves` equal
 // leaves (each in k_chunk chunks whose fp32 partials are added in order) combined by the pairwise tree
 // (ops.matmul_tree); the same aten calls as the Python code, minus its dispatch.
-// chain (N >= 12, the fma chain checked): the same entries as fma chains with no tile to pad -- for a few
-// rows computed transposed (weight rows times the input rows as columns), for more the input rows times
-// the weight transposed once per call, in items of (row block, column block).
+// chain (N >= 12, the fma chain checked): the same entries as fma chains with no tile to pad -- up to
+// kFewRows rows broadcast against the weight's panels (few_rows_times_weight), up to one block of lanes
+// computed transposed (weight rows times the input rows as columns), for more the input rows times the
+// weight transposed once per call, in items of (row block, column block).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk, int64_t leaves, bool chain,
                   bool dot, const c10::optional<std::vector<at::Tensor>>& pack) {
@@ -1082,6 +1083,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                           std::min(kBlockCols, n16 - n0), k_chunk, leaves, o + r0 * n16 + n0, n16);
     });
     if (n16 != n) out = out.narrow(1, 0, n);
+  } else if (chain && m <= kFewRows) {
+    const auto xf = rows.to(at::kFloat).contiguous(), w = weight.to(at::kFloat).contiguous();
+    out = at::empty({m, n}, xf.options());
+    constexpr int64_t kFeatures = kMaxBlocks * kLanes;  // output features per item: one panel group
+    for_each_item((n + kFeatures - 1) / kFeatures, [] { return PanelScratch(); }, [&](PanelScratch& scratch, int64_t item) {
+      const int64_t n0 = item * kFeatures;
+      few_rows_times_weight(xf.data_ptr<float>(), k, m, w.data_ptr<float>() + n0 * k, k, std::min(kFeatures, n - n0), k,
+                            k_chunk, leaves, out.data_ptr<float>() + n0, n, scratch);
+    });
   } else if (chain) {
     const int64_t lanes = round_up(m, kLanes);
     const auto xf = rows.to(at::kFloat).contiguous(), w = weight.to(at::kFloat).contiguous();
