@@ -228,15 +228,30 @@ void fma_chain_tree_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, 
   }
 }
 
-// wt[k * ldp + j] = w[j * ldw + k] for j < rows (<= 16) and k < K, 0 for j >= rows: 16 rows of a weight as a
-// panel of its transpose (copies: no bit changes)
-void weight_panel(const float* w, int64_t ldw, int64_t rows, int64_t K, float* wt, int64_t ldp) {
+// A weight's values as fp32 vector registers: fp32 loaded, bf16 widened (exact: its bits, shifted)
+#if defined(__AVX512F__)
+inline __m512i load_fp32x16(const float* p) { return _mm512_loadu_si512(p); }
+inline __m512i load_fp32x16(const at::BFloat16* p) {
+  return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+}
+#elif defined(__AVX2__)
+inline __m256 load_fp32x8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_fp32x8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+
+// wt[k * ldp + j] = w[j * ldw + k] for j < rows (<= 16) and k < K, 0 for j >= rows: 16 rows of a weight (fp32,
+// or bf16 widened) as a fp32 panel of its transpose (copies: no bit changes)
+template <typename T>
+void weight_panel(const T* w, int64_t ldw, int64_t rows, int64_t K, float* wt, int64_t ldp) {
   int64_t k0 = 0;
 #if defined(__AVX512F__)
   if (rows == kLanes)
     for (; k0 + kLanes <= K; k0 += kLanes) {
       __m512i r[16];
-      for (int64_t j = 0; j < kLanes; ++j) r[j] = _mm512_loadu_si512(w + j * ldw + k0);
+      for (int64_t j = 0; j < kLanes; ++j) r[j] = load_fp32x16(w + j * ldw + k0);
       transpose_16x16(r);
       for (int64_t d = 0; d < kLanes; ++d) _mm512_storeu_si512(wt + (k0 + d) * ldp, r[d]);
     }
@@ -245,7 +260,7 @@ void weight_panel(const float* w, int64_t ldw, int64_t rows, int64_t K, float* w
     for (; k0 + 8 <= K; k0 += 8)
       for (int64_t half = 0; half < 2; ++half) {  // rows 8 * half .. + 7: an 8 x 8 transpose
         __m256 r[8], t[8];
-        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(w + (8 * half + j) * ldw + k0);
+        for (int j = 0; j < 8; ++j) r[j] = load_fp32x8(w + (8 * half + j) * ldw + k0);
         for (int j = 0; j < 8; j += 2) {
           t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
           t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
@@ -263,18 +278,19 @@ void weight_panel(const float* w, int64_t ldw, int64_t rows, int64_t K, float* w
       }
 #endif
   for (int64_t k = k0; k < K; ++k)
-    for (int64_t j = 0; j < kLanes; ++j) wt[k * ldp + j] = j < rows ? w[j * ldw + k] : 0.0f;
+    for (int64_t j = 0; j < kLanes; ++j) wt[k * ldp + j] = j < rows ? static_cast<float>(w[j * ldw + k]) : 0.0f;
 }
 
 // fma_chain_tree_rows's entries for few rows x [M, K] (x[i * ldx + k]) and weight rows w [N, K] (w[n * ldw + k]),
 // computed the other way round: each 64 weight rows laid out as four panels of the transpose (weight_panel),
 // the rows broadcast -- the weight rows' chains fill the vector lanes, where x's few rows would leave them
-// empty. c[i * ldc + n]; scratch: buffers the caller keeps.
+// empty. w fp32 or bf16 (widened into the panels); c[i * ldc + n]; scratch: buffers the caller keeps.
 constexpr int64_t kFewRows = 4;  // up to this many rows, a linear's rows are broadcast against weight panels
 struct PanelScratch {
   std::vector<float> panel, sums;
 };
-void few_rows_times_weight(const float* x, int64_t ldx, int64_t M, const float* w, int64_t ldw, int64_t N, int64_t K,
+template <typename T>
+void few_rows_times_weight(const float* x, int64_t ldx, int64_t M, const T* w, int64_t ldw, int64_t N, int64_t K,
                            int64_t k_chunk, int64_t leaves, float* c, int64_t ldc, PanelScratch& s) {
   constexpr int64_t kWidth = kMaxBlocks * kLanes;
   s.panel.resize(K * kWidth), s.sums.resize(M * kWidth);
@@ -1084,13 +1100,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     });
     if (n16 != n) out = out.narrow(1, 0, n);
   } else if (chain && m <= kFewRows) {
-    const auto xf = rows.to(at::kFloat).contiguous(), w = weight.to(at::kFloat).contiguous();
+    // a bf16 weight is widened into the panels: an fp32 copy of it would cost more than the products
+    const bool bf16 = weight.scalar_type() == at::kBFloat16;
+    const auto xf = rows.to(at::kFloat).contiguous(), w = bf16 ? weight.contiguous() : weight.to(at::kFloat).contiguous();
     out = at::empty({m, n}, xf.options());
     constexpr int64_t kFeatures = kMaxBlocks * kLanes;  // output features per item: one panel group
     for_each_item((n + kFeatures - 1) / kFeatures, [] { return PanelScratch(); }, [&](PanelScratch& scratch, int64_t item) {
-      const int64_t n0 = item * kFeatures;
-      few_rows_times_weight(xf.data_ptr<float>(), k, m, w.data_ptr<float>() + n0 * k, k, std::min(kFeatures, n - n0), k,
-                            k_chunk, leaves, out.data_ptr<float>() + n0, n, scratch);
+      const int64_t n0 = item * kFeatures, nn = std::min(kFeatures, n - n0);
+      float* c = out.data_ptr<float>() + n0;
+      if (bf16)
+        few_rows_times_weight(xf.data_ptr<float>(), k, m, w.data_ptr<at::BFloat16>() + n0 * k, k, nn, k, k_chunk, leaves,
+                              c, n, scratch);
+      else
+        few_rows_times_weight(xf.data_ptr<float>(), k, m, w.data_ptr<float>() + n0 * k, k, nn, k, k_chunk, leaves, c, n,
+                              scratch);
     });
   } else if (chain) {
     const int64_t lanes = round_up(m, kLanes);
