@@ -1056,7 +1056,7 @@ at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
 // chain (N >= 12, the fma chain checked): the same entries as fma chains with no tile to pad -- up to
 // kFewRows rows broadcast against the weight's panels (few_rows_times_weight), up to one block of lanes
 // computed transposed (weight rows times the input rows as columns), for more the input rows times the
-// weight transposed once per call, in items of (row block, column block).
+// weight transposed once per call into column-block panels, in items of (row block, column block).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk, int64_t leaves, bool chain,
                   bool dot, const c10::optional<std::vector<at::Tensor>>& pack) {
@@ -1086,16 +1086,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   } else if (chain && m > kMaxBlocks * kLanes) {
     const int64_t n16 = round_up(n, kLanes);
     const auto xf = rows.to(at::kFloat).contiguous();
-    auto wt = at::zeros({k, n16}, xf.options());  // weight^T, its columns padded to whole 16-lane blocks
-    wt.narrow(1, 0, n).copy_(weight.t());
-    out = at::empty({m, n16}, xf.options());
+    const bool bf16 = weight.scalar_type() == at::kBFloat16;
+    const auto w = bf16 ? weight.contiguous() : weight.to(at::kFloat).contiguous();
     constexpr int64_t kBlockRows = 16 * kMaxRows, kBlockCols = kMaxBlocks * kLanes;
     const int64_t col_blocks = (n16 + kBlockCols - 1) / kBlockCols;
-    const float *xs = xf.data_ptr<float>(), *ws = wt.data_ptr<float>();
+    // weight^T as one [k, kBlockCols] panel per column block (weight_panel, bf16 widened): a tile's k steps
+    // read 256 bytes apart, where rows of the whole transpose would alias in the L1 cache
+    auto wt = at::empty({col_blocks, k, kBlockCols}, xf.options());
+    float* ws = wt.data_ptr<float>();
+    for_each_item(n16 / kLanes, [] { return 0; }, [&](int, int64_t p) {
+      const int64_t row = p * kLanes, rows_in = std::min(kLanes, n - row);
+      float* panel = ws + row / kBlockCols * k * kBlockCols + row % kBlockCols;
+      if (bf16)
+        weight_panel(w.data_ptr<at::BFloat16>() + row * k, k, rows_in, k, panel, kBlockCols);
+      else
+        weight_panel(w.data_ptr<float>() + row * k, k, rows_in, k, panel, kBlockCols);
+    });
+    out = at::empty({m, n16}, xf.options());
+    const float* xs = xf.data_ptr<float>();
     float* o = out.data_ptr<float>();
     for_each_item((m + kBlockRows - 1) / kBlockRows * col_blocks, [] { return 0; }, [&](int, int64_t item) {
-      const int64_t r0 = item / col_blocks * kBlockRows, n0 = item % col_blocks * kBlockCols;
-      fma_chain_tree_rows(xs + r0 * k, k, 1, std::min(kBlockRows, m - r0), ws + n0, n16, k,
+      const int64_t r0 = item / col_blocks * kBlockRows, b = item % col_blocks, n0 = b * kBlockCols;
+      fma_chain_tree_rows(xs + r0 * k, k, 1, std::min(kBlockRows, m - r0), ws + b * k * kBlockCols, kBlockCols, k,
                           std::min(kBlockCols, n16 - n0), k_chunk, leaves, o + r0 * n16 + n0, n16);
     });
     if (n16 != n) out = out.narrow(1, 0, n);
