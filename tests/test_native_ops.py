@@ -314,27 +314,66 @@ def test_packed_experts_in_one_native_call_are_the_torch_codes_bits():
         ops.moe_experts(hidden, torch.full_like(chosen, 6), gate_up, down, packs=packs)
 
 
-def test_fp32_experts_in_one_native_call_are_the_torch_codes_bits():
-    """fp32 experts (unsharded, no packs) run as one native call, each linear's fma chains computed for
-    an expert of few rows against its weight's panels, for one of more with its rows as vector lanes: the
-    torch code's bits at decode and prefill heights (experts of 1-4, 5-64 and more than 64 rows), a hidden
-    and an intermediate size that are not multiples of 16, leaves on both products, and an expert no
-    token chose."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_on_the_chain_path_in_one_native_call_are_the_torch_codes_bits(dtype):
+    """Experts on the chain path (unsharded) run as one native call, each linear's fma chains computed for an
+    expert of few rows against its weight's panels (laid out in the call, or the experts' chain packs), for
+    one of more with its rows as vector lanes: the torch code's bits at decode and prefill heights (experts of
+    1-4, 5-64 and more than 64 rows), a hidden and an intermediate size that are not multiples of 16 (nor the
+    gate's rows of a 64-row group), leaves on both products, and an expert no token chose. bf16 (weights
+    widened; gate, up, the activation and the output rounded as the torch code's linears and silu_mul round
+    them) is dispatched there where the dot path is not built or checked; the kernel runs directly on every CPU."""
     g = gen(8)
     E, H, inter, top_k = 6, 100, 56, 3
-    gate_up = [torch.randn(2 * inter, H, generator=g) * 0.1 for _ in range(E)]
-    down = [torch.randn(H, inter, generator=g) * 0.1 for _ in range(E)]
-    assert ops.local_leaves(H, 1) > 1 and ops.local_leaves(inter, 1) > 1
-    assert ops._native_moe_experts(torch.zeros(1, H), gate_up, down, 1, None, None) is native.lib()
+    gate_up = [(torch.randn(2 * inter, H, generator=g) * 0.1).to(dtype) for _ in range(E)]
+    down = [(torch.randn(H, inter, generator=g) * 0.1).to(dtype) for _ in range(E)]
+    leaves = (ops.local_leaves(H, 1), ops.local_leaves(inter, 1))
+    assert min(leaves) > 1
+    lib = native.lib()
+    chain_packs = [[lib.pack_chain_weight(w, 2) for w in gate_up], [lib.pack_chain_weight(w, 1) for w in down]]
+    dispatched = dtype == torch.float32 or native.bf16_dot_lib() is None
+    assert (ops._native_moe_experts(torch.zeros(1, H, dtype=dtype), gate_up, down, 1, None, None) is lib) == dispatched
     for tokens in (1, 4, 12, 150):
-        hidden = torch.randn(tokens, H, generator=g)
+        hidden = torch.randn(tokens, H, generator=g).to(dtype)
         chosen = torch.stack([torch.randperm(E - 1, generator=g)[:top_k] for _ in range(tokens)])  # expert 5: none
-        fast = ops.moe_experts(hidden, chosen, gate_up, down)
         with native.disabled():
             reference = ops.moe_experts(hidden, chosen, gate_up, down)
-        assert fast.dtype == torch.float32 and torch.equal(fast, reference), tokens
+        for packs in ([[], []], chain_packs):
+            fast = lib.moe_experts_chain(hidden, chosen, gate_up, down, *packs, ops.K_CHUNK, *leaves)
+            assert fast.dtype == dtype and torch.equal(fast.view(reference.shape), reference), tokens
+        if dispatched:
+            assert torch.equal(ops.moe_experts(hidden, chosen, gate_up, down), reference), tokens
+            packs = ops.pack_experts(gate_up, down)
+            assert torch.equal(ops.moe_experts(hidden, chosen, gate_up, down, packs=packs), reference), tokens
     with pytest.raises(RuntimeError, match="expert id 6 of 6 experts"):
-        ops.moe_experts(hidden, torch.full_like(chosen, 6), gate_up, down)
+        lib.moe_experts_chain(hidden, torch.full_like(chosen, 6), gate_up, down, [], [], ops.K_CHUNK, *leaves)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    with pytest.raises(RuntimeError, match="expert 1's weights are not contiguous"):  # one dtype for all
+        lib.moe_experts_chain(hidden, chosen, [gate_up[0], gate_up[1].to(other), *gate_up[2:]], down, [], [],
+                              ops.K_CHUNK, *leaves)
+    one_part = [lib.pack_chain_weight(w, 1) for w in gate_up]  # gate and up not each from a group's start
+    with pytest.raises(RuntimeError, match=r"expert 0's packs \[1, 2, 100, 64\] and .* are not pack_chain_weight's"):
+        lib.moe_experts_chain(hidden, chosen, gate_up, down, one_part, chain_packs[1], ops.K_CHUNK, *leaves)
+
+
+def test_twin_a_chain_pack_is_a_copy_that_a_weight_load_leaves_stale():
+    """Why vLLM's weight loader drops the experts' packs on the chain path too (vllm_adapter.patches,
+    moe.load): a chain pack is a copy, so after the weights are written a kept pack computes the old experts
+    at decode height, and a pack built again computes the new ones."""
+    g = gen(9)
+    E, H, inter = 4, 64, 32
+    gate_up = [torch.randn(2 * inter, H, generator=g) * 0.1 for _ in range(E)]
+    down = [torch.randn(H, inter, generator=g) * 0.1 for _ in range(E)]
+    hidden, chosen = torch.randn(1, H, generator=g), torch.tensor([[2, 0]])
+    packs = ops.pack_experts(gate_up, down)
+    assert packs is not None and len(packs[0][0].tensors) == 1
+    before = ops.moe_experts(hidden, chosen, gate_up, down)
+    for w in gate_up + down:
+        w.add_(0.01)  # as a weight loader writes: in place
+    after = ops.moe_experts(hidden, chosen, gate_up, down)
+    assert not torch.equal(after, before)
+    assert torch.equal(ops.moe_experts(hidden, chosen, gate_up, down, packs=packs), before)
+    assert torch.equal(ops.moe_experts(hidden, chosen, gate_up, down, packs=ops.pack_experts(gate_up, down)), after)
 
 
 def _attention_case(g, S, Hq, Hkv, Tq, Tk, D, dtype, garbage=False):

@@ -47,6 +47,7 @@ __all__ = [
     "tree_combine",
     "linear",
     "WeightPack",
+    "pack_experts",
     "pack_weight",
     "linear_epilogue",
     "rms_norm",
@@ -331,13 +332,14 @@ def linear_epilogue(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: tor
 
 @dataclasses.dataclass(frozen=True)
 class WeightPack:
-    """A bf16 weight [N, K] laid out once for the native dot path (:func:`pack_weight`): its 16-column
-    panels, pairs of k interleaved, and their values' exponent range. A relayout, no arithmetic: a
-    linear given it computes the bits it computes from the weight. Valid while the weight is unchanged;
-    whoever writes the weight drops its pack."""
+    """A weight [N, K] laid out once for a native path: the dot path's (:func:`pack_weight`: bf16 16-column
+    panels, pairs of k interleaved, and their values' exponent range) or the chain path's
+    (:func:`pack_experts`: 64-row groups of the transpose). A relayout, no arithmetic: a product given it
+    computes the bits it computes from the weight. Valid while the weight is unchanged; whoever writes the
+    weight drops its pack."""
 
     shape: tuple[int, int]
-    tensors: tuple[torch.Tensor, torch.Tensor]
+    tensors: tuple[torch.Tensor, ...]
 
 
 def pack_weight(weight: torch.Tensor) -> WeightPack | None:
@@ -348,6 +350,22 @@ def pack_weight(weight: torch.Tensor) -> WeightPack | None:
     if weight.shape[0] < native.FMA_CHAIN_MIN_N or (lib := native.bf16_dot_lib()) is None:
         return None  # a narrow weight is padded first: the linear reads the padded copy
     return WeightPack(tuple(weight.shape), tuple(lib.pack_dot_weight(weight)))
+
+
+def pack_experts(gate_up, down) -> tuple[list[WeightPack], list[WeightPack]] | None:
+    """The experts' weights laid out once for :func:`moe_experts`' native call (gate_up packs, down packs), or
+    None where it reads none. bf16 where the dot path is checked: every weight's :func:`pack_weight`. fp32, or
+    bf16 without the dot path: every weight's chain pack, which an expert of few rows (decode) reads instead of
+    laying its weights out in every call -- gate_up's gate and up rows each packed from a group's start."""
+    if len(gate_up) == 0 or gate_up[0].device.type != "cpu" or gate_up[0].dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if gate_up[0].dtype == torch.bfloat16 and native.bf16_dot_lib() is not None:
+        packs = ([pack_weight(w) for w in gate_up], [pack_weight(w) for w in down])
+        return packs if all(p is not None for p in packs[0] + packs[1]) else None
+    if (lib := native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0]))) is None:
+        return None
+    return ([WeightPack(tuple(w.shape), (lib.pack_chain_weight(w, 2),)) for w in gate_up],
+            [WeightPack(tuple(w.shape), (lib.pack_chain_weight(w, 1),)) for w in down])
 
 
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype,
@@ -1005,8 +1023,8 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
       ``gather(partials)`` returns every shard's, in shard order, and :func:`tree_combine` plus
       :func:`linear_epilogue` finish it -- bitwise the unsharded experts.
 
-    ``packs``: ``(gate_up packs, down packs)``, each expert's :func:`pack_weight` in the order of the
-    weights (an inference engine's, built once per weight load): the same bits.
+    ``packs``: :func:`pack_experts` of these weights (an inference engine's, built once per weight load): the
+    same bits.
     """
     tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
@@ -1020,11 +1038,13 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
     if (lib := _native_moe_experts(hidden, gate_up, down, k_parts, experts, packs)) is not None:
         gate_up_list, down_list = list(gate_up), list(down)
         leaves = (local_leaves(hidden.shape[-1], 1), local_leaves(down_list[0].shape[-1], 1))
-        if hidden.dtype == torch.float32:
-            per_slot = lib.moe_experts_fp32(hidden, top_k_index, gate_up_list, down_list, K_CHUNK, *leaves)
-        else:
+        if hidden.dtype == torch.bfloat16 and native.bf16_dot_lib() is not None:
             per_slot = lib.moe_experts(hidden, top_k_index, gate_up_list, down_list, [p.tensors for p in packs[0]],
                                        [p.tensors for p in packs[1]], K_CHUNK, *leaves)
+        else:
+            chain_packs = [[p.tensors[0] for p in part] for part in packs] if packs is not None else [[], []]
+            per_slot = lib.moe_experts_chain(hidden, top_k_index, gate_up_list, down_list, *chain_packs, K_CHUNK,
+                                             *leaves)
         return per_slot.view(tokens, top_k, hidden.shape[-1])
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.bincount(flat, minlength=max(held, default=-1) + 1).tolist()
@@ -1054,18 +1074,21 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
 
 
 def _native_moe_experts(hidden, gate_up, down, k_parts, experts, packs):
-    """The library where :func:`moe_experts` runs as one native call -- inference on CPU, unsharded, and
-    either fp32 (the linears' fma chains checked for both widths) or bf16 with every expert packed and an
-    intermediate size of whole column groups -- else None."""
+    """The library where :func:`moe_experts` runs as one native call -- inference on CPU, unsharded, hidden and
+    weights of one dtype -- else None: bf16 on the dot path with every expert packed and an intermediate size of
+    whole column groups; fp32, or bf16 where the dot path is not checked, on the chain path (the linears' fma
+    chains checked for both widths)."""
     if k_parts != 1 or experts is not None or hidden.device.type != "cpu" or hidden.dim() != 2 or len(gate_up) == 0:
         return None
     if torch.is_grad_enabled() and (hidden.requires_grad or gate_up[0].requires_grad or down[0].requires_grad):
         return None  # training: the torch code's autograd
-    if hidden.dtype == gate_up[0].dtype == down[0].dtype == torch.float32:
-        return native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0]))
-    if hidden.dtype != torch.bfloat16 or packs is None or gate_up[0].shape[0] % (2 * NATIVE_MOE_GROUP):
+    if not hidden.dtype == gate_up[0].dtype == down[0].dtype or hidden.dtype not in (torch.float32, torch.bfloat16):
         return None
-    return native.bf16_dot_lib()
+    if hidden.dtype == torch.bfloat16 and native.bf16_dot_lib() is not None:
+        if packs is None or gate_up[0].shape[0] % (2 * NATIVE_MOE_GROUP):
+            return None
+        return native.bf16_dot_lib()
+    return native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0]))
 
 
 NATIVE_MOE_GROUP = 32  # columns of the native dot path's column group (csrc: kDotGroup)

@@ -10,8 +10,8 @@ what the training forward (:mod:`true_on_policy.kernels.model`) computes for the
   :func:`ops.rms_norm` (HF adds the residual in the model dtype, vLLM's stock kernel in fp32).
 * linear: one :func:`ops.linear` per projection of a fused layer (qkv, gate_up), on the unpacked
   weight, so each projection's bits are those of the training model's separate ``nn.Linear``.
-* MoE: :func:`ops.moe_experts` on the experts' weights as loaded, each laid out once for the bf16
-  dot path (:func:`expert_packs`, rebuilt after every weight load).
+* MoE: :func:`ops.moe_experts` on the experts' weights as loaded, each laid out once for its native
+  call (:func:`expert_packs`, rebuilt after every weight load).
 * attention: keys/values stored unpacked in vLLM's paged cache and read there by
   :func:`ops.paged_attention` -- :func:`ops.attention` (absolute-position KV blocks, the same
   rescale cadence) on the cache in place.
@@ -252,14 +252,12 @@ _PACKS = "_true_on_policy_packs"
 
 
 def expert_packs(holder) -> tuple[list, list] | None:
-    """The experts' weights laid out once for the dot path (:func:`ops.pack_weight`: gate_up packs,
-    down packs), built on first use after every weight load -- :mod:`.patches` drops them whenever
-    vLLM writes or post-processes the weights -- or None where the linears do not read packs (fp32)."""
+    """The experts' weights laid out once for the native call (:func:`ops.pack_experts`), built on first use
+    after every weight load -- :mod:`.patches` drops them whenever vLLM writes or post-processes the weights --
+    or None where it reads none."""
     packs = holder.__dict__.get(_PACKS)
     if packs is None:
-        gate_up = [ops.pack_weight(w) for w in holder.w13_weight]
-        down = [ops.pack_weight(w) for w in holder.w2_weight]
-        packs = (gate_up, down) if all(p is not None for p in gate_up + down) else ()
+        packs = ops.pack_experts(holder.w13_weight, holder.w2_weight) or ()
         holder.__dict__[_PACKS] = packs
     return packs or None
 

@@ -22,7 +22,7 @@ whole footprint.
   the row-parallel linears' and the vocabulary-parallel embedding's combines are replaced
   (:func:`.layers.row_parallel_forward`, :func:`.layers.vocab_parallel_embedding_forward`), the MoE
   block handles both splits; PP, DP and EPLB are refused. The experts' weights stay unpacked (verl's
-  sync writes into them); their dot-path packs (:func:`.layers.expert_packs`) are dropped by the
+  sync writes into them); their packs (:func:`.layers.expert_packs`) are dropped by the
   experts' weight loader and by the post-load step, and rebuilt on first use.
 * ``apply_consistent("cuda")`` (``platform: cuda`` + ``kernels: project``, flag on): the same model,
   linear, LM-head, log-softmax and MoE patches on vLLM's GPU model runner and sampler, and the

@@ -102,18 +102,33 @@ void transpose_16x16(__m512i r[16]) {
 }
 #endif
 
-// c[0:MR, 0:NB*16] of the product, over k in [k0, k1): MR x NB register blocks of 16 independent chains;
-// a[i, k] is a[i * a_row + k * a_k] (a_k = 1: row-major; a_row = 1: a transposed operand read in place)
+// A weight's values as fp32 vector registers: fp32 loaded, bf16 widened (exact: its bits, shifted)
 #if defined(__AVX512F__)
-template <int MR, int NB>
-void chain_tile(const float* a, int64_t a_row, int64_t a_k, const float* bt, int64_t ldb, int64_t k0, int64_t k1,
+inline __m512i load_fp32x16(const float* p) { return _mm512_loadu_si512(p); }
+inline __m512i load_fp32x16(const at::BFloat16* p) {
+  return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+}
+#elif defined(__AVX2__)
+inline __m256 load_fp32x8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_fp32x8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+
+// c[0:MR, 0:NB*16] of the product, over k in [k0, k1): MR x NB register blocks of 16 independent chains;
+// a[i, k] is a[i * a_row + k * a_k] (a_k = 1: row-major; a_row = 1: a transposed operand read in place);
+// bt fp32, or bf16 widened as read (a weight's chain pack)
+#if defined(__AVX512F__)
+template <int MR, int NB, typename TB>
+void chain_tile(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t k0, int64_t k1,
                 float* c, int64_t ldc) {
   __m512 acc[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int nb = 0; nb < NB; ++nb) acc[i][nb] = _mm512_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
     __m512 b[NB];
-    for (int nb = 0; nb < NB; ++nb) b[nb] = _mm512_loadu_ps(bt + k * ldb + nb * kLanes);
+    for (int nb = 0; nb < NB; ++nb) b[nb] = _mm512_castsi512_ps(load_fp32x16(bt + k * ldb + nb * kLanes));
     for (int i = 0; i < MR; ++i) {
       const __m512 ai = _mm512_set1_ps(a[i * a_row + k * a_k]);
       for (int nb = 0; nb < NB; ++nb) acc[i][nb] = _mm512_fmadd_ps(ai, b[nb], acc[i][nb]);
@@ -125,15 +140,15 @@ void chain_tile(const float* a, int64_t a_row, int64_t a_k, const float* bt, int
 #elif defined(__AVX2__) && defined(__FMA__)
 // 16 ymm registers: G 16-column blocks at a time (MR x 2G <= 12 accumulators), enough chains in flight to hide
 // the fma latency where MR is small
-template <int MR, int G>
-void chain_blocks(const float* a, int64_t a_row, int64_t a_k, const float* bt, int64_t ldb, int64_t k0, int64_t k1,
+template <int MR, int G, typename TB>
+void chain_blocks(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t k0, int64_t k1,
                   float* c, int64_t ldc) {
   __m256 acc[MR][2 * G];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < 2 * G; ++v) acc[i][v] = _mm256_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
     __m256 b[2 * G];
-    for (int v = 0; v < 2 * G; ++v) b[v] = _mm256_loadu_ps(bt + k * ldb + 8 * v);
+    for (int v = 0; v < 2 * G; ++v) b[v] = load_fp32x8(bt + k * ldb + 8 * v);
     for (int i = 0; i < MR; ++i) {
       const __m256 ai = _mm256_set1_ps(a[i * a_row + k * a_k]);
       for (int v = 0; v < 2 * G; ++v) acc[i][v] = _mm256_fmadd_ps(ai, b[v], acc[i][v]);
@@ -142,40 +157,43 @@ void chain_blocks(const float* a, int64_t a_row, int64_t a_k, const float* bt, i
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < 2 * G; ++v) _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
 }
-template <int MR, int NB>
-void chain_tile(const float* a, int64_t a_row, int64_t a_k, const float* bt, int64_t ldb, int64_t k0, int64_t k1,
+template <int MR, int NB, typename TB>
+void chain_tile(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t k0, int64_t k1,
                 float* c, int64_t ldc) {
   constexpr int G = std::min(NB, std::max(1, 6 / MR));
   int nb = 0;
-  for (; nb + G <= NB; nb += G) chain_blocks<MR, G>(a, a_row, a_k, bt + nb * kLanes, ldb, k0, k1, c + nb * kLanes, ldc);
+  for (; nb + G <= NB; nb += G) chain_blocks<MR, G, TB>(a, a_row, a_k, bt + nb * kLanes, ldb, k0, k1, c + nb * kLanes, ldc);
   if constexpr (NB % G != 0)
-    chain_blocks<MR, NB % G>(a, a_row, a_k, bt + nb * kLanes, ldb, k0, k1, c + nb * kLanes, ldc);
+    chain_blocks<MR, NB % G, TB>(a, a_row, a_k, bt + nb * kLanes, ldb, k0, k1, c + nb * kLanes, ldc);
 }
 #else
-template <int MR, int NB>
-void chain_tile(const float* a, int64_t a_row, int64_t a_k, const float* bt, int64_t ldb, int64_t k0, int64_t k1,
+template <int MR, int NB, typename TB>
+void chain_tile(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t k0, int64_t k1,
                 float* c, int64_t ldc) {
   for (int i = 0; i < MR; ++i)
     for (int64_t n = 0; n < NB * kLanes; ++n) {
       float acc = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) acc = std::fma(a[i * a_row + k * a_k], bt[k * ldb + n], acc);
+      for (int64_t k = k0; k < k1; ++k) acc = std::fma(a[i * a_row + k * a_k], static_cast<float>(bt[k * ldb + n]), acc);
       c[i * ldc + n] = acc;
     }
 }
 #endif
 
-using ChainTile = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+template <typename TB>
+using ChainTile = void (*)(const float*, int64_t, int64_t, const TB*, int64_t, int64_t, int64_t, float*, int64_t);
 constexpr int kMaxRows = 6, kMaxBlocks = 4;  // one tile: up to 6 rows x 4 x 16 columns (24 of 32 zmm registers)
 
-template <int... MR>
-constexpr std::array<std::array<ChainTile, kMaxBlocks>, kMaxRows> chain_tiles(std::integer_sequence<int, MR...>) {
-  return {{{chain_tile<MR + 1, 1>, chain_tile<MR + 1, 2>, chain_tile<MR + 1, 3>, chain_tile<MR + 1, 4>}...}};
+template <typename TB, int... MR>
+constexpr std::array<std::array<ChainTile<TB>, kMaxBlocks>, kMaxRows> chain_tiles(std::integer_sequence<int, MR...>) {
+  return {{{chain_tile<MR + 1, 1, TB>, chain_tile<MR + 1, 2, TB>, chain_tile<MR + 1, 3, TB>, chain_tile<MR + 1, 4, TB>}...}};
 }
-constexpr auto kChainTiles = chain_tiles(std::make_integer_sequence<int, kMaxRows>{});
+template <typename TB>
+constexpr auto kChainTiles = chain_tiles<TB>(std::make_integer_sequence<int, kMaxRows>{});
 
 // c[i, n] = sum_k a[i, k] * bt[k, n] for i < M, n < N, k < K, each entry MKL's way (above); a[i, k] at
 // a[i * a_row + k * a_k]. part: scratch of kMaxRows * N floats for the partial products of k chunks after the first.
-void fma_chain_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, const float* bt, int64_t ldb, int64_t K,
+template <typename TB>
+void fma_chain_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, const TB* bt, int64_t ldb, int64_t K,
                     int64_t N, int64_t k_chunk, float* c, int64_t ldc, float* part) {
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int64_t mr = std::min<int64_t>(kMaxRows, M - m0);
@@ -185,7 +203,7 @@ void fma_chain_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, const
       const int64_t ldd = k0 == 0 ? ldc : N;
       for (int64_t n0 = 0; n0 < N; n0 += kMaxBlocks * kLanes) {
         const int64_t nb = std::min<int64_t>(kMaxBlocks, (N - n0) / kLanes);
-        kChainTiles[mr - 1][nb - 1](a + m0 * a_row, a_row, a_k, bt + n0, ldb, k0, k1, dst + n0, ldd);
+        kChainTiles<TB>[mr - 1][nb - 1](a + m0 * a_row, a_row, a_k, bt + n0, ldb, k0, k1, dst + n0, ldd);
       }
       if (k0 > 0)
         for (int64_t i = 0; i < mr; ++i)
@@ -209,7 +227,8 @@ void tree_combine_in_place(float* buf, int64_t leaves, int64_t len) {
 
 // ops.matmul_tree's entries as fma chains: K split into `leaves` equal leaves, each fma_chain_rows (its
 // k chunks added in order), the leaves combined by the pairwise tree -- per block of kMaxRows rows of a.
-void fma_chain_tree_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, const float* bt, int64_t ldb,
+template <typename TB>
+void fma_chain_tree_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, const TB* bt, int64_t ldb,
                          int64_t K, int64_t N, int64_t k_chunk, int64_t leaves, float* c, int64_t ldc) {
   std::vector<float> part(kMaxRows * N);
   if (leaves == 1) {
@@ -227,20 +246,6 @@ void fma_chain_tree_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, 
     for (int64_t i = 0; i < mr; ++i) std::copy(leaf.data() + i * N, leaf.data() + (i + 1) * N, c + (m0 + i) * ldc);
   }
 }
-
-// A weight's values as fp32 vector registers: fp32 loaded, bf16 widened (exact: its bits, shifted)
-#if defined(__AVX512F__)
-inline __m512i load_fp32x16(const float* p) { return _mm512_loadu_si512(p); }
-inline __m512i load_fp32x16(const at::BFloat16* p) {
-  return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-}
-#elif defined(__AVX2__)
-inline __m256 load_fp32x8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_fp32x8(const at::BFloat16* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-#endif
 
 // wt[k * ldp + j] = w[j * ldw + k] for j < rows (<= 16) and k < K, 0 for j >= rows: 16 rows of a weight (fp32,
 // or bf16 widened) as a fp32 panel of its transpose (copies: no bit changes)
@@ -281,10 +286,55 @@ void weight_panel(const T* w, int64_t ldw, int64_t rows, int64_t K, float* wt, i
     for (int64_t j = 0; j < kLanes; ++j) wt[k * ldp + j] = j < rows ? static_cast<float>(w[j * ldw + k]) : 0.0f;
 }
 
-// fma_chain_tree_rows's entries for few rows x [M, K] (x[i * ldx + k]) and weight rows w [N, K] (w[n * ldw + k]),
-// computed the other way round: each 64 weight rows laid out as four panels of the transpose (weight_panel),
-// the rows broadcast -- the weight rows' chains fill the vector lanes, where x's few rows would leave them
-// empty. w fp32 or bf16 (widened into the panels); c[i * ldc + n]; scratch: buffers the caller keeps.
+// A weight [N, K]'s chain pack [parts, groups, K, kGroupRows]: the weight in `parts` equal row blocks (an
+// expert's gate and up rows), each as groups of kGroupRows rows laid out as the panels of their transpose,
+// pack[q][g][k][j] = block q's row 64 g + j's value k (0 past the block's rows), in the weight's dtype (a bf16 pack
+// is widened as the chain tiles read it). Built once per weight load (pack_chain_weight): few rows then read
+// the weight as laid out, where few_rows_times_weight lays it out in every call.
+constexpr int64_t kGroupRows = kMaxBlocks * kLanes;
+
+template <typename T>
+void chain_pack_group(const T* w, int64_t rows, int64_t K, T* group) {
+  for (int64_t k0 = 0; k0 < K; k0 += kLanes)  // 16 values of a row at a time: one cache line read per row
+    for (int64_t j = 0; j < kGroupRows; ++j)
+      for (int64_t k = k0; k < std::min(K, k0 + kLanes); ++k) group[k * kGroupRows + j] = j < rows ? w[j * K + k] : T(0);
+}
+
+at::Tensor pack_chain_weight(const at::Tensor& weight_in, int64_t parts) {
+  const auto weight = weight_in.contiguous();
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && parts >= 1 &&
+                  weight.size(0) % parts == 0,
+              "pack_chain_weight: an fp32 or bf16 weight [N, K] with N a multiple of ", parts, " parts, got ",
+              weight.sizes(), " ", dtype);
+  const int64_t K = weight.size(1), rows = weight.size(0) / parts, groups = (rows + kGroupRows - 1) / kGroupRows;
+  auto pack = at::empty({parts, groups, K, kGroupRows}, weight.options());
+  for_each_item(parts * groups, [] { return 0; }, [&](int, int64_t item) {
+    const int64_t q = item / groups, r0 = q * rows + item % groups * kGroupRows;
+    const int64_t nn = std::min(kGroupRows, (q + 1) * rows - r0);
+    if (dtype == at::kFloat)
+      chain_pack_group(weight.data_ptr<float>() + r0 * K, nn, K, pack.data_ptr<float>() + item * K * kGroupRows);
+    else
+      chain_pack_group(weight.data_ptr<at::BFloat16>() + r0 * K, nn, K,
+                       pack.data_ptr<at::BFloat16>() + item * K * kGroupRows);
+  });
+  return pack;
+}
+
+// fma_chain_tree_rows's entries for few rows x [M, K] (x[i * ldx + k]) and the nn <= kGroupRows weight rows of
+// one group (chain_pack_group's layout, fp32 or bf16): the weight rows' chains fill the vector lanes, where x's
+// few rows would leave them empty. c[i * ldc + j] for j < nn; sums: a buffer the caller keeps.
+template <typename TB>
+void few_rows_times_group(const float* x, int64_t ldx, int64_t M, const TB* group, int64_t K, int64_t nn,
+                          int64_t k_chunk, int64_t leaves, float* c, int64_t ldc, std::vector<float>& sums) {
+  const int64_t width = round_up(nn, kLanes);
+  sums.resize(M * width);
+  fma_chain_tree_rows(x, ldx, 1, M, group, kGroupRows, K, width, k_chunk, leaves, sums.data(), width);
+  for (int64_t i = 0; i < M; ++i) std::copy(sums.data() + i * width, sums.data() + i * width + nn, c + i * ldc);
+}
+
+// few_rows_times_group over weight rows w [N, K] (w[n * ldw + k], fp32 or bf16 widened) laid out in this call,
+// one group at a time (weight_panel); c[i * ldc + n]; scratch: buffers the caller keeps.
 constexpr int64_t kFewRows = 4;  // up to this many rows, a linear's rows are broadcast against weight panels
 struct PanelScratch {
   std::vector<float> panel, sums;
@@ -292,14 +342,12 @@ struct PanelScratch {
 template <typename T>
 void few_rows_times_weight(const float* x, int64_t ldx, int64_t M, const T* w, int64_t ldw, int64_t N, int64_t K,
                            int64_t k_chunk, int64_t leaves, float* c, int64_t ldc, PanelScratch& s) {
-  constexpr int64_t kWidth = kMaxBlocks * kLanes;
-  s.panel.resize(K * kWidth), s.sums.resize(M * kWidth);
-  for (int64_t n0 = 0; n0 < N; n0 += kWidth) {
-    const int64_t nn = std::min(kWidth, N - n0), width = round_up(nn, kLanes);
-    for (int64_t p = 0; p < width; p += kLanes)
-      weight_panel(w + (n0 + p) * ldw, ldw, std::min(kLanes, nn - p), K, s.panel.data() + p, width);
-    fma_chain_tree_rows(x, ldx, 1, M, s.panel.data(), width, K, width, k_chunk, leaves, s.sums.data(), width);
-    for (int64_t i = 0; i < M; ++i) std::copy(s.sums.data() + i * width, s.sums.data() + i * width + nn, c + i * ldc + n0);
+  s.panel.resize(K * kGroupRows);
+  for (int64_t n0 = 0; n0 < N; n0 += kGroupRows) {
+    const int64_t nn = std::min(kGroupRows, N - n0);
+    for (int64_t p = 0; p < nn; p += kLanes)
+      weight_panel(w + (n0 + p) * ldw, ldw, std::min(kLanes, nn - p), K, s.panel.data() + p, kGroupRows);
+    few_rows_times_group(x, ldx, M, s.panel.data(), K, nn, k_chunk, leaves, c + n0, ldc, s.sums);
   }
 }
 
@@ -913,104 +961,179 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * normed.to(x.scalar_type());  // torch's cast (round to nearest even) and promotion
 }
 
-// ops.moe_experts for fp32 hidden [T, H] without sharding: per expert its (token, slot) pairs in token order,
+// n values of a weight as fp32: an fp32 weight where it is, a bf16 one widened into scratch (exact).
+template <typename T>
+const float* as_fp32(const T* w, int64_t n, std::vector<float>& scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return w;
+  } else {
+    scratch.resize(n);
+    for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(w[i]);
+    return scratch.data();
+  }
+}
+
+// An expert's gate and up sums (len <= kSiluRun each) through the gate_up linear's epilogue (one cast to T)
+// and silu_mul_run in T; the activation written over gate, widened to fp32 (exact) for the down product.
+template <typename T>
+void gate_up_activation(float* gate, const float* up, int64_t len) {
+  if constexpr (std::is_same_v<T, float>) {
+    silu_mul_run(gate, up, gate, len);
+  } else {
+    T g[kSiluRun], u[kSiluRun];
+    to_bf16(gate, g, len), to_bf16(up, u, len);
+    silu_mul_run(g, u, g, len);
+    for (int64_t i = 0; i < len; ++i) gate[i] = static_cast<float>(g[i]);
+  }
+}
+
+// ops.moe_experts for hidden [T, H] and weights of one dtype T (fp32, or bf16 where the dot path is not
+// built or checked) without sharding: per expert its (token, slot) pairs in token order,
 // down(silu_mul(gate, up)) with gate, up = linear(x, gate_up) -- each linear's entries the fma chains of its
-// chain path -- in three rounds of items: the experts' rows; (expert, block of intermediate features) of gate
-// and up with the activation; (expert, block of output features) of down, written to the pairs' slots. An
-// expert of few rows (<= kFewRows) computes them as few_rows_times_weight; one of more, transposed (weight
-// rows times the expert's rows as 16-lane columns, no weight laid out; the activation is elementwise, so it
-// runs on the transposed values). Returns [T * top_k, H] fp32.
-at::Tensor moe_experts_fp32(const at::Tensor& hidden_in, const at::Tensor& top_k_index,
-                            const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, int64_t k_chunk,
-                            int64_t gate_up_leaves, int64_t down_leaves) {
-  const auto hidden = hidden_in.contiguous();
-  const auto chosen = top_k_index.to(at::kLong).contiguous();
-  const int64_t E = gate_up.size(), T = hidden.size(0), H = hidden.size(1), top_k = chosen.size(1);
-  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && chosen.dim() == 2 && chosen.size(0) == T &&
-                  E > 0 && down.size() == static_cast<size_t>(E),
-              "moe_experts_fp32: fp32 hidden [T, H], top_k_index [T, k], and per expert a gate_up and a down");
+// chain path on the fp32-widened operands, its output cast to T -- in three rounds of items: the experts'
+// rows; (expert, block of intermediate features) of gate and up with the activation; (expert, block of
+// output features) of down, written to the pairs' slots. An expert of few rows (few_rows below) computes them
+// against its weights' panels -- laid out in the call (few_rows_times_weight), or read from the experts' chain
+// packs (pack_chain_weight: gate_up in two parts, down in one); one of more, transposed (weight rows times the
+// expert's rows as 16-lane columns; the activation is elementwise, so it runs on the transposed values).
+// Returns [T * top_k, H].
+template <typename T>
+at::Tensor chain_experts(const at::Tensor& hidden, const at::Tensor& chosen, const std::vector<at::Tensor>& gate_up,
+                         const std::vector<at::Tensor>& down, const std::vector<at::Tensor>& gate_up_packs,
+                         const std::vector<at::Tensor>& down_packs, int64_t k_chunk, int64_t gate_up_leaves,
+                         int64_t down_leaves) {
+  const int64_t E = gate_up.size(), tokens = hidden.size(0), H = hidden.size(1), top_k = chosen.size(1);
   const int64_t I = gate_up[0].size(0) / 2;
-  TORCH_CHECK(H % gate_up_leaves == 0 && I % down_leaves == 0, "moe_experts_fp32: H = ", H, " and I = ", I,
-              " in ", gate_up_leaves, " and ", down_leaves, " equal leaves");
-  for (int64_t e = 0; e < E; ++e)
-    TORCH_CHECK(gate_up[e].scalar_type() == at::kFloat && down[e].scalar_type() == at::kFloat &&
-                    gate_up[e].is_contiguous() && down[e].is_contiguous() &&
-                    gate_up[e].sizes() == at::IntArrayRef({2 * I, H}) && down[e].sizes() == at::IntArrayRef({H, I}),
-                "moe_experts_fp32: expert ", e, "'s weights are not contiguous fp32 [2I, H] and [H, I] with I = ", I);
+  const bool packed = !gate_up_packs.empty();
+  // an expert of up to few_rows rows runs its rows against weight panels; with packs, a bf16 expert of up to a
+  // group's rows too: its transposed path would widen each weight block first, where the pack is read widened
+  const int64_t few_rows = packed && !std::is_same_v<T, float> ? kGroupRows : kFewRows;
   std::vector<int64_t> start, order;
   std::tie(start, order) = expert_pairs(chosen, E);
   // few rows, expert e's rows x[e] [count, H] and activations act[e] [count, I]; else its rows as columns,
-  // x[e] [H, lanes] and act[e] [I, lanes] with zero-padded lanes
+  // x[e] [H, lanes] and act[e] [I, lanes] with zero-padded lanes; fp32 (T widened)
   const auto count = [&](int64_t e) { return start[e + 1] - start[e]; };
   const auto lanes = [&](int64_t e) { return round_up(count(e), kLanes); };
   std::vector<std::vector<float>> x(E), act(E);
-  const float* h = hidden.data_ptr<float>();
+  const T* h = hidden.data_ptr<T>();
   for_each_item(E, [] { return 0; }, [&](int, int64_t e) {
     const int64_t n = count(e), l = lanes(e);
     if (n == 0) return;
-    const bool few = n <= kFewRows;
+    const bool few = n <= few_rows;
     x[e].assign(H * (few ? n : l), 0.0f), act[e].assign(I * (few ? n : l), 0.0f);
     for (int64_t t = 0; t < n; ++t) {
-      const float* row = h + order[start[e] + t] / top_k * H;
+      const T* row = h + order[start[e] + t] / top_k * H;
       if (few)
         std::copy(row, row + H, x[e].data() + t * H);
       else
-        for (int64_t j = 0; j < H; ++j) x[e][j * l + t] = row[j];
+        for (int64_t j = 0; j < H; ++j) x[e][j * l + t] = static_cast<float>(row[j]);
     }
   });
-  constexpr int64_t kBlock = 8 * kMaxRows, kLaneBlock = kMaxBlocks * kLanes;  // weight rows per item; lanes per pass
+  // weight rows per item (a pack's group); lanes per pass
+  constexpr int64_t kBlock = kGroupRows, kLaneBlock = kMaxBlocks * kLanes;
   struct Buffers {
-    std::vector<float> up;
+    std::vector<float> up, weight;  // up's sums (down: the output's); a bf16 weight block widened
     PanelScratch panel;
   };
   const int64_t gu_blocks = (I + kBlock - 1) / kBlock, dn_blocks = (H + kBlock - 1) / kBlock;
   for_each_item(E * gu_blocks, [] { return Buffers(); }, [&](Buffers& buf, int64_t item) {
     const int64_t e = item / gu_blocks, j0 = item % gu_blocks * kBlock, rows = std::min(kBlock, I - j0), n = count(e);
     if (n == 0) return;
-    const float* w = gate_up[e].data_ptr<float>();
-    if (n <= kFewRows) {  // gate into act[e] [n, I], up [n, rows]; the activation over each row's block
+    const T* w = gate_up[e].data_ptr<T>();
+    if (n <= few_rows) {  // gate into act[e] [n, I], up [n, rows]; the activation over each row's block
       buf.up.resize(n * rows);
       float* gate = act[e].data() + j0;
-      few_rows_times_weight(x[e].data(), H, n, w + j0 * H, H, rows, H, k_chunk, gate_up_leaves, gate, I, buf.panel);
-      few_rows_times_weight(x[e].data(), H, n, w + (I + j0) * H, H, rows, H, k_chunk, gate_up_leaves, buf.up.data(),
-                            rows, buf.panel);
-      for (int64_t t = 0; t < n; ++t) silu_mul_run(gate + t * I, buf.up.data() + t * rows, gate + t * I, rows);
+      if (packed) {  // the pack's group j0 / 64 of the gate part, and of the up part after it
+        const T* group = gate_up_packs[e].data_ptr<T>() + item % gu_blocks * H * kGroupRows;
+        few_rows_times_group(x[e].data(), H, n, group, H, rows, k_chunk, gate_up_leaves, gate, I, buf.panel.sums);
+        few_rows_times_group(x[e].data(), H, n, group + gu_blocks * H * kGroupRows, H, rows, k_chunk, gate_up_leaves,
+                             buf.up.data(), rows, buf.panel.sums);
+      } else {
+        few_rows_times_weight(x[e].data(), H, n, w + j0 * H, H, rows, H, k_chunk, gate_up_leaves, gate, I, buf.panel);
+        few_rows_times_weight(x[e].data(), H, n, w + (I + j0) * H, H, rows, H, k_chunk, gate_up_leaves, buf.up.data(),
+                              rows, buf.panel);
+      }
+      for (int64_t t = 0; t < n; ++t) gate_up_activation<T>(gate + t * I, buf.up.data() + t * rows, rows);
       return;
     }
     const int64_t l = lanes(e);
     buf.up.resize(rows * l);
     float* gate = act[e].data() + j0 * l;  // the activation is written over its gate
-    for (int64_t n0 = 0; n0 < l; n0 += kLaneBlock) {  // the lanes in blocks that stay in cache across the rows
-      const int64_t nn = std::min(kLaneBlock, l - n0);
-      const float* xt = x[e].data() + n0;
-      fma_chain_tree_rows(w + j0 * H, H, 1, rows, xt, l, H, nn, k_chunk, gate_up_leaves, gate + n0, l);
-      fma_chain_tree_rows(w + (I + j0) * H, H, 1, rows, xt, l, H, nn, k_chunk, gate_up_leaves, buf.up.data() + n0, l);
+    for (int half = 0; half < 2; ++half) {
+      const float* wf = as_fp32(w + (half * I + j0) * H, rows * H, buf.weight);
+      float* sums = half == 0 ? gate : buf.up.data();
+      for (int64_t n0 = 0; n0 < l; n0 += kLaneBlock)  // the lanes in blocks that stay in cache across the rows
+        fma_chain_tree_rows(wf, H, 1, rows, x[e].data() + n0, l, H, std::min(kLaneBlock, l - n0), k_chunk,
+                            gate_up_leaves, sums + n0, l);
     }
     for (int64_t first = 0; first < rows * l; first += kSiluRun)
-      silu_mul_run(gate + first, buf.up.data() + first, gate + first, std::min(kSiluRun, rows * l - first));
+      gate_up_activation<T>(gate + first, buf.up.data() + first, std::min(kSiluRun, rows * l - first));
   });
-  auto out = at::empty({T * top_k, H}, hidden.options());
-  float* o = out.data_ptr<float>();
+  auto out = at::empty({tokens * top_k, H}, hidden.options());
+  T* o = out.data_ptr<T>();
   for_each_item(E * dn_blocks, [] { return Buffers(); }, [&](Buffers& buf, int64_t item) {
     const int64_t e = item / dn_blocks, n0 = item % dn_blocks * kBlock, rows = std::min(kBlock, H - n0), n = count(e);
     if (n == 0) return;
-    const float* w = down[e].data_ptr<float>() + n0 * I;
+    const T* w = down[e].data_ptr<T>() + n0 * I;
     std::vector<float>& sums = buf.up;
-    if (n <= kFewRows) {
+    if (n <= few_rows) {
       sums.resize(n * rows);
-      few_rows_times_weight(act[e].data(), I, n, w, I, rows, I, k_chunk, down_leaves, sums.data(), rows, buf.panel);
-      for (int64_t t = 0; t < n; ++t) std::copy(sums.data() + t * rows, sums.data() + (t + 1) * rows, o + order[start[e] + t] * H + n0);
+      if (packed)
+        few_rows_times_group(act[e].data(), I, n, down_packs[e].data_ptr<T>() + item % dn_blocks * I * kGroupRows, I,
+                             rows, k_chunk, down_leaves, sums.data(), rows, buf.panel.sums);
+      else
+        few_rows_times_weight(act[e].data(), I, n, w, I, rows, I, k_chunk, down_leaves, sums.data(), rows, buf.panel);
+      for (int64_t t = 0; t < n; ++t) store_row(sums.data() + t * rows, nullptr, rows, o + order[start[e] + t] * H + n0);
       return;
     }
     const int64_t l = lanes(e);
     sums.resize(rows * l);
+    const float* wf = as_fp32(w, rows * I, buf.weight);
     for (int64_t l0 = 0; l0 < l; l0 += kLaneBlock)
-      fma_chain_tree_rows(w, I, 1, rows, act[e].data() + l0, l, I, std::min(kLaneBlock, l - l0), k_chunk, down_leaves,
+      fma_chain_tree_rows(wf, I, 1, rows, act[e].data() + l0, l, I, std::min(kLaneBlock, l - l0), k_chunk, down_leaves,
                           sums.data() + l0, l);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t i = 0; i < rows; ++i) o[order[start[e] + t] * H + n0 + i] = sums[i * l + t];
+    for (int64_t t = 0; t < n; ++t)  // one cast to T, as the linear's epilogue
+      for (int64_t i = 0; i < rows; ++i) o[order[start[e] + t] * H + n0 + i] = static_cast<T>(sums[i * l + t]);
   });
   return out;
+}
+
+// chain_experts of hidden's dtype, the arguments checked (packs: none, or every expert's).
+at::Tensor moe_experts_chain(const at::Tensor& hidden_in, const at::Tensor& top_k_index,
+                             const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
+                             const std::vector<at::Tensor>& gate_up_packs, const std::vector<at::Tensor>& down_packs,
+                             int64_t k_chunk, int64_t gate_up_leaves, int64_t down_leaves) {
+  const auto hidden = hidden_in.contiguous();
+  const auto chosen = top_k_index.to(at::kLong).contiguous();
+  const auto dtype = hidden.scalar_type();
+  const int64_t E = gate_up.size(), T = hidden.size(0), H = hidden.size(1);
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && hidden.dim() == 2 && chosen.dim() == 2 &&
+                  chosen.size(0) == T && E > 0 && down.size() == static_cast<size_t>(E),
+              "moe_experts_chain: fp32 or bf16 hidden [T, H], top_k_index [T, k], and per expert a gate_up and a down");
+  const int64_t I = gate_up[0].size(0) / 2;
+  TORCH_CHECK(H % gate_up_leaves == 0 && I % down_leaves == 0, "moe_experts_chain: H = ", H, " and I = ", I,
+              " in ", gate_up_leaves, " and ", down_leaves, " equal leaves");
+  const bool packed = !gate_up_packs.empty();
+  TORCH_CHECK(!packed || (gate_up_packs.size() == static_cast<size_t>(E) && down_packs.size() == static_cast<size_t>(E)),
+              "moe_experts_chain: packs for ", gate_up_packs.size(), " and ", down_packs.size(), " of ", E, " experts");
+  const int64_t gu_groups = (I + kGroupRows - 1) / kGroupRows, dn_groups = (H + kGroupRows - 1) / kGroupRows;
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(gate_up[e].scalar_type() == dtype && down[e].scalar_type() == dtype && gate_up[e].is_contiguous() &&
+                    down[e].is_contiguous() && gate_up[e].sizes() == at::IntArrayRef({2 * I, H}) &&
+                    down[e].sizes() == at::IntArrayRef({H, I}),
+                "moe_experts_chain: expert ", e, "'s weights are not contiguous ", dtype, " [2I, H] and [H, I] with I = ", I);
+    TORCH_CHECK(!packed || (gate_up_packs[e].scalar_type() == dtype && down_packs[e].scalar_type() == dtype &&
+                            gate_up_packs[e].is_contiguous() && down_packs[e].is_contiguous() &&
+                            gate_up_packs[e].sizes() == at::IntArrayRef({2, gu_groups, H, kGroupRows}) &&
+                            down_packs[e].sizes() == at::IntArrayRef({1, dn_groups, I, kGroupRows})),
+                "moe_experts_chain: expert ", e, "'s packs ", gate_up_packs[e].sizes(), " and ", down_packs[e].sizes(),
+                " are not pack_chain_weight's of its weights (gate_up in 2 parts)");  // built only on failure
+  }
+  if (dtype == at::kFloat)
+    return chain_experts<float>(hidden, chosen, gate_up, down, gate_up_packs, down_packs, k_chunk, gate_up_leaves,
+                                down_leaves);
+  return chain_experts<at::BFloat16>(hidden, chosen, gate_up, down, gate_up_packs, down_packs, k_chunk, gate_up_leaves,
+                                     down_leaves);
 }
 
 // ops.silu_mul (inference) in one pass: silu_mul_run over runs of each row. Gate and up are read through
@@ -1687,7 +1810,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fixed_sum", &fixed_sum, "ops.fixed_sum for an fp32 CPU tensor");
   m.def("rms_norm", &rms_norm, "ops.rms_norm (inference) for a CPU tensor");
   m.def("linear", &linear, "ops._linear_forward for CPU tensors");
-  m.def("moe_experts_fp32", &moe_experts_fp32, "ops.moe_experts for fp32 inference, unsharded, in one call");
+  m.def("pack_chain_weight", &pack_chain_weight, "a weight [N, K] laid out once for few rows on the chain path");
+  m.def("moe_experts_chain", &moe_experts_chain, "ops.moe_experts (fp32 or bf16, unsharded) on the chain path in one call");
   m.def("silu_mul", &silu_mul, "ops.silu_mul (inference) for CPU tensors");
   m.def("attention", &attention, "ops._attention_kernel without faults, for CPU tensors");
   m.def("attention_backward", &attention_backward, "_Attention.backward's products and sums, fused");
