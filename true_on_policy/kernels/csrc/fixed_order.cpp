@@ -333,10 +333,8 @@ void few_rows_times_group(const float* x, int64_t ldx, int64_t M, const TB* grou
   for (int64_t i = 0; i < M; ++i) std::copy(sums.data() + i * width, sums.data() + i * width + nn, c + i * ldc);
 }
 
-// few_rows_times_group's entries for weight rows w [N, K] (w[n * ldw + k], fp32 or bf16 widened) laid out in this
-// call: per group of rows, each leaf's panels in turn (weight_panel), so that they stay in the L1 cache where a
-// whole group's would not; each leaf's fma_chain_rows, then the tree over the leaves, as fma_chain_tree_rows.
-// c[i * ldc + n]; scratch: buffers the caller keeps.
+// few_rows_times_group over weight rows w [N, K] (w[n * ldw + k], fp32 or bf16 widened) laid out in this call,
+// one group at a time (weight_panel); c[i * ldc + n]; scratch: buffers the caller keeps.
 constexpr int64_t kFewRows = 4;  // up to this many rows, a linear's rows are broadcast against weight panels
 struct PanelScratch {
   std::vector<float> panel, sums;
@@ -344,21 +342,12 @@ struct PanelScratch {
 template <typename T>
 void few_rows_times_weight(const float* x, int64_t ldx, int64_t M, const T* w, int64_t ldw, int64_t N, int64_t K,
                            int64_t k_chunk, int64_t leaves, float* c, int64_t ldc, PanelScratch& s) {
-  const int64_t width = K / leaves;
-  s.panel.resize(width * kGroupRows);
+  s.panel.resize(K * kGroupRows);
   for (int64_t n0 = 0; n0 < N; n0 += kGroupRows) {
-    const int64_t nn = std::min(kGroupRows, N - n0), n16 = round_up(nn, kLanes);
-    s.sums.resize((leaves * M + kMaxRows) * n16);  // each leaf's [M, n16], then fma_chain_rows' partials
-    float* part = s.sums.data() + leaves * M * n16;
-    for (int64_t j = 0; j < leaves; ++j) {
-      for (int64_t p = 0; p < nn; p += kLanes)
-        weight_panel(w + (n0 + p) * ldw + j * width, ldw, std::min(kLanes, nn - p), width, s.panel.data() + p,
-                     kGroupRows);
-      fma_chain_rows(x + j * width, ldx, 1, M, s.panel.data(), kGroupRows, width, n16, k_chunk,
-                     s.sums.data() + j * M * n16, n16, part);
-    }
-    tree_combine_in_place(s.sums.data(), leaves, M * n16);
-    for (int64_t i = 0; i < M; ++i) std::copy(s.sums.data() + i * n16, s.sums.data() + i * n16 + nn, c + i * ldc + n0);
+    const int64_t nn = std::min(kGroupRows, N - n0);
+    for (int64_t p = 0; p < nn; p += kLanes)
+      weight_panel(w + (n0 + p) * ldw, ldw, std::min(kLanes, nn - p), K, s.panel.data() + p, kGroupRows);
+    few_rows_times_group(x, ldx, M, s.panel.data(), K, nn, k_chunk, leaves, c + n0, ldc, s.sums);
   }
 }
 
