@@ -260,15 +260,38 @@ def test_a_packed_weight_gives_the_linears_bits():
                 assert not torch.equal(lib.dot_matmul(x, w, ops.K_CHUNK, 1, False), lib.dot_matmul(x, w, ops.K_CHUNK, 1, True))
                 hidden = pack.tensors[1].clone()
                 hidden[:, 0] = 127  # exponents that hide the denormals: the group runs on the dot product
-                blind = ops.WeightPack(pack.shape, (pack.tensors[0], hidden))
+                blind = ops.WeightPack(pack.shape, pack.path, (pack.tensors[0], hidden))
                 assert not torch.equal(ops.linear(x, w, pack=blind), ops.linear(x, w))
             for out_dtype, k_parts in ((torch.bfloat16, 1), (torch.float32, 2)):
                 packed = ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts, pack=pack)
                 fast, reference = both_paths(lambda: ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts))
                 assert torch.equal(packed, fast) and torch.equal(packed, reference), (n, k, m, out_dtype)
-    assert ops.pack_weight(w.float()) is None and ops.pack_weight(w[:8]) is None  # fp32; narrow: padded first
+    assert ops.pack_weight(w.float()).path == "chain" and ops.pack_weight(w[:8]) is None  # narrow: padded first
     with pytest.raises(ValueError, match=r"a pack of a weight \[16, 3072\] for a weight \[40, 256\]"):
         ops.linear(x[:, :256], w[:0].new_zeros(40, 256), pack=pack)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chain_packed_weight_gives_the_linears_bits(dtype):
+    """A weight laid out once for the chain path (ops.pack_weight: what vLLM's linears keep between weight
+    loads) gives the bits of the weight read as it is, and of the torch code: the rows that read it (fp32 up to
+    4, bf16 up to 64) and those around them, partial 64-row groups, leaves, and a row-parallel shard. bf16 is
+    on the chain path where the dot path is not built or checked; the kernel runs directly on every CPU."""
+    g, lib = gen(10), native.lib()
+    for n, k in [(12, 64), (100, 256), (1024, 512), (16, 3072)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+        pack = ops.WeightPack((n, k), "chain", (lib.pack_chain_weight(w, 1),))
+        for m in (1, 4, 5, 64, 65):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            for out_dtype, k_parts in ((dtype, 1), (torch.float32, 2)):
+                leaves = ops.local_leaves(k, k_parts)
+                packed = lib.linear(x, w, None, out_dtype, ops.TILE_ROWS, ops.K_CHUNK, leaves, True, False, [*pack.tensors])
+                fast, reference = both_paths(lambda: ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts))
+                assert torch.equal(packed, fast) and torch.equal(packed, reference), (n, k, m, out_dtype)
+                if ops.pack_weight(w).path == "chain":  # dispatched: ops.linear reads it
+                    assert torch.equal(ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts, pack=pack), reference)
+    with pytest.raises(RuntimeError, match=r"a chain pack must be pack_chain_weight\(weight, 1\) of the weight \[16, 3072\]"):
+        lib.linear(x[:1], w, None, dtype, ops.TILE_ROWS, ops.K_CHUNK, 1, True, False, [lib.pack_chain_weight(w.t().contiguous(), 1)])
 
 
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="weights are packed only for the dot path (AVX512-BF16)")
@@ -298,7 +321,7 @@ def test_packed_experts_in_one_native_call_are_the_torch_codes_bits():
     down = [(torch.randn(H, inter, generator=g) * 0.05).to(torch.bfloat16) for _ in range(E)]
     gate_up[2][5] = (torch.randn(H, generator=g) * 2.0**-130).to(torch.bfloat16)  # a row the dot product flushes
     packs = ([ops.pack_weight(w) for w in gate_up], [ops.pack_weight(w) for w in down])
-    assert ops._native_moe_experts(torch.zeros(1, H, dtype=torch.bfloat16), gate_up, down, 1, None, packs) is not None
+    assert ops._native_moe_experts(torch.zeros(1, H, dtype=torch.bfloat16), gate_up, down, 1, None, packs) == "dot"
     for tokens in (1, 4, 70):
         hidden = (torch.randn(tokens, H, generator=g) * 2.0**20).to(torch.bfloat16)
         chosen = torch.stack([torch.randperm(E - 1, generator=g)[:top_k] for _ in range(tokens)])  # expert 5: none
@@ -332,7 +355,7 @@ def test_experts_on_the_chain_path_in_one_native_call_are_the_torch_codes_bits(d
     lib = native.lib()
     chain_packs = [[lib.pack_chain_weight(w, 2) for w in gate_up], [lib.pack_chain_weight(w, 1) for w in down]]
     dispatched = dtype == torch.float32 or native.bf16_dot_lib() is None
-    assert (ops._native_moe_experts(torch.zeros(1, H, dtype=dtype), gate_up, down, 1, None, None) is lib) == dispatched
+    assert (ops._native_moe_experts(torch.zeros(1, H, dtype=dtype), gate_up, down, 1, None, None) == "chain") == dispatched
     for tokens in (1, 4, 12, 150):
         hidden = torch.randn(tokens, H, generator=g).to(dtype)
         chosen = torch.stack([torch.randperm(E - 1, generator=g)[:top_k] for _ in range(tokens)])  # expert 5: none
@@ -357,10 +380,19 @@ def test_experts_on_the_chain_path_in_one_native_call_are_the_torch_codes_bits(d
 
 
 def test_twin_a_chain_pack_is_a_copy_that_a_weight_load_leaves_stale():
-    """Why vLLM's weight loader drops the experts' packs on the chain path too (vllm_adapter.patches,
-    moe.load): a chain pack is a copy, so after the weights are written a kept pack computes the old experts
-    at decode height, and a pack built again computes the new ones."""
+    """Why vLLM's weight loaders drop the linears' and the experts' packs on the chain path too
+    (vllm_adapter.patches: linear.weights, embedding.weights, moe.load): a chain pack is a copy, so after the
+    weights are written a kept pack computes the old linear and the old experts at decode height, and a pack
+    built again computes the new ones."""
     g = gen(9)
+    w, x = torch.randn(64, 256, generator=g) * 0.05, torch.randn(1, 256, generator=g)
+    pack = ops.pack_weight(w)
+    assert pack is not None and pack.path == "chain"
+    before = ops.linear(x, w)
+    w.data.add_(0.01)  # as a weight loader writes: into .data, no version bump a cache could see
+    assert not torch.equal(ops.linear(x, w), before)
+    assert torch.equal(ops.linear(x, w, pack=pack), before)
+    assert torch.equal(ops.linear(x, w, pack=ops.pack_weight(w)), ops.linear(x, w))
     E, H, inter = 4, 64, 32
     gate_up = [torch.randn(2 * inter, H, generator=g) * 0.1 for _ in range(E)]
     down = [torch.randn(H, inter, generator=g) * 0.1 for _ in range(E)]

@@ -332,40 +332,54 @@ def linear_epilogue(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: tor
 
 @dataclasses.dataclass(frozen=True)
 class WeightPack:
-    """A weight [N, K] laid out once for a native path: the dot path's (:func:`pack_weight`: bf16 16-column
-    panels, pairs of k interleaved, and their values' exponent range) or the chain path's
-    (:func:`pack_experts`: 64-row groups of the transpose). A relayout, no arithmetic: a product given it
-    computes the bits it computes from the weight. Valid while the weight is unchanged; whoever writes the
-    weight drops its pack."""
+    """A weight [N, K] laid out once for the native path :func:`linear` takes on it (``path``): "dot" (bf16
+    16-column panels, pairs of k interleaved, and their values' exponent range) or "chain" (64-row groups of
+    the transpose, in ``parts`` row blocks each from a group's start). A relayout, no arithmetic: a product
+    given it computes the bits it computes from the weight. Valid while the weight is unchanged; whoever
+    writes the weight drops its pack."""
 
     shape: tuple[int, int]
+    path: str
     tensors: tuple[torch.Tensor, ...]
+    parts: int = 1  # a linear reads a pack of one part; the experts' gate_up packs have two
 
 
-def pack_weight(weight: torch.Tensor) -> WeightPack | None:
-    """``weight``'s :class:`WeightPack` where :func:`linear` would read it on the native dot path (bf16, on
-    a CPU whose vdpbf16ps was checked, K even), else None (the linear then reads the weight as it is)."""
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[1] % 2:
+def _native_path(x_dtype: torch.dtype, weight: torch.Tensor, k_per_leaf: int) -> str | None:
+    """The native path :func:`linear` runs for a weight [N, K] of N >= FMA_CHAIN_MIN_N on CPU: "dot" (bf16
+    operands, an even reduction per leaf, the dot product checked), "chain" (the fma chain checked for N
+    columns), or None (the aten calls)."""
+    if weight.device.type != "cpu" or native.fma_chain_lib(weight.shape[0]) is None:
         return None
-    if weight.shape[0] < native.FMA_CHAIN_MIN_N or (lib := native.bf16_dot_lib()) is None:
-        return None  # a narrow weight is padded first: the linear reads the padded copy
-    return WeightPack(tuple(weight.shape), tuple(lib.pack_dot_weight(weight)))
+    if x_dtype == weight.dtype == torch.bfloat16 and k_per_leaf % 2 == 0 and native.bf16_dot_lib() is not None:
+        return "dot"
+    return "chain"
+
+
+def pack_weight(weight: torch.Tensor, parts: int = 1) -> WeightPack | None:
+    """``weight``'s :class:`WeightPack` for the native path a linear of its dtype takes on it (an fp32 or bf16
+    weight [N, K] on CPU, whose ``parts`` row blocks are each a linear of N / ``parts`` >= FMA_CHAIN_MIN_N
+    features), else None (the linear then reads the weight as it is; a narrow weight is padded first)."""
+    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.shape[0] % parts:
+        return None
+    block = weight[: weight.shape[0] // parts]
+    path = _native_path(weight.dtype, block, weight.shape[1])
+    if path == "dot" and parts == 1:
+        return WeightPack(tuple(weight.shape), path, tuple(native.lib().pack_dot_weight(weight)))
+    if path == "chain":
+        return WeightPack(tuple(weight.shape), path, (native.lib().pack_chain_weight(weight, parts),), parts)
+    return None
 
 
 def pack_experts(gate_up, down) -> tuple[list[WeightPack], list[WeightPack]] | None:
     """The experts' weights laid out once for :func:`moe_experts`' native call (gate_up packs, down packs), or
-    None where it reads none. bf16 where the dot path is checked: every weight's :func:`pack_weight`. fp32, or
-    bf16 without the dot path: every weight's chain pack, which an expert of few rows (decode) reads instead of
-    laying its weights out in every call -- gate_up's gate and up rows each packed from a group's start."""
-    if len(gate_up) == 0 or gate_up[0].device.type != "cpu" or gate_up[0].dtype not in (torch.float32, torch.bfloat16):
+    None where it reads none: every weight's :func:`pack_weight`, gate_up's gate and up rows each from a group's
+    start on the chain path (which an expert of few rows reads instead of laying its weights out in every call)."""
+    if len(gate_up) == 0:
         return None
-    if gate_up[0].dtype == torch.bfloat16 and native.bf16_dot_lib() is not None:
-        packs = ([pack_weight(w) for w in gate_up], [pack_weight(w) for w in down])
-        return packs if all(p is not None for p in packs[0] + packs[1]) else None
-    if (lib := native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0]))) is None:
-        return None
-    return ([WeightPack(tuple(w.shape), (lib.pack_chain_weight(w, 2),)) for w in gate_up],
-            [WeightPack(tuple(w.shape), (lib.pack_chain_weight(w, 1),)) for w in down])
+    parts = 2 if _native_path(gate_up[0].dtype, gate_up[0], gate_up[0].shape[1]) == "chain" else 1
+    packs = ([pack_weight(w, parts) for w in gate_up], [pack_weight(w) for w in down])
+    paths = {p.path if p is not None else None for p in packs[0] + packs[1]}
+    return packs if len(paths) == 1 and None not in paths else None
 
 
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype,
@@ -392,13 +406,12 @@ def _padded_linear_forward(x, weight, bias, out_dtype, leaves: int, pack: Weight
     height = tile_rows(m, k, n, TILE_ROWS, x.device, leaves)
     with _no_autocast(x.device):
         if x.device.type == "cpu" and (lib := native.lib()) is not None:
-            # from C++: the same entries as fma chains where MKL's are (checked), else the same aten calls
-            chain = native.fma_chain_lib(n) is not None
-            # bf16 read as bf16 by the dot-product instruction: the same fma chains
-            dot = x.dtype == weight.dtype == torch.bfloat16 and (k // leaves) % 2 == 0
-            dot = dot and native.bf16_dot_lib() is not None
-            packed = pack.tensors if dot and pack is not None else None
-            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, leaves, chain, dot, packed)
+            # from C++: the same entries as fma chains where MKL's are (checked), bf16 read as bf16 by the
+            # dot-product instruction where it was checked (the same fma chains), else the same aten calls
+            path = _native_path(x.dtype, weight, k // leaves)
+            packed = pack.tensors if pack is not None and pack.path == path and pack.parts == 1 else None
+            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, leaves, path is not None, path == "dot",
+                              packed)
         if m == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
         tiles = -(-m // height)
@@ -467,7 +480,8 @@ def linear(
     fp32 subtrees, in rank order, then :func:`linear_epilogue` is bitwise the unsharded linear.
 
     ``pack``: ``weight``'s :func:`pack_weight`, for an inference engine whose weights change only when
-    it loads them: the same bits, without laying the weight out again in every call.
+    it loads them: the same bits, without laying the weight out again in every call (a pack for another
+    path than this call's is not read).
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -1035,10 +1049,10 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
         raise ValueError("moe_experts: k_parts > 1 needs gather (the shards' partials in shard order)")
     if packs is not None and not (len(packs) == 2 and len(packs[0]) == len(packs[1]) == len(gate_up)):
         raise ValueError(f"moe_experts: packs must be (gate_up packs, down packs) for {len(gate_up)} experts")
-    if (lib := _native_moe_experts(hidden, gate_up, down, k_parts, experts, packs)) is not None:
-        gate_up_list, down_list = list(gate_up), list(down)
+    if (path := _native_moe_experts(hidden, gate_up, down, k_parts, experts, packs)) is not None:
+        lib, gate_up_list, down_list = native.lib(), list(gate_up), list(down)
         leaves = (local_leaves(hidden.shape[-1], 1), local_leaves(down_list[0].shape[-1], 1))
-        if hidden.dtype == torch.bfloat16 and native.bf16_dot_lib() is not None:
+        if path == "dot":
             per_slot = lib.moe_experts(hidden, top_k_index, gate_up_list, down_list, [p.tensors for p in packs[0]],
                                        [p.tensors for p in packs[1]], K_CHUNK, *leaves)
         else:
@@ -1073,11 +1087,11 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
     return per_slot.view(tokens, top_k, width)
 
 
-def _native_moe_experts(hidden, gate_up, down, k_parts, experts, packs):
-    """The library where :func:`moe_experts` runs as one native call -- inference on CPU, unsharded, hidden and
-    weights of one dtype -- else None: bf16 on the dot path with every expert packed and an intermediate size of
-    whole column groups; fp32, or bf16 where the dot path is not checked, on the chain path (the linears' fma
-    chains checked for both widths)."""
+def _native_moe_experts(hidden, gate_up, down, k_parts, experts, packs) -> str | None:
+    """The native path on which :func:`moe_experts` runs as one call -- inference on CPU, unsharded, hidden and
+    weights of one dtype -- else None: "dot" (bf16 where the dot product is checked, every expert packed, an
+    intermediate size of whole column groups), "chain" (fp32, or bf16 without the dot path, the linears' fma
+    chains checked for both widths; packs, where given, are chain packs)."""
     if k_parts != 1 or experts is not None or hidden.device.type != "cpu" or hidden.dim() != 2 or len(gate_up) == 0:
         return None
     if torch.is_grad_enabled() and (hidden.requires_grad or gate_up[0].requires_grad or down[0].requires_grad):
@@ -1087,8 +1101,8 @@ def _native_moe_experts(hidden, gate_up, down, k_parts, experts, packs):
     if hidden.dtype == torch.bfloat16 and native.bf16_dot_lib() is not None:
         if packs is None or gate_up[0].shape[0] % (2 * NATIVE_MOE_GROUP):
             return None
-        return native.bf16_dot_lib()
-    return native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0]))
+        return "dot"
+    return "chain" if native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0])) is not None else None
 
 
 NATIVE_MOE_GROUP = 32  # columns of the native dot path's column group (csrc: kDotGroup)

@@ -9,7 +9,9 @@ what the training forward (:mod:`true_on_policy.kernels.model`) computes for the
 * RMSNorm: vLLM's fused ``norm(x, residual)`` is HF's ``residual + x`` in the model dtype, then
   :func:`ops.rms_norm` (HF adds the residual in the model dtype, vLLM's stock kernel in fp32).
 * linear: one :func:`ops.linear` per projection of a fused layer (qkv, gate_up), on the unpacked
-  weight, so each projection's bits are those of the training model's separate ``nn.Linear``.
+  weight, so each projection's bits are those of the training model's separate ``nn.Linear``; each
+  projection's weight laid out once for its native path (:func:`linear_packs`, rebuilt after every
+  weight load), which decode's few rows read.
 * MoE: :func:`ops.moe_experts` on the experts' weights as loaded, each laid out once for its native
   call (:func:`expert_packs`, rebuilt after every weight load).
 * attention: keys/values stored unpacked in vLLM's paged cache and read there by
@@ -163,7 +165,8 @@ CONSISTENT_ROPES = {
 
 
 def linear_apply(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One :func:`ops.linear` per output partition (q, k, v / gate, up), concatenated."""
+    """One :func:`ops.linear` per output partition (q, k, v / gate, up), concatenated, each reading its
+    partition's pack (:func:`linear_packs`)."""
     weight = layer.weight
     sizes = list(getattr(layer, "output_partition_sizes", None) or [weight.shape[0]])
     if sum(sizes) != weight.shape[0]:
@@ -171,12 +174,13 @@ def linear_apply(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> to
             f"true_on_policy (vLLM): {type(layer).__name__} partitions {sizes} do not cover its weight "
             f"{tuple(weight.shape)}"
         )
+    packs = linear_packs(layer, sizes)
     if len(sizes) == 1:
-        return ops.linear(x, weight, bias)
+        return ops.linear(x, weight, bias, pack=packs[0])
     outs, start = [], 0
-    for size in sizes:
+    for size, pack in zip(sizes, packs):
         b = None if bias is None else bias[start : start + size]
-        outs.append(ops.linear(x, weight[start : start + size], b))
+        outs.append(ops.linear(x, weight[start : start + size], b, pack=pack))
         start += size
     return torch.cat(outs, dim=-1)
 
@@ -184,7 +188,8 @@ def linear_apply(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> to
 def lm_head_logits(lm_head, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """fp32 logits from the consistent linear (the training side's ConsistentLMHead); at TP > 1 this
     rank's vocabulary shard, which vLLM's logits processor all-gathers."""
-    return ops.linear(hidden_states, lm_head.weight, bias, out_dtype=torch.float32)
+    pack = linear_packs(lm_head, [lm_head.weight.shape[0]])[0]
+    return ops.linear(hidden_states, lm_head.weight, bias, out_dtype=torch.float32, pack=pack)
 
 
 def _tp_group():
@@ -214,10 +219,11 @@ def row_parallel_forward(layer, input_: torch.Tensor):
     else:
         x = input_.chunk(tp, dim=-1)[layer.tp_rank].contiguous()
     bias = None if layer.skip_bias_add else layer.bias
+    pack = linear_packs(layer, [layer.weight.shape[0]])[0]
     if tp == 1:
-        out = ops.linear(x, layer.weight, bias)
+        out = ops.linear(x, layer.weight, bias, pack=pack)
     else:
-        partial = ops.linear(x, layer.weight, None, torch.float32, k_parts=tp)
+        partial = ops.linear(x, layer.weight, None, torch.float32, k_parts=tp, pack=pack)
         out = ops.linear_epilogue(ops.tree_combine(_gather_list(_tp_group(), partial)), bias, x.dtype)
     if not layer.return_bias:
         return out
@@ -251,19 +257,38 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 _PACKS = "_true_on_policy_packs"
 
 
-def expert_packs(holder) -> tuple[list, list] | None:
-    """The experts' weights laid out once for the native call (:func:`ops.pack_experts`), built on first use
-    after every weight load -- :mod:`.patches` drops them whenever vLLM writes or post-processes the weights --
-    or None where it reads none."""
+def _kept_packs(holder, build):
+    """``build()`` -- ``holder``'s weights laid out once -- kept on ``holder`` (a weight, or the experts'
+    module) from its first use until :func:`drop_packs`: :mod:`.patches` drops them whenever vLLM writes
+    or post-processes the weights."""
     packs = holder.__dict__.get(_PACKS)
     if packs is None:
-        packs = ops.pack_experts(holder.w13_weight, holder.w2_weight) or ()
+        packs = build()
         holder.__dict__[_PACKS] = packs
-    return packs or None
+    return packs
 
 
-def drop_expert_packs(holder) -> None:
-    """Forget ``holder``'s :func:`expert_packs` (its weights are being written)."""
+def linear_packs(layer, sizes: list[int]) -> tuple:
+    """The :func:`ops.pack_weight` of each output partition of ``layer.weight`` (None where a linear reads
+    none), built on first use after every weight load; kept on the weight, which a tied LM head shares
+    with the embedding that loads it."""
+    weight = layer.weight
+
+    def build():
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return tuple(ops.pack_weight(weight[s : s + size]) for s, size in zip(starts, sizes))
+
+    return _kept_packs(weight, build)
+
+
+def expert_packs(holder) -> tuple[list, list] | None:
+    """The experts' weights laid out once for the native call (:func:`ops.pack_experts`), built on first use
+    after every weight load, or None where it reads none."""
+    return _kept_packs(holder, lambda: ops.pack_experts(holder.w13_weight, holder.w2_weight) or ()) or None
+
+
+def drop_packs(holder) -> None:
+    """Forget the :func:`linear_packs` or :func:`expert_packs` kept on ``holder`` (being written)."""
     holder.__dict__.pop(_PACKS, None)
 
 
@@ -287,7 +312,8 @@ def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     parallel = holder.moe_config.moe_parallel_config
     shape = hidden_states.shape
     h = hidden_states.reshape(-1, shape[-1])
-    router_logits = ops.linear(h, block.gate.weight, out_dtype=torch.float32)
+    gate_pack = linear_packs(block.gate, [block.gate.weight.shape[0]])[0]
+    router_logits = ops.linear(h, block.gate.weight, out_dtype=torch.float32, pack=gate_pack)
     weights, chosen = ops.moe_route(router_logits, top_k, renormalize)
     if parallel.use_ep and parallel.ep_size > 1:
         per_slot = _expert_parallel_slots(holder, h, chosen, num_experts)

@@ -21,9 +21,10 @@ whole footprint.
   Tensor parallelism (a power of two <= ``ops.MAX_TP``) and expert parallelism run the same bits:
   the row-parallel linears' and the vocabulary-parallel embedding's combines are replaced
   (:func:`.layers.row_parallel_forward`, :func:`.layers.vocab_parallel_embedding_forward`), the MoE
-  block handles both splits; PP, DP and EPLB are refused. The experts' weights stay unpacked (verl's
-  sync writes into them); their packs (:func:`.layers.expert_packs`) are dropped by the
-  experts' weight loader and by the post-load step, and rebuilt on first use.
+  block handles both splits; PP, DP and EPLB are refused. The weights stay unpacked (verl's sync
+  writes into them); their packs (:func:`.layers.linear_packs`, :func:`.layers.expert_packs`) are
+  dropped by the weight loaders (each linear's and embedding's is wrapped where its weight is
+  created) and the experts' post-load step, and rebuilt on first use.
 * ``apply_consistent("cuda")`` (``platform: cuda`` + ``kernels: project``, flag on): the same model,
   linear, LM-head, log-softmax and MoE patches on vLLM's GPU model runner and sampler, and the
   project's attention as the ``CUSTOM`` backend (:class:`.layers.DeviceAttentionBackend`). Written
@@ -63,10 +64,17 @@ def _replace(owner, name: str, expected: tuple[str, ...], new) -> None:
 
 
 _SAMPLER_PARAMS = ("self", "logits", "generators", "k", "p")
+_CREATE_WEIGHTS = ("self", "layer", "input_size_per_partition", "output_partition_sizes", "input_size", "output_size",
+                   "params_dtype", "extra_weight_attrs")
 _SAMPLER = "vllm.v1.sample.ops.topk_topp_sampler"
 # Patched targets of apply_consistent: name -> (module, class, attribute, its parameters in vLLM 0.28.0).
 TARGETS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "linear.apply": ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "apply", ("self", "layer", "x", "bias")),
+    "linear.weights": ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "create_weights", _CREATE_WEIGHTS),
+    "embedding.weights": (
+        "vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod", "create_weights",
+        _CREATE_WEIGHTS,
+    ),
     "lm_head": (
         "vllm.model_executor.layers.logits_processor", "LogitsProcessor", "_apply_head",
         ("self", "lm_head", "hidden_states", "embedding_bias"),
@@ -95,8 +103,8 @@ TARGETS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "cuda.sample_cuda": (_SAMPLER, "TopKTopPSampler", "forward_cuda", _SAMPLER_PARAMS),
 }
 SHARED_TARGETS = (
-    "linear.apply", "lm_head", "logprobs", "moe.init", "moe.weights", "moe.forward", "moe.load",
-    "row_parallel.forward", "embedding.forward",
+    "linear.apply", "linear.weights", "embedding.weights", "lm_head", "logprobs", "moe.init", "moe.weights",
+    "moe.forward", "moe.load", "row_parallel.forward", "embedding.forward",
 )
 DEVICE_TARGETS = {"cpu": ("cpu.load_model", "cpu.sample"), "cuda": ("cuda.load_model", "cuda.sample_native", "cuda.sample_cuda")}
 
@@ -204,6 +212,35 @@ def apply_consistent(device: str = "cpu") -> None:
 
     _patch("linear.apply", linear_apply)
 
+    # Every write into a linear's or an embedding's (the LM head's) weight goes through the weight loader it
+    # is created with (vLLM's loading, verl's sync): wrapped to drop the weight's packs (layers.linear_packs).
+    def dropping_packs(name):
+        owner, attr, _ = _target(name)
+        original = getattr(owner, attr)
+
+        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                           params_dtype, **extra_weight_attrs):
+            loader = extra_weight_attrs.get("weight_loader")
+            if loader is None:
+                raise UnsupportedFeatureError(
+                    f"true_on_policy (vLLM): {type(layer).__name__} creates its weight without a weight loader, "
+                    "through which its packs would be dropped on a weight load"
+                )
+
+            @functools.wraps(loader)
+            def weight_loader(param, *args, **kwargs):
+                layers.drop_packs(param)
+                return loader(param, *args, **kwargs)
+
+            extra_weight_attrs["weight_loader"] = weight_loader
+            return original(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                            params_dtype, **extra_weight_attrs)
+
+        return create_weights
+
+    for name in ("linear.weights", "embedding.weights"):
+        _patch(name, dropping_packs(name))
+
     def apply_head(self, lm_head, hidden_states, embedding_bias):
         return layers.lm_head_logits(lm_head, hidden_states, embedding_bias)
 
@@ -254,7 +291,7 @@ def apply_consistent(device: str = "cpu") -> None:
         """No CPU kernel set-up (it re-lays w13 out): the block runs layers.moe_block_forward on
         the loaded [E, 2I, H] / [E, H, I] weights, which verl's weight sync writes into; their packs
         (layers.expert_packs) are dropped, to be rebuilt from them."""
-        layers.drop_expert_packs(layer)
+        layers.drop_packs(layer)
 
     _patch("moe.weights", moe_keep_unpacked)
 
@@ -262,7 +299,7 @@ def apply_consistent(device: str = "cpu") -> None:
     original_weight_loader = moe_experts_cls.weight_loader
 
     def moe_weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
-        layers.drop_expert_packs(self)  # every write into the experts' weights: bound when the layer is built
+        layers.drop_packs(self)  # every write into the experts' weights: bound when the layer is built
         return original_weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success)
 
     _patch("moe.load", moe_weight_loader)

@@ -336,6 +336,10 @@ void few_rows_times_group(const float* x, int64_t ldx, int64_t M, const TB* grou
 // few_rows_times_group over weight rows w [N, K] (w[n * ldw + k], fp32 or bf16 widened) laid out in this call,
 // one group at a time (weight_panel); c[i * ldc + n]; scratch: buffers the caller keeps.
 constexpr int64_t kFewRows = 4;  // up to this many rows, a linear's rows are broadcast against weight panels
+
+// Up to this many rows a product reads its weight's chain pack (few_rows_times_group) when it has one: more fp32
+// rows read the weight as it is (transposed, the rows as lanes), where bf16's would widen every weight block first.
+int64_t chain_pack_rows(at::ScalarType weight_dtype) { return weight_dtype == at::kFloat ? kFewRows : kGroupRows; }
 struct PanelScratch {
   std::vector<float> panel, sums;
 };
@@ -1005,9 +1009,8 @@ at::Tensor chain_experts(const at::Tensor& hidden, const at::Tensor& chosen, con
   const int64_t E = gate_up.size(), tokens = hidden.size(0), H = hidden.size(1), top_k = chosen.size(1);
   const int64_t I = gate_up[0].size(0) / 2;
   const bool packed = !gate_up_packs.empty();
-  // an expert of up to few_rows rows runs its rows against weight panels; with packs, a bf16 expert of up to a
-  // group's rows too: its transposed path would widen each weight block first, where the pack is read widened
-  const int64_t few_rows = packed && !std::is_same_v<T, float> ? kGroupRows : kFewRows;
+  // an expert of up to few_rows rows runs its rows against weight panels (chain_pack_rows with packs)
+  const int64_t few_rows = packed ? chain_pack_rows(hidden.scalar_type()) : kFewRows;
   std::vector<int64_t> start, order;
   std::tie(start, order) = expert_pairs(chosen, E);
   // few rows, expert e's rows x[e] [count, H] and activations act[e] [count, I]; else its rows as columns,
@@ -1177,6 +1180,7 @@ at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
 // leaves (each in k_chunk chunks whose fp32 partials are added in order) combined by the pairwise tree
 // (ops.matmul_tree); the same aten calls as the Python code, minus its dispatch.
 // chain (N >= 12, the fma chain checked): the same entries as fma chains with no tile to pad -- up to
+// chain_pack_rows rows against the weight's chain pack where given (few_rows_times_group), else up to
 // kFewRows rows broadcast against the weight's panels (few_rows_times_weight), up to one block of lanes
 // computed transposed (weight rows times the input rows as columns), for more the input rows times the
 // weight transposed once per call into column-block panels, in items of (row block, column block).
@@ -1234,6 +1238,24 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                           std::min(kBlockCols, n16 - n0), k_chunk, leaves, o + r0 * n16 + n0, n16);
     });
     if (n16 != n) out = out.narrow(1, 0, n);
+  } else if (chain && pack && m <= chain_pack_rows(weight.scalar_type())) {
+    const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
+    const auto& p = (*pack)[0];
+    TORCH_CHECK(pack->size() == 1 && p.scalar_type() == weight.scalar_type() && p.is_contiguous() &&
+                    p.sizes() == at::IntArrayRef({1, groups, k, kGroupRows}),
+                "linear: a chain pack must be pack_chain_weight(weight, 1) of the weight ", weight.sizes(), " ",
+                weight.scalar_type(), ", got ", pack->size(), " tensors, the first ", p.sizes(), " ", p.scalar_type());
+    const auto xf = rows.to(at::kFloat).contiguous();
+    out = at::empty({m, n}, xf.options());
+    for_each_item(groups, [] { return std::vector<float>(); }, [&](std::vector<float>& sums, int64_t g) {
+      const int64_t nn = std::min(kGroupRows, n - g * kGroupRows), offset = g * k * kGroupRows;
+      float* c = out.data_ptr<float>() + g * kGroupRows;
+      if (p.scalar_type() == at::kFloat)
+        few_rows_times_group(xf.data_ptr<float>(), k, m, p.data_ptr<float>() + offset, k, nn, k_chunk, leaves, c, n, sums);
+      else
+        few_rows_times_group(xf.data_ptr<float>(), k, m, p.data_ptr<at::BFloat16>() + offset, k, nn, k_chunk, leaves, c,
+                             n, sums);
+    });
   } else if (chain && m <= kFewRows) {
     // a bf16 weight is widened into the panels: an fp32 copy of it would cost more than the products
     const bool bf16 = weight.scalar_type() == at::kBFloat16;
