@@ -13,7 +13,7 @@ what the training forward (:mod:`true_on_policy.kernels.model`) computes for the
   projection's weight laid out once for its native path (:func:`linear_packs`, rebuilt after every
   weight load), which decode's few rows read.
 * MoE: :func:`ops.moe_experts` on the experts' weights as loaded, each laid out once for its native
-  call (:func:`expert_packs`, rebuilt after every weight load).
+  call (:func:`expert_weights`, rebuilt after every weight load).
 * attention: keys/values stored unpacked in vLLM's paged cache and read there by
   :func:`ops.paged_attention` -- :func:`ops.attention` (absolute-position KV blocks, the same
   rescale cadence) on the cache in place.
@@ -281,15 +281,23 @@ def linear_packs(layer, sizes: list[int]) -> tuple:
     return _kept_packs(weight, build)
 
 
-def expert_packs(holder) -> tuple[list, list] | None:
-    """The experts' weights laid out once for the native call (:func:`ops.pack_experts`), built on first use
-    after every weight load, or None where it reads none."""
-    return _kept_packs(holder, lambda: ops.pack_experts(holder.w13_weight, holder.w2_weight) or ()) or None
+def expert_weights(holder) -> tuple[list, list, tuple | None]:
+    """The experts' weights as the per-expert views :func:`ops.moe_experts` takes (gate_up, down) and laid out
+    once for its native call (:func:`ops.pack_experts`, or None where it reads none), built on first use
+    after every weight load."""
+    def build():
+        gate_up, down = list(holder.w13_weight), list(holder.w2_weight)
+        return gate_up, down, ops.pack_experts(gate_up, down)
+
+    return _kept_packs(holder, build)
 
 
 def drop_packs(holder) -> None:
-    """Forget the :func:`linear_packs` or :func:`expert_packs` kept on ``holder`` (being written)."""
+    """Forget the :func:`linear_packs` or :func:`expert_weights` kept on ``holder`` (being written)."""
     holder.__dict__.pop(_PACKS, None)
+
+
+_HOLDER = "_true_on_policy_experts"  # the MoE block's module holding the experts' weights
 
 
 def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -304,11 +312,13 @@ def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     (:func:`ops.moe_experts` with ``k_parts``). Either way: the unsharded experts' bits.
     """
     top_k, renormalize, num_experts = block.true_on_policy_moe
-    holders = [m for m in block.experts.modules() if hasattr(m, "w13_weight")]
-    if len(holders) != 1:
-        raise UnsupportedFeatureError(f"true_on_policy (vLLM): {len(holders)} expert weight holders in one MoE block")
-    holder = holders[0]
-    w13, w2 = holder.w13_weight, holder.w2_weight
+    holder = block.__dict__.get(_HOLDER)
+    if holder is None:
+        holders = [m for m in block.experts.modules() if hasattr(m, "w13_weight")]
+        if len(holders) != 1:
+            raise UnsupportedFeatureError(f"true_on_policy (vLLM): {len(holders)} expert weight holders in one MoE block")
+        holder = block.__dict__[_HOLDER] = holders[0]
+    w13, w2, packs = expert_weights(holder)
     parallel = holder.moe_config.moe_parallel_config
     shape = hidden_states.shape
     h = hidden_states.reshape(-1, shape[-1])
@@ -320,11 +330,11 @@ def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     elif parallel.tp_size > 1:
         group = _tp_group()
         per_slot = ops.moe_experts(h, chosen, w13, w2, k_parts=parallel.tp_size,
-                                   gather=lambda partial: _gather_list(group, partial), packs=expert_packs(holder))
+                                   gather=lambda partial: _gather_list(group, partial), packs=packs)
     else:
-        if w13.shape[0] != num_experts:
-            raise UnsupportedFeatureError(f"true_on_policy (vLLM): {w13.shape[0]} local experts of {num_experts}")
-        per_slot = ops.moe_experts(h, chosen, w13, w2, packs=expert_packs(holder))
+        if len(w13) != num_experts:
+            raise UnsupportedFeatureError(f"true_on_policy (vLLM): {len(w13)} local experts of {num_experts}")
+        per_slot = ops.moe_experts(h, chosen, w13, w2, packs=packs)
     return ops.moe_combine(per_slot, weights).to(hidden_states.dtype).view(shape)
 
 
@@ -345,8 +355,8 @@ def _expert_parallel_slots(holder, h: torch.Tensor, chosen: torch.Tensor, num_ex
         holder.__dict__["_true_on_policy_owner"] = owner
     local = torch.nonzero(expert_map >= 0).flatten()
     local = local[torch.argsort(expert_map[local])].tolist()  # global ids in the order of the local weights
-    per_slot = ops.moe_experts(h, chosen, holder.w13_weight, holder.w2_weight, experts=local,
-                               packs=expert_packs(holder))
+    gate_up, down, packs = expert_weights(holder)
+    per_slot = ops.moe_experts(h, chosen, gate_up, down, experts=local, packs=packs)
     return ops.moe_select(_gather_list(group, per_slot), owner[chosen])
 
 

@@ -22,7 +22,7 @@ whole footprint.
   the row-parallel linears' and the vocabulary-parallel embedding's combines are replaced
   (:func:`.layers.row_parallel_forward`, :func:`.layers.vocab_parallel_embedding_forward`), the MoE
   block handles both splits; PP, DP and EPLB are refused. The weights stay unpacked (verl's sync
-  writes into them); their packs (:func:`.layers.linear_packs`, :func:`.layers.expert_packs`) are
+  writes into them); their packs (:func:`.layers.linear_packs`, :func:`.layers.expert_weights`) are
   dropped by the weight loaders (each linear's and embedding's is wrapped where its weight is
   created) and the experts' post-load step, and rebuilt on first use.
 * ``apply_consistent("cuda")`` (``platform: cuda`` + ``kernels: project``, flag on): the same model,
@@ -290,7 +290,7 @@ def apply_consistent(device: str = "cpu") -> None:
     def moe_keep_unpacked(self, layer):
         """No CPU kernel set-up (it re-lays w13 out): the block runs layers.moe_block_forward on
         the loaded [E, 2I, H] / [E, H, I] weights, which verl's weight sync writes into; their packs
-        (layers.expert_packs) are dropped, to be rebuilt from them."""
+        (layers.expert_weights) are dropped, to be rebuilt from them."""
         layers.drop_packs(layer)
 
     _patch("moe.weights", moe_keep_unpacked)
