@@ -333,10 +333,10 @@ def linear_epilogue(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: tor
 @dataclasses.dataclass(frozen=True)
 class WeightPack:
     """A weight [N, K] laid out once for the native path :func:`linear` takes on it (``path``): "dot" (bf16
-    16-column panels, pairs of k interleaved, and their values' exponent range) or "chain" (64-row groups of
-    the transpose, in ``parts`` row blocks each from a group's start). A relayout, no arithmetic: a product
-    given it computes the bits it computes from the weight. Valid while the weight is unchanged; whoever
-    writes the weight drops its pack."""
+    16-column panels, pairs of k interleaved, and their values' exponent range) or "chain" (64-row groups, each
+    as 4 strips of 16 rows of the transpose, in ``parts`` row blocks each from a group's start). A relayout, no
+    arithmetic: a product given it computes the bits it computes from the weight. Valid while the weight is
+    unchanged; whoever writes the weight drops its pack."""
 
     shape: tuple[int, int]
     path: str

@@ -118,17 +118,18 @@ inline __m256 load_fp32x8(const at::BFloat16* p) {
 
 // c[0:MR, 0:NB*16] of the product, over k in [k0, k1): MR x NB register blocks of 16 independent chains;
 // a[i, k] is a[i * a_row + k * a_k] (a_k = 1: row-major; a_row = 1: a transposed operand read in place);
-// bt fp32, or bf16 widened as read (a weight's chain pack)
+// bt fp32, or bf16 widened as read (a weight's chain pack); column n at bt[n / 16 * ldblock + k * ldb + n % 16]
+// (ldblock = 16: rows of bt; a chain pack's 16-column strips are K * 16 apart, read as concurrent streams)
 #if defined(__AVX512F__)
 template <int MR, int NB, typename TB>
-void chain_tile(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t k0, int64_t k1,
-                float* c, int64_t ldc) {
+void chain_tile(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t ldblock, int64_t k0,
+                int64_t k1, float* c, int64_t ldc) {
   __m512 acc[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int nb = 0; nb < NB; ++nb) acc[i][nb] = _mm512_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
     __m512 b[NB];
-    for (int nb = 0; nb < NB; ++nb) b[nb] = _mm512_castsi512_ps(load_fp32x16(bt + k * ldb + nb * kLanes));
+    for (int nb = 0; nb < NB; ++nb) b[nb] = _mm512_castsi512_ps(load_fp32x16(bt + nb * ldblock + k * ldb));
     for (int i = 0; i < MR; ++i) {
       const __m512 ai = _mm512_set1_ps(a[i * a_row + k * a_k]);
       for (int nb = 0; nb < NB; ++nb) acc[i][nb] = _mm512_fmadd_ps(ai, b[nb], acc[i][nb]);
@@ -141,14 +142,14 @@ void chain_tile(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_
 // 16 ymm registers: G 16-column blocks at a time (MR x 2G <= 12 accumulators), enough chains in flight to hide
 // the fma latency where MR is small
 template <int MR, int G, typename TB>
-void chain_blocks(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t k0, int64_t k1,
-                  float* c, int64_t ldc) {
+void chain_blocks(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t ldblock, int64_t k0,
+                  int64_t k1, float* c, int64_t ldc) {
   __m256 acc[MR][2 * G];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < 2 * G; ++v) acc[i][v] = _mm256_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
     __m256 b[2 * G];
-    for (int v = 0; v < 2 * G; ++v) b[v] = load_fp32x8(bt + k * ldb + 8 * v);
+    for (int v = 0; v < 2 * G; ++v) b[v] = load_fp32x8(bt + v / 2 * ldblock + k * ldb + 8 * (v % 2));
     for (int i = 0; i < MR; ++i) {
       const __m256 ai = _mm256_set1_ps(a[i * a_row + k * a_k]);
       for (int v = 0; v < 2 * G; ++v) acc[i][v] = _mm256_fmadd_ps(ai, b[v], acc[i][v]);
@@ -158,29 +159,32 @@ void chain_blocks(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int6
     for (int v = 0; v < 2 * G; ++v) _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
 }
 template <int MR, int NB, typename TB>
-void chain_tile(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t k0, int64_t k1,
-                float* c, int64_t ldc) {
+void chain_tile(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t ldblock, int64_t k0,
+                int64_t k1, float* c, int64_t ldc) {
   constexpr int G = std::min(NB, std::max(1, 6 / MR));
   int nb = 0;
-  for (; nb + G <= NB; nb += G) chain_blocks<MR, G, TB>(a, a_row, a_k, bt + nb * kLanes, ldb, k0, k1, c + nb * kLanes, ldc);
+  for (; nb + G <= NB; nb += G)
+    chain_blocks<MR, G, TB>(a, a_row, a_k, bt + nb * ldblock, ldb, ldblock, k0, k1, c + nb * kLanes, ldc);
   if constexpr (NB % G != 0)
-    chain_blocks<MR, NB % G, TB>(a, a_row, a_k, bt + nb * kLanes, ldb, k0, k1, c + nb * kLanes, ldc);
+    chain_blocks<MR, NB % G, TB>(a, a_row, a_k, bt + nb * ldblock, ldb, ldblock, k0, k1, c + nb * kLanes, ldc);
 }
 #else
 template <int MR, int NB, typename TB>
-void chain_tile(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t k0, int64_t k1,
-                float* c, int64_t ldc) {
+void chain_tile(const float* a, int64_t a_row, int64_t a_k, const TB* bt, int64_t ldb, int64_t ldblock, int64_t k0,
+                int64_t k1, float* c, int64_t ldc) {
   for (int i = 0; i < MR; ++i)
     for (int64_t n = 0; n < NB * kLanes; ++n) {
       float acc = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) acc = std::fma(a[i * a_row + k * a_k], static_cast<float>(bt[k * ldb + n]), acc);
+      for (int64_t k = k0; k < k1; ++k)
+        acc = std::fma(a[i * a_row + k * a_k], static_cast<float>(bt[n / kLanes * ldblock + k * ldb + n % kLanes]), acc);
       c[i * ldc + n] = acc;
     }
 }
 #endif
 
 template <typename TB>
-using ChainTile = void (*)(const float*, int64_t, int64_t, const TB*, int64_t, int64_t, int64_t, float*, int64_t);
+using ChainTile = void (*)(const float*, int64_t, int64_t, const TB*, int64_t, int64_t, int64_t, int64_t, float*,
+                           int64_t);
 constexpr int kMaxRows = 6, kMaxBlocks = 4;  // one tile: up to 6 rows x 4 x 16 columns (24 of 32 zmm registers)
 
 template <typename TB, int... MR>
@@ -191,10 +195,11 @@ template <typename TB>
 constexpr auto kChainTiles = chain_tiles<TB>(std::make_integer_sequence<int, kMaxRows>{});
 
 // c[i, n] = sum_k a[i, k] * bt[k, n] for i < M, n < N, k < K, each entry MKL's way (above); a[i, k] at
-// a[i * a_row + k * a_k]. part: scratch of kMaxRows * N floats for the partial products of k chunks after the first.
+// a[i * a_row + k * a_k]; bt's 16-column blocks ldblock apart (chain_tile). part: scratch of kMaxRows * N floats for
+// the partial products of k chunks after the first.
 template <typename TB>
 void fma_chain_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, const TB* bt, int64_t ldb, int64_t K,
-                    int64_t N, int64_t k_chunk, float* c, int64_t ldc, float* part) {
+                    int64_t N, int64_t k_chunk, float* c, int64_t ldc, float* part, int64_t ldblock = kLanes) {
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int64_t mr = std::min<int64_t>(kMaxRows, M - m0);
     for (int64_t k0 = 0; k0 < K; k0 += k_chunk) {
@@ -203,7 +208,8 @@ void fma_chain_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, const
       const int64_t ldd = k0 == 0 ? ldc : N;
       for (int64_t n0 = 0; n0 < N; n0 += kMaxBlocks * kLanes) {
         const int64_t nb = std::min<int64_t>(kMaxBlocks, (N - n0) / kLanes);
-        kChainTiles<TB>[mr - 1][nb - 1](a + m0 * a_row, a_row, a_k, bt + n0, ldb, k0, k1, dst + n0, ldd);
+        kChainTiles<TB>[mr - 1][nb - 1](a + m0 * a_row, a_row, a_k, bt + n0 / kLanes * ldblock, ldb, ldblock, k0, k1,
+                                        dst + n0, ldd);
       }
       if (k0 > 0)
         for (int64_t i = 0; i < mr; ++i)
@@ -229,10 +235,11 @@ void tree_combine_in_place(float* buf, int64_t leaves, int64_t len) {
 // k chunks added in order), the leaves combined by the pairwise tree -- per block of kMaxRows rows of a.
 template <typename TB>
 void fma_chain_tree_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, const TB* bt, int64_t ldb,
-                         int64_t K, int64_t N, int64_t k_chunk, int64_t leaves, float* c, int64_t ldc) {
+                         int64_t K, int64_t N, int64_t k_chunk, int64_t leaves, float* c, int64_t ldc,
+                         int64_t ldblock = kLanes) {
   std::vector<float> part(kMaxRows * N);
   if (leaves == 1) {
-    fma_chain_rows(a, a_row, a_k, M, bt, ldb, K, N, k_chunk, c, ldc, part.data());
+    fma_chain_rows(a, a_row, a_k, M, bt, ldb, K, N, k_chunk, c, ldc, part.data(), ldblock);
     return;
   }
   const int64_t width = K / leaves;
@@ -241,7 +248,7 @@ void fma_chain_tree_rows(const float* a, int64_t a_row, int64_t a_k, int64_t M, 
     const int64_t mr = std::min<int64_t>(kMaxRows, M - m0);
     for (int64_t j = 0; j < leaves; ++j)
       fma_chain_rows(a + m0 * a_row + j * width * a_k, a_row, a_k, mr, bt + j * width * ldb, ldb, width, N, k_chunk,
-                     leaf.data() + j * kMaxRows * N, N, part.data());
+                     leaf.data() + j * kMaxRows * N, N, part.data(), ldblock);
     tree_combine_in_place(leaf.data(), leaves, kMaxRows * N);
     for (int64_t i = 0; i < mr; ++i) std::copy(leaf.data() + i * N, leaf.data() + (i + 1) * N, c + (m0 + i) * ldc);
   }
@@ -286,18 +293,21 @@ void weight_panel(const T* w, int64_t ldw, int64_t rows, int64_t K, float* wt, i
     for (int64_t j = 0; j < kLanes; ++j) wt[k * ldp + j] = j < rows ? static_cast<float>(w[j * ldw + k]) : 0.0f;
 }
 
-// A weight [N, K]'s chain pack [parts, groups, K, kGroupRows]: the weight in `parts` equal row blocks (an
-// expert's gate and up rows), each as groups of kGroupRows rows laid out as the panels of their transpose,
-// pack[q][g][k][j] = block q's row 64 g + j's value k (0 past the block's rows), in the weight's dtype (a bf16 pack
-// is widened as the chain tiles read it). Built once per weight load (pack_chain_weight): few rows then read
-// the weight as laid out, where few_rows_times_weight lays it out in every call.
+// A weight [N, K]'s chain pack [parts, groups, 4, K, 16]: the weight in `parts` equal row blocks (an expert's gate
+// and up rows), each as groups of kGroupRows rows, each group as 4 strips of 16 rows of its transpose:
+// pack[q][g][b][k][j] = block q's row 64 g + 16 b + j's value k (0 past the block's rows), in the weight's dtype (a
+// bf16 pack is widened as the chain tiles read it). A tile reads a group's 4 strips as concurrent streams, which a
+// core reads faster than one stream of the same bytes (stock vLLM-CPU's vec micro-GEMM packs [N/16, K, 16] for the
+// same reason). Built once per weight load (pack_chain_weight): few rows then read the weight as laid out, where
+// few_rows_times_weight lays it out in every call.
 constexpr int64_t kGroupRows = kMaxBlocks * kLanes;
 
 template <typename T>
 void chain_pack_group(const T* w, int64_t rows, int64_t K, T* group) {
   for (int64_t k0 = 0; k0 < K; k0 += kLanes)  // 16 values of a row at a time: one cache line read per row
     for (int64_t j = 0; j < kGroupRows; ++j)
-      for (int64_t k = k0; k < std::min(K, k0 + kLanes); ++k) group[k * kGroupRows + j] = j < rows ? w[j * K + k] : T(0);
+      for (int64_t k = k0; k < std::min(K, k0 + kLanes); ++k)
+        group[j / kLanes * K * kLanes + k * kLanes + j % kLanes] = j < rows ? w[j * K + k] : T(0);
 }
 
 at::Tensor pack_chain_weight(const at::Tensor& weight_in, int64_t parts) {
@@ -308,7 +318,7 @@ at::Tensor pack_chain_weight(const at::Tensor& weight_in, int64_t parts) {
               "pack_chain_weight: an fp32 or bf16 weight [N, K] with N a multiple of ", parts, " parts, got ",
               weight.sizes(), " ", dtype);
   const int64_t K = weight.size(1), rows = weight.size(0) / parts, groups = (rows + kGroupRows - 1) / kGroupRows;
-  auto pack = at::empty({parts, groups, K, kGroupRows}, weight.options());
+  auto pack = at::empty({parts, groups, kMaxBlocks, K, kLanes}, weight.options());
   for_each_item(parts * groups, [] { return 0; }, [&](int, int64_t item) {
     const int64_t q = item / groups, r0 = q * rows + item % groups * kGroupRows;
     const int64_t nn = std::min(kGroupRows, (q + 1) * rows - r0);
@@ -329,7 +339,7 @@ void few_rows_times_group(const float* x, int64_t ldx, int64_t M, const TB* grou
                           int64_t k_chunk, int64_t leaves, float* c, int64_t ldc, std::vector<float>& sums) {
   const int64_t width = round_up(nn, kLanes);
   sums.resize(M * width);
-  fma_chain_tree_rows(x, ldx, 1, M, group, kGroupRows, K, width, k_chunk, leaves, sums.data(), width);
+  fma_chain_tree_rows(x, ldx, 1, M, group, kLanes, K, width, k_chunk, leaves, sums.data(), width, K * kLanes);
   for (int64_t i = 0; i < M; ++i) std::copy(sums.data() + i * width, sums.data() + i * width + nn, c + i * ldc);
 }
 
@@ -350,7 +360,7 @@ void few_rows_times_weight(const float* x, int64_t ldx, int64_t M, const T* w, i
   for (int64_t n0 = 0; n0 < N; n0 += kGroupRows) {
     const int64_t nn = std::min(kGroupRows, N - n0);
     for (int64_t p = 0; p < nn; p += kLanes)
-      weight_panel(w + (n0 + p) * ldw, ldw, std::min(kLanes, nn - p), K, s.panel.data() + p, kGroupRows);
+      weight_panel(w + (n0 + p) * ldw, ldw, std::min(kLanes, nn - p), K, s.panel.data() + p * K, kLanes);
     few_rows_times_group(x, ldx, M, s.panel.data(), K, nn, k_chunk, leaves, c + n0, ldc, s.sums);
   }
 }
@@ -1127,8 +1137,8 @@ at::Tensor moe_experts_chain(const at::Tensor& hidden_in, const at::Tensor& top_
                 "moe_experts_chain: expert ", e, "'s weights are not contiguous ", dtype, " [2I, H] and [H, I] with I = ", I);
     TORCH_CHECK(!packed || (gate_up_packs[e].scalar_type() == dtype && down_packs[e].scalar_type() == dtype &&
                             gate_up_packs[e].is_contiguous() && down_packs[e].is_contiguous() &&
-                            gate_up_packs[e].sizes() == at::IntArrayRef({2, gu_groups, H, kGroupRows}) &&
-                            down_packs[e].sizes() == at::IntArrayRef({1, dn_groups, I, kGroupRows})),
+                            gate_up_packs[e].sizes() == at::IntArrayRef({2, gu_groups, kMaxBlocks, H, kLanes}) &&
+                            down_packs[e].sizes() == at::IntArrayRef({1, dn_groups, kMaxBlocks, I, kLanes})),
                 "moe_experts_chain: expert ", e, "'s packs ", gate_up_packs[e].sizes(), " and ", down_packs[e].sizes(),
                 " are not pack_chain_weight's of its weights (gate_up in 2 parts)");  // built only on failure
   }
@@ -1242,7 +1252,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
     const auto& p = (*pack)[0];
     TORCH_CHECK(pack->size() == 1 && p.scalar_type() == weight.scalar_type() && p.is_contiguous() &&
-                    p.sizes() == at::IntArrayRef({1, groups, k, kGroupRows}),
+                    p.sizes() == at::IntArrayRef({1, groups, kMaxBlocks, k, kLanes}),
                 "linear: a chain pack must be pack_chain_weight(weight, 1) of the weight ", weight.sizes(), " ",
                 weight.scalar_type(), ", got ", pack->size(), " tensors, the first ", p.sizes(), " ", p.scalar_type());
     const auto xf = rows.to(at::kFloat).contiguous();
