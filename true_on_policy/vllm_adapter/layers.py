@@ -188,8 +188,7 @@ def linear_apply(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> to
 def lm_head_logits(lm_head, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """fp32 logits from the consistent linear (the training side's ConsistentLMHead); at TP > 1 this
     rank's vocabulary shard, which vLLM's logits processor all-gathers."""
-    pack = linear_packs(lm_head, [lm_head.weight.shape[0]])[0]
-    return ops.linear(hidden_states, lm_head.weight, bias, out_dtype=torch.float32, pack=pack)
+    return ops.linear(hidden_states, lm_head.weight, bias, out_dtype=torch.float32, pack=weight_pack(lm_head))
 
 
 def _tp_group():
@@ -219,7 +218,7 @@ def row_parallel_forward(layer, input_: torch.Tensor):
     else:
         x = input_.chunk(tp, dim=-1)[layer.tp_rank].contiguous()
     bias = None if layer.skip_bias_add else layer.bias
-    pack = linear_packs(layer, [layer.weight.shape[0]])[0]
+    pack = weight_pack(layer)
     if tp == 1:
         out = ops.linear(x, layer.weight, bias, pack=pack)
     else:
@@ -281,6 +280,11 @@ def linear_packs(layer, sizes: list[int]) -> tuple:
     return _kept_packs(weight, build)
 
 
+def weight_pack(layer):
+    """:func:`linear_packs` of a linear read whole (one partition)."""
+    return linear_packs(layer, [layer.weight.shape[0]])[0]
+
+
 def expert_weights(holder) -> tuple[list, list, tuple | None]:
     """The experts' weights as the per-expert views :func:`ops.moe_experts` takes (gate_up, down) and laid out
     once for its native call (:func:`ops.pack_experts`, or None where it reads none), built on first use
@@ -318,15 +322,14 @@ def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
         if len(holders) != 1:
             raise UnsupportedFeatureError(f"true_on_policy (vLLM): {len(holders)} expert weight holders in one MoE block")
         holder = block.__dict__[_HOLDER] = holders[0]
-    w13, w2, packs = expert_weights(holder)
+    experts = w13, w2, packs = expert_weights(holder)
     parallel = holder.moe_config.moe_parallel_config
     shape = hidden_states.shape
     h = hidden_states.reshape(-1, shape[-1])
-    gate_pack = linear_packs(block.gate, [block.gate.weight.shape[0]])[0]
-    router_logits = ops.linear(h, block.gate.weight, out_dtype=torch.float32, pack=gate_pack)
+    router_logits = ops.linear(h, block.gate.weight, out_dtype=torch.float32, pack=weight_pack(block.gate))
     weights, chosen = ops.moe_route(router_logits, top_k, renormalize)
     if parallel.use_ep and parallel.ep_size > 1:
-        per_slot = _expert_parallel_slots(holder, h, chosen, num_experts)
+        per_slot = _expert_parallel_slots(holder, experts, h, chosen, num_experts)
     elif parallel.tp_size > 1:
         group = _tp_group()
         per_slot = ops.moe_experts(h, chosen, w13, w2, k_parts=parallel.tp_size,
@@ -338,8 +341,10 @@ def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     return ops.moe_combine(per_slot, weights).to(hidden_states.dtype).view(shape)
 
 
-def _expert_parallel_slots(holder, h: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[T, k, H]: every slot's expert row, from the EP rank holding that expert (vLLM's ``expert_map``)."""
+def _expert_parallel_slots(holder, experts: tuple, h: torch.Tensor, chosen: torch.Tensor,
+                           num_experts: int) -> torch.Tensor:
+    """[T, k, H]: every slot's expert row, from the EP rank holding that expert (vLLM's ``expert_map``);
+    ``experts``: this rank's :func:`expert_weights`."""
     from vllm.distributed import get_ep_group
 
     group = get_ep_group()
@@ -355,7 +360,7 @@ def _expert_parallel_slots(holder, h: torch.Tensor, chosen: torch.Tensor, num_ex
         holder.__dict__["_true_on_policy_owner"] = owner
     local = torch.nonzero(expert_map >= 0).flatten()
     local = local[torch.argsort(expert_map[local])].tolist()  # global ids in the order of the local weights
-    gate_up, down, packs = expert_weights(holder)
+    gate_up, down, packs = experts
     per_slot = ops.moe_experts(h, chosen, gate_up, down, experts=local, packs=packs)
     return ops.moe_select(_gather_list(group, per_slot), owner[chosen])
 

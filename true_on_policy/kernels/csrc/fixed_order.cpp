@@ -448,6 +448,27 @@ void silu_mul_run(const T* g, const T* u, T* o, int64_t len) {
   }
 }
 
+// The arguments both native MoE paths take, checked: hidden [T, H], top_k_index [T, k], and per expert a
+// contiguous gate_up [2I, H] and down [H, I] of hidden's dtype. Returns I.
+int64_t checked_experts(const char* op, const at::Tensor& hidden, const at::Tensor& chosen,
+                        const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down) {
+  const auto dtype = hidden.scalar_type();
+  const int64_t E = gate_up.size();
+  TORCH_CHECK(hidden.dim() == 2 && chosen.dim() == 2 && chosen.size(0) == hidden.size(0) && E > 0 &&
+                  down.size() == static_cast<size_t>(E) && gate_up[0].dim() == 2,
+              op, ": hidden [T, H], top_k_index [T, k], and per expert a gate_up and a down, got ", hidden.sizes(),
+              ", ", chosen.sizes(), ", ", E, " gate_up and ", down.size(), " down");
+  const int64_t H = hidden.size(1), I = gate_up[0].size(0) / 2;
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(gate_up[e].scalar_type() == dtype && down[e].scalar_type() == dtype && gate_up[e].is_contiguous() &&
+                    down[e].is_contiguous() && gate_up[e].sizes() == at::IntArrayRef({2 * I, H}) &&
+                    down[e].sizes() == at::IntArrayRef({H, I}),
+                op, ": expert ", e, "'s weights are not contiguous ", dtype, " [2I, H] and [H, I] with I = ", I,
+                " and H = ", H, ", got ", gate_up[e].sizes(), " ", gate_up[e].scalar_type(), " and ", down[e].sizes(),
+                " ", down[e].scalar_type());
+  return I;
+}
+
 // Biased exponents of a set of bf16 values: the smallest of the nonzero ones (255 if none), the largest.
 struct Exponents {
   int lo = 255, hi = 0;
@@ -727,21 +748,16 @@ at::Tensor moe_experts(const at::Tensor& hidden_in, const at::Tensor& top_k_inde
                        int64_t down_leaves) {
   const auto hidden = hidden_in.contiguous();
   const auto chosen = top_k_index.to(at::kLong).contiguous();
+  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16, "moe_experts: bf16 hidden, got ", hidden.scalar_type());
+  const int64_t I = checked_experts("moe_experts", hidden, chosen, gate_up, down);
   const int64_t E = gate_up.size(), T = hidden.size(0), H = hidden.size(1), top_k = chosen.size(1);
-  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2 && chosen.dim() == 2 && chosen.size(0) == T &&
-                  E > 0 && down.size() == static_cast<size_t>(E) && gate_up_packs.size() == static_cast<size_t>(E) &&
-                  down_packs.size() == static_cast<size_t>(E),
-              "moe_experts: bf16 hidden [T, H], top_k_index [T, k], and per expert a gate_up, down and their packs");
-  const int64_t I = gate_up[0].size(0) / 2;
+  TORCH_CHECK(gate_up_packs.size() == static_cast<size_t>(E) && down_packs.size() == static_cast<size_t>(E),
+              "moe_experts: packs for ", gate_up_packs.size(), " and ", down_packs.size(), " of ", E, " experts");
   TORCH_CHECK(I % kDotGroup == 0 && H % 2 == 0 && I % 2 == 0 && (H / 2) % gate_up_leaves == 0 && (I / 2) % down_leaves == 0,
               "moe_experts: an intermediate size ", I, " that is a multiple of ", kDotGroup, " and even leaves");
   std::vector<const uint16_t*> gu16(E), dn16(E);
   std::vector<DotPack> gu_pack(E), dn_pack(E);
   for (int64_t e = 0; e < E; ++e) {
-    TORCH_CHECK(gate_up[e].scalar_type() == at::kBFloat16 && down[e].scalar_type() == at::kBFloat16 &&
-                    gate_up[e].is_contiguous() && down[e].is_contiguous() &&
-                    gate_up[e].sizes() == at::IntArrayRef({2 * I, H}) && down[e].sizes() == at::IntArrayRef({H, I}),
-                "moe_experts: expert ", e, "'s weights are not contiguous bf16 [2I, H] and [H, I] with I = ", I);
     gu16[e] = reinterpret_cast<const uint16_t*>(gate_up[e].data_ptr<at::BFloat16>());
     dn16[e] = reinterpret_cast<const uint16_t*>(down[e].data_ptr<at::BFloat16>());
     gu_pack[e] = dot_pack_of(gate_up_packs[e], 2 * I, H);
@@ -982,7 +998,13 @@ const float* as_fp32(const T* w, int64_t n, std::vector<float>& scratch) {
     return w;
   } else {
     scratch.resize(n);
-    for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(w[i]);
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + kLanes <= n; i += kLanes) _mm512_storeu_si512(scratch.data() + i, load_fp32x16(w + i));
+#elif defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(scratch.data() + i, load_fp32x8(w + i));
+#endif
+    for (; i < n; ++i) scratch[i] = static_cast<float>(w[i]);
     return scratch.data();
   }
 }
@@ -1119,29 +1141,22 @@ at::Tensor moe_experts_chain(const at::Tensor& hidden_in, const at::Tensor& top_
   const auto hidden = hidden_in.contiguous();
   const auto chosen = top_k_index.to(at::kLong).contiguous();
   const auto dtype = hidden.scalar_type();
-  const int64_t E = gate_up.size(), T = hidden.size(0), H = hidden.size(1);
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && hidden.dim() == 2 && chosen.dim() == 2 &&
-                  chosen.size(0) == T && E > 0 && down.size() == static_cast<size_t>(E),
-              "moe_experts_chain: fp32 or bf16 hidden [T, H], top_k_index [T, k], and per expert a gate_up and a down");
-  const int64_t I = gate_up[0].size(0) / 2;
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "moe_experts_chain: fp32 or bf16 hidden, got ", dtype);
+  const int64_t I = checked_experts("moe_experts_chain", hidden, chosen, gate_up, down);
+  const int64_t E = gate_up.size(), H = hidden.size(1);
   TORCH_CHECK(H % gate_up_leaves == 0 && I % down_leaves == 0, "moe_experts_chain: H = ", H, " and I = ", I,
               " in ", gate_up_leaves, " and ", down_leaves, " equal leaves");
   const bool packed = !gate_up_packs.empty();
   TORCH_CHECK(!packed || (gate_up_packs.size() == static_cast<size_t>(E) && down_packs.size() == static_cast<size_t>(E)),
               "moe_experts_chain: packs for ", gate_up_packs.size(), " and ", down_packs.size(), " of ", E, " experts");
   const int64_t gu_groups = (I + kGroupRows - 1) / kGroupRows, dn_groups = (H + kGroupRows - 1) / kGroupRows;
-  for (int64_t e = 0; e < E; ++e) {
-    TORCH_CHECK(gate_up[e].scalar_type() == dtype && down[e].scalar_type() == dtype && gate_up[e].is_contiguous() &&
-                    down[e].is_contiguous() && gate_up[e].sizes() == at::IntArrayRef({2 * I, H}) &&
-                    down[e].sizes() == at::IntArrayRef({H, I}),
-                "moe_experts_chain: expert ", e, "'s weights are not contiguous ", dtype, " [2I, H] and [H, I] with I = ", I);
+  for (int64_t e = 0; e < E; ++e)
     TORCH_CHECK(!packed || (gate_up_packs[e].scalar_type() == dtype && down_packs[e].scalar_type() == dtype &&
                             gate_up_packs[e].is_contiguous() && down_packs[e].is_contiguous() &&
                             gate_up_packs[e].sizes() == at::IntArrayRef({2, gu_groups, kMaxBlocks, H, kLanes}) &&
                             down_packs[e].sizes() == at::IntArrayRef({1, dn_groups, kMaxBlocks, I, kLanes})),
                 "moe_experts_chain: expert ", e, "'s packs ", gate_up_packs[e].sizes(), " and ", down_packs[e].sizes(),
                 " are not pack_chain_weight's of its weights (gate_up in 2 parts)");  // built only on failure
-  }
   if (dtype == at::kFloat)
     return chain_experts<float>(hidden, chosen, gate_up, down, gate_up_packs, down_packs, k_chunk, gate_up_leaves,
                                 down_leaves);
