@@ -275,13 +275,13 @@ def test_a_packed_weight_gives_the_linears_bits():
 def test_a_chain_packed_weight_gives_the_linears_bits(dtype):
     """A weight laid out once for the chain path (ops.pack_weight: what vLLM's linears keep between weight
     loads) gives the bits of the weight read as it is, and of the torch code: the rows that read it (fp32 up to
-    4, bf16 up to 64) and those around them, partial 64-row groups, leaves, and a row-parallel shard. bf16 is
+    8, bf16 up to 64) and those around them, partial 64-row groups, leaves, and a row-parallel shard. bf16 is
     on the chain path where the dot path is not built or checked; the kernel runs directly on every CPU."""
     g, lib = gen(10), native.lib()
     for n, k in [(12, 64), (100, 256), (1024, 512), (16, 3072)]:
         w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
         pack = ops.WeightPack((n, k), "chain", (lib.pack_chain_weight(w, 1),))
-        for m in (1, 4, 5, 64, 65):
+        for m in (1, 4, 5, 8, 9, 64, 65):
             x = torch.randn(m, k, generator=g).to(dtype)
             for out_dtype, k_parts in ((dtype, 1), (torch.float32, 2)):
                 leaves = ops.local_leaves(k, k_parts)
@@ -342,7 +342,7 @@ def test_experts_on_the_chain_path_in_one_native_call_are_the_torch_codes_bits(d
     """Experts on the chain path (unsharded) run as one native call, each linear's fma chains computed for an
     expert of few rows against its weight's panels (laid out in the call, or the experts' chain packs), for
     one of more with its rows as vector lanes: the torch code's bits at decode and prefill heights (experts of
-    1-4, 5-64 and more than 64 rows), a hidden and an intermediate size that are not multiples of 16 (nor the
+    1-4, 5-8, 9-64 and more than 64 rows), a hidden and an intermediate size that are not multiples of 16 (nor the
     gate's rows of a 64-row group), leaves on both products, and an expert no token chose. bf16 (weights
     widened; gate, up, the activation and the output rounded as the torch code's linears and silu_mul round
     them) is dispatched there where the dot path is not built or checked; the kernel runs directly on every CPU."""
@@ -356,9 +356,11 @@ def test_experts_on_the_chain_path_in_one_native_call_are_the_torch_codes_bits(d
     chain_packs = [[lib.pack_chain_weight(w, 2) for w in gate_up], [lib.pack_chain_weight(w, 1) for w in down]]
     dispatched = dtype == torch.float32 or native.bf16_dot_lib() is None
     assert (ops._native_moe_experts(torch.zeros(1, H, dtype=dtype), gate_up, down, 1, None, None) == "chain") == dispatched
-    for tokens in (1, 4, 12, 150):
+    heights = set()  # the experts' row counts
+    for tokens in (1, 4, 12, 20, 150):
         hidden = torch.randn(tokens, H, generator=g).to(dtype)
         chosen = torch.stack([torch.randperm(E - 1, generator=g)[:top_k] for _ in range(tokens)])  # expert 5: none
+        heights |= set(torch.bincount(chosen.flatten(), minlength=E).tolist())
         with native.disabled():
             reference = ops.moe_experts(hidden, chosen, gate_up, down)
         for packs in ([[], []], chain_packs):
@@ -368,6 +370,7 @@ def test_experts_on_the_chain_path_in_one_native_call_are_the_torch_codes_bits(d
             assert torch.equal(ops.moe_experts(hidden, chosen, gate_up, down), reference), tokens
             packs = ops.pack_experts(gate_up, down)
             assert torch.equal(ops.moe_experts(hidden, chosen, gate_up, down, packs=packs), reference), tokens
+    assert 0 in heights and all(any(lo <= h <= hi for h in heights) for lo, hi in ((1, 4), (5, 8), (9, 64), (65, 450)))
     with pytest.raises(RuntimeError, match="expert id 6 of 6 experts"):
         lib.moe_experts_chain(hidden, torch.full_like(chosen, 6), gate_up, down, [], [], ops.K_CHUNK, *leaves)
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32

@@ -347,9 +347,11 @@ void few_rows_times_group(const float* x, int64_t ldx, int64_t M, const TB* grou
 // one group at a time (weight_panel); c[i * ldc + n]; scratch: buffers the caller keeps.
 constexpr int64_t kFewRows = 4;  // up to this many rows, a linear's rows are broadcast against weight panels
 
-// Up to this many rows a product reads its weight's chain pack (few_rows_times_group) when it has one: more fp32
-// rows read the weight as it is (transposed, the rows as lanes), where bf16's would widen every weight block first.
-int64_t chain_pack_rows(at::ScalarType weight_dtype) { return weight_dtype == at::kFloat ? kFewRows : kGroupRows; }
+// Up to this many rows a product reads its weight's chain pack (few_rows_times_group) when it has one. More fp32
+// rows read the weight as it is (transposed, the rows as lanes): the pack's tiles read a group once per kMaxRows
+// rows, the transposed product reads the weight once. bf16's would widen every weight block first.
+constexpr int64_t kFp32PackRows = 8;
+int64_t chain_pack_rows(at::ScalarType weight_dtype) { return weight_dtype == at::kFloat ? kFp32PackRows : kGroupRows; }
 struct PanelScratch {
   std::vector<float> panel, sums;
 };
@@ -1242,25 +1244,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     const auto w = bf16 ? weight.contiguous() : weight.to(at::kFloat).contiguous();
     constexpr int64_t kBlockRows = 16 * kMaxRows, kBlockCols = kMaxBlocks * kLanes;
     const int64_t col_blocks = (n16 + kBlockCols - 1) / kBlockCols;
-    // weight^T as one [k, kBlockCols] panel per column block (weight_panel, bf16 widened): a tile's k steps
-    // read 256 bytes apart, where rows of the whole transpose would alias in the L1 cache
-    auto wt = at::empty({col_blocks, k, kBlockCols}, xf.options());
+    // weight^T as [k, 16] strips (weight_panel, bf16 widened), a column block's 4 strips together: a tile reads
+    // each strip as one stream (chain_pack_group's layout), where rows of the whole transpose would alias in L1
+    auto wt = at::empty({col_blocks, kMaxBlocks, k, kLanes}, xf.options());
     float* ws = wt.data_ptr<float>();
     for_each_item(n16 / kLanes, [] { return 0; }, [&](int, int64_t p) {
       const int64_t row = p * kLanes, rows_in = std::min(kLanes, n - row);
-      float* panel = ws + row / kBlockCols * k * kBlockCols + row % kBlockCols;
+      float* panel = ws + p * k * kLanes;
       if (bf16)
-        weight_panel(w.data_ptr<at::BFloat16>() + row * k, k, rows_in, k, panel, kBlockCols);
+        weight_panel(w.data_ptr<at::BFloat16>() + row * k, k, rows_in, k, panel, kLanes);
       else
-        weight_panel(w.data_ptr<float>() + row * k, k, rows_in, k, panel, kBlockCols);
+        weight_panel(w.data_ptr<float>() + row * k, k, rows_in, k, panel, kLanes);
     });
     out = at::empty({m, n16}, xf.options());
     const float* xs = xf.data_ptr<float>();
     float* o = out.data_ptr<float>();
     for_each_item((m + kBlockRows - 1) / kBlockRows * col_blocks, [] { return 0; }, [&](int, int64_t item) {
       const int64_t r0 = item / col_blocks * kBlockRows, b = item % col_blocks, n0 = b * kBlockCols;
-      fma_chain_tree_rows(xs + r0 * k, k, 1, std::min(kBlockRows, m - r0), ws + b * k * kBlockCols, kBlockCols, k,
-                          std::min(kBlockCols, n16 - n0), k_chunk, leaves, o + r0 * n16 + n0, n16);
+      fma_chain_tree_rows(xs + r0 * k, k, 1, std::min(kBlockRows, m - r0), ws + b * k * kBlockCols, kLanes, k,
+                          std::min(kBlockCols, n16 - n0), k_chunk, leaves, o + r0 * n16 + n0, n16, k * kLanes);
     });
     if (n16 != n) out = out.narrow(1, 0, n);
   } else if (chain && pack && m <= chain_pack_rows(weight.scalar_type())) {
