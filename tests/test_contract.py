@@ -714,7 +714,7 @@ def test_apply_in_process_sets_torch_determinism():
 def test_example_dry_run_prints_config_table_and_command(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "PLATFORM": "ascend", "NNODES": "2", "HOME": str(tmp_path)}
     proc = subprocess.run(
-        ["bash", str(REPO / "recipe" / "true_on_policy" / "run_qwen3_30b_a3b.sh"), "--dry-run"],
+        ["bash", str(REPO / "examples" / "qwen3_30b_a3b" / "run_qwen3_30b_a3b.sh"), "--dry-run"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     out = proc.stdout
@@ -723,6 +723,6 @@ def test_example_dry_run_prints_config_table_and_command(tmp_path):
     assert "true-on-policy contract" in out and "consistent where visible" in proc.stderr
     command = out.split("# launch command", 1)[1].strip().splitlines()[0]
     assert "-m verl.trainer.main_ppo" in command
-    assert f"--config-path={CONFIGS}" in command and f"--config-name={ASCEND}" in command
+    assert "--config-path=pkg://true_on_policy.configs" in command and f"--config-name={ASCEND}" in command
     assert "HCCL_DETERMINISTIC" in command and "rl_config.enabled=true" in command
     assert "nnodes: 2" in out

@@ -9,20 +9,8 @@ It is ``python -m verl.trainer.main_ppo`` with another default config: verl's ``
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import hydra
 from verl.trainer import main_ppo
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
-def _with_configs_on_searchpath(argv: list[str]) -> list[str]:
-    """The project's configs/ by absolute path, so the entry config composes them from any directory."""
-    if any(arg.startswith("hydra.searchpath=") for arg in argv):
-        return argv
-    return [*argv, f"hydra.searchpath=[pkg://verl.trainer.config,file://{CONFIGS}]"]
 
 
 @hydra.main(config_path="config", config_name="true_on_policy_trainer", version_base=None)
@@ -31,5 +19,4 @@ def main(config) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv = _with_configs_on_searchpath(sys.argv)
     main()

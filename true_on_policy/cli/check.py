@@ -37,18 +37,26 @@ from true_on_policy.contract.verdict import EXIT_ERROR, EXIT_OK, EXIT_REFUSED, E
 
 
 
+# A config folder inside an installed package, as Hydra and verl's main_ppo take it: pkg://true_on_policy.configs
+PKG = "pkg://"
+
+
 def compose_config(config_path: str, config_name: str, overrides: Sequence[str] = ()) -> Any:
     """The resolved config, composed the way ``hydra.main`` composes it for main_ppo."""
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_dir, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    config_dir = os.path.abspath(config_path)
-    if not os.path.isdir(config_dir):
-        raise FileNotFoundError(f"--config-path {config_path!r} is not a directory")
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=config_dir, version_base=None, job_name="true_on_policy_check"):
+    if config_path.startswith(PKG):
+        initialize = initialize_config_module(config_module=config_path[len(PKG) :], version_base=None, job_name="true_on_policy_check")
+    else:
+        config_dir = os.path.abspath(config_path)
+        if not os.path.isdir(config_dir):
+            raise FileNotFoundError(f"--config-path {config_path!r} is not a directory")
+        initialize = initialize_config_dir(config_dir=config_dir, version_base=None, job_name="true_on_policy_check")
+    with initialize:
         cfg = compose(config_name=config_name, overrides=list(overrides))
     try:
         OmegaConf.resolve(cfg)
@@ -99,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m true_on_policy check",
         description="Check that the training and rollout engines of a verl config are pinned identically.",
     )
-    parser.add_argument("--config-path", "-cp", required=True, help="directory holding the config")
+    parser.add_argument("--config-path", "-cp", required=True, help="directory holding the config, or a package as pkg://true_on_policy.configs")
     parser.add_argument("--config-name", "-cn", required=True, help="config name (without .yaml)")
     parser.add_argument("--json", action="store_true", help="print the contract as JSON")
     parser.add_argument("--plan", action="store_true", help="also print the determinism plan")
@@ -133,7 +141,7 @@ def launch_command(config_path: str, config_name: str, overrides: Sequence[str],
         python,
         "-m",
         "verl.trainer.main_ppo",
-        f"--config-path={os.path.abspath(config_path)}",
+        f"--config-path={config_path if config_path.startswith(PKG) else os.path.abspath(config_path)}",
         f"--config-name={config_name}",
         *overrides,
         *determinism_env.hydra_overrides(plan),

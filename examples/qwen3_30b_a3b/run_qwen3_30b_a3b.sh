@@ -2,7 +2,7 @@
 # Qwen3-30B-A3B FlashREINFORCE, true on-policy (bitwise training/rollout log-probs), on Ascend or CUDA.
 #
 #   PLATFORM=ascend NNODES=2 MODEL_PATH=/models/Qwen3-30B-A3B TRAIN_FILES=... VAL_FILES=... \
-#       recipe/true_on_policy/run_qwen3_30b_a3b.sh [--dry-run] [hydra overrides...]
+#       examples/qwen3_30b_a3b/run_qwen3_30b_a3b.sh [--dry-run] [hydra overrides...]
 #
 # Environment (defaults in brackets):
 #   PLATFORM        ascend | cuda                                        [ascend]
@@ -12,7 +12,8 @@
 #   TRAIN_FILES / VAL_FILES  parquet files                               [~/data/dapo-math-17k.parquet / ~/data/aime-2024.parquet]
 #   TRAIN_BATCH_SIZE, MAX_PROMPT_LENGTH, MAX_RESPONSE_LENGTH, ACTOR_LR, PROJECT_NAME, EXPERIMENT_NAME
 #   PYTHON          interpreter                                          [python3]
-# The configs (configs/qwen3_30b_a3b_<platform>.yaml) read these with ${oc.env:...}.
+# The configs (qwen3_30b_a3b_<platform>.yaml, shipped as pkg://true_on_policy.configs) read these
+# with ${oc.env:...}.
 #
 # --dry-run prints the resolved config (YAML, with the determinism plan applied), the
 # training/rollout contract table and the exact launch command, and starts nothing; it runs on a
@@ -23,8 +24,6 @@
 # decides with the same verdict before Ray starts.
 set -euo pipefail
 
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-repo="$(cd "${here}/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 PLATFORM="${PLATFORM:-ascend}"
 
@@ -46,10 +45,8 @@ for arg in "$@"; do
     esac
 done
 
-config_path="${repo}/configs"
+config_path="pkg://true_on_policy.configs"
 config_name="qwen3_30b_a3b_${PLATFORM}"
-cd "${repo}"
-export PYTHONPATH="${repo}${PYTHONPATH:+:${PYTHONPATH}}"
 
 if [[ "${dry_run}" == 1 ]]; then
     echo "# dry run: PLATFORM=${PLATFORM} NNODES=${NNODES} NPUS_PER_NODE=${NPUS_PER_NODE} MODEL_PATH=${MODEL_PATH}"
