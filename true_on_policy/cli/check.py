@@ -47,6 +47,8 @@ def compose_config(config_path: str, config_name: str, overrides: Sequence[str] 
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
+    from true_on_policy import configs  # noqa: F401 - registers the resolver the shipped configs use
+
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     if config_path.startswith(PKG):

@@ -19,6 +19,7 @@ import traceback
 logger = logging.getLogger("true_on_policy")
 
 try:
+    from true_on_policy import configs  # noqa: F401 - registers the resolver the shipped configs use
     from true_on_policy.verl_adapter import cpu_platform, cpu_rollout, flashreinforce_registration, launch
 
     from true_on_policy.vllm_adapter import distribution_alias
