@@ -9,7 +9,7 @@ target                              replacement (flag off: transformers' origina
 ==================================  ================================================================
 ``PRMSNorm.forward``                :func:`ops.rms_norm`
 ``PRotaryEmbedding.forward``        rows of the one fp32 RoPE table
-``apply_rotary_pos_emb`` (module)   the fp32 rotation (and, within :func:`wrapping_apply_rotary`,
+``apply_rotary_pos_emb`` (module)   the fp32 rotation (and, through :func:`rotary_patches`,
                                     the diagnosis capture's recording wrapper)
 ``PMLP.forward``                    the fp32 SiLU between consistent linears
 ``PDecoderLayer.__init__``          its ``nn.Linear`` children become ``ConsistentLinear``

@@ -199,8 +199,9 @@ def _register_layers(device: str, layers) -> None:
 
 
 def _consistent_patches(device: str, layers) -> list[Patch]:
-    """:func:`apply_consistent`'s patches, in the order they are applied; the methods that only hand
-    their call to :mod:`.layers` are written here, the ones that wrap vLLM's own code above it."""
+    """:func:`apply_consistent`'s patches, in the order they are applied. The methods that only hand
+    their call to :mod:`.layers` are written here; the ones that call vLLM's own code are made by
+    the functions below, from the function they replace."""
 
     def linear_apply(self, layer, x, bias=None):
         return layers.linear_apply(layer, x, bias)
