@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-MARK = "_true_on_policy_patch"
+_MARK = "_true_on_policy_patch"
 _LOOK_UP = object()  # Target.check's default: read the target from its module
 
 
@@ -40,7 +40,7 @@ def _describe(owner: Any) -> str:
 
 def is_replacement(value: Any) -> bool:
     """Was ``value`` installed by :func:`apply` (in place of its ``__wrapped__``)?"""
-    return getattr(value, MARK, False) is True
+    return getattr(value, _MARK, False) is True
 
 
 def original_of(value: Any) -> Any:
@@ -184,7 +184,7 @@ def apply(patches: Iterable[Patch]) -> Applied:
         own = attribute in vars(owner)
         raw = inspect.getattr_static(owner, attribute)
         new.__wrapped__ = current
-        setattr(new, MARK, True)
+        setattr(new, _MARK, True)
         installed.append((owner, attribute, own, raw))
         setattr(owner, attribute, staticmethod(new) if isinstance(raw, staticmethod) else new)
     return Applied(installed)
