@@ -12,6 +12,7 @@ import torch
 from true_on_policy import tiny_assets
 from true_on_policy.kernels import architectures, ops
 from true_on_policy.kernels import model as cm
+from true_on_policy.patching import PatchTargetChanged
 from true_on_policy.transformers_adapter import patches
 from kernel_helpers import patched_transformers  # noqa: F401 (an autouse fixture)
 
@@ -202,7 +203,7 @@ def test_a_changed_target_is_refused_by_name_before_anything_is_patched(monkeypa
     original_norm = modeling_qwen3.Qwen3RMSNorm.forward
     try:
         monkeypatch.setattr(modeling_qwen2.Qwen2MLP, "forward", lambda self, x, scale: x)  # transformers changed it
-        with pytest.raises(patches.TransformersPatchError, match=r"modeling_qwen2\.Qwen2MLP\.forward: its parameters"):
+        with pytest.raises(PatchTargetChanged, match=r"modeling_qwen2\.Qwen2MLP\.forward: its parameters"):
             cm.patch_transformers()
         assert not patches.applied() and modeling_qwen3.Qwen3RMSNorm.forward is original_norm
         monkeypatch.undo()
@@ -216,7 +217,7 @@ def test_a_registry_without_its_mapping_is_refused(monkeypatch):
     from transformers import AttentionInterface
 
     monkeypatch.setattr(AttentionInterface, "_global_mapping", None)
-    with pytest.raises(patches.TransformersPatchError, match="AttentionInterface._global_mapping"):
+    with pytest.raises(PatchTargetChanged, match="AttentionInterface._global_mapping"):
         patches.check_targets()
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from true_on_policy import patching
 from true_on_policy.config import settings as settings_module
+from true_on_policy.patching import Patch, PatchTargetChanged, Target
 from true_on_policy.verl_adapter import launch, patches
-from true_on_policy.verl_adapter.patches import PatchTargetChanged
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,6 +71,78 @@ def test_a_changed_signature_is_refused_naming_target_and_change():
     assert "('config',)" in message and "('config', 'device_hint')" in message
 
 
+def _library(monkeypatch) -> types.ModuleType:
+    """A stand-in for another library's module: a function, a class with a method and a staticmethod."""
+    library = types.ModuleType("stand_in_library")
+
+    def scale(x, factor):
+        return x * factor
+
+    class Layer:
+        def forward(self, x):
+            return x + 1
+
+        @staticmethod
+        def norm(x):
+            return x
+
+    library.scale, library.Layer = scale, Layer
+    monkeypatch.setitem(sys.modules, library.__name__, library)
+    return library
+
+
+def test_a_set_with_one_changed_target_applies_nothing(monkeypatch):
+    library = _library(monkeypatch)
+    scale, forward = library.scale, library.Layer.forward
+    unchanged = Target(library.__name__, "scale", ("x", "factor"), written_for="stand-in 1.0")
+    changed = Target(library.__name__, "Layer.forward", ("self", "x", "mask"), written_for="stand-in 1.0")
+    with pytest.raises(PatchTargetChanged) as refused:
+        patching.apply([Patch(unchanged, lambda x, factor: 0), Patch(changed, lambda self, x, mask: 0)])
+    message = str(refused.value)
+    assert "stand_in_library.Layer.forward" in message and "stand-in 1.0" in message
+    assert "('self', 'x', 'mask')" in message and "('self', 'x')" in message  # expected and found
+    assert library.scale is scale and library.Layer.forward is forward  # the first target too is left alone
+    missing = Target(library.__name__, "Layer.backward", ("self", "x"))
+    with pytest.raises(PatchTargetChanged, match=r"stand_in_library\.Layer\.backward: .*Layer has no attribute 'backward'"):
+        patching.apply([Patch(unchanged, lambda x, factor: 0), Patch(missing, lambda self, x: 0)])
+    assert library.scale is scale
+    # the twin: both targets as written, both applied
+    with patching.apply([Patch(unchanged, lambda x, factor: 0), Patch(Target(library.__name__, "Layer.forward",
+                                                                            ("self", "x")), lambda self, x: 0)]):
+        assert library.scale(3, 2) == 0 and library.Layer().forward(3) == 0
+
+
+def test_revert_puts_back_what_was_there(monkeypatch):
+    library = _library(monkeypatch)
+    scale, forward, norm = library.scale, library.Layer.forward, library.Layer.__dict__["norm"]
+    subclass = type("SubLayer", (library.Layer,), {})
+
+    def doubling(original):
+        def scale(x, factor):
+            return 2 * original(x, factor)
+
+        return scale
+
+    applied = patching.apply([
+        Patch(Target(library.__name__, "scale", ("x", "factor")), make=doubling),
+        Patch(Target(library.__name__, "Layer.norm", ("x",)), lambda x: -x),
+        Patch(Target(library.__name__, "Layer.forward", ("self", "x")), lambda self, x: x - 1, owner=subclass),
+    ])
+    assert library.scale(3, 2) == 12 and library.Layer.norm(5) == -5 and library.Layer().norm(5) == -5
+    assert subclass().forward(3) == 2 and library.Layer().forward(3) == 4  # installed on the subclass only
+    assert patching.is_replacement(library.scale) and library.scale.__wrapped__ is scale
+    assert patching.original_of(library.scale) is scale and not patching.is_replacement(scale)
+    # a patched target is checked through what it replaced; a second layer reverts to the first
+    with patching.apply([Patch(Target(library.__name__, "scale", ("x", "factor")), make=doubling)]):
+        assert library.scale(3, 2) == 24
+    assert library.scale(3, 2) == 12
+    applied.revert()
+    assert library.scale is scale and library.Layer.__dict__["norm"] is norm and library.Layer.forward is forward
+    assert "forward" not in vars(subclass)  # inherited again, not a copy of the original
+    applied.revert()  # a second revert changes nothing
+    assert library.scale is scale
+
+
 def _passing_through(original):
     def wrapper(self, batch, metrics):
         return original(self, batch, metrics)
@@ -84,13 +157,13 @@ def test_a_changed_trainer_method_is_refused_and_left_alone():
         return batch
 
     twin = type("ChangedTrainer", (PPOTrainer,), {"_compute_advantage": _compute_advantage})
-    with pytest.raises(PatchTargetChanged, match=r"PPOTrainer\._compute_advantage: signature changed"):
+    with pytest.raises(PatchTargetChanged, match=r"PPOTrainer\._compute_advantage: its parameters changed"):
         patches.wrap_trainer_method(twin, "_compute_advantage", _passing_through)
     assert twin._compute_advantage is _compute_advantage
     # the twin of the twin: verl's own method is accepted
     accepted = type("SameTrainer", (PPOTrainer,), {})
     patches.wrap_trainer_method(accepted, "_compute_advantage", _passing_through)
-    assert patches.is_patched(accepted._compute_advantage)
+    assert patching.is_replacement(accepted._compute_advantage)
 
 
 def test_a_missing_launch_hook_target_is_refused_by_name():
@@ -129,11 +202,11 @@ def test_the_plugin_arms_the_start_check_without_importing_the_trainer():
     code = (
         "import sys, verl\n"
         "assert 'verl.trainer.ppo.v1.trainer_base' not in sys.modules, 'imported at plugin load'\n"
-        "from true_on_policy.verl_adapter import patches\n"
+        "from true_on_policy import patching\n"
         "from verl.trainer.ppo.v1.trainer_base import PPOTrainer\n"
-        "assert patches.is_patched(PPOTrainer.__init__)\n"
+        "assert patching.is_replacement(PPOTrainer.__init__)\n"
         "import verl.utils.device\n"
-        "assert patches.is_patched(verl.utils.device.auto_set_device)\n"
+        "assert patching.is_replacement(verl.utils.device.auto_set_device)\n"
         "print('armed')\n"
     )
     env = {key: value for key, value in os.environ.items() if key != settings_module.ENV_VAR}
@@ -148,8 +221,8 @@ def test_a_run_whose_launch_hook_did_not_run_fails_at_trainer_start():
     code = (
         "import sys\n"
         "from verl.trainer import main_ppo\n"
-        "from true_on_policy.verl_adapter import patches\n"
-        "assert patches.is_patched(main_ppo.auto_set_device)\n"
+        "from true_on_policy import patching\n"
+        "assert patching.is_replacement(main_ppo.auto_set_device)\n"
         "main_ppo.auto_set_device = main_ppo.auto_set_device.__wrapped__  # the launch calls verl's own function\n"
         f"sys.argv = ['main_ppo', '--config-path={REPO / 'configs'}', '--config-name=cpu_tiny',\n"
         "            'trainer.total_training_steps=1']\n"

