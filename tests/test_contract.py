@@ -692,17 +692,24 @@ def test_launch_overrides_compose_to_the_applied_plan(ascend_cfg):
     assert all(isinstance(v, str) for v in env.values())  # Ray wants string env values
 
 
+def _apply_in_process(plan_):
+    """What a worker does with the plan it received: its in-process calls, when the flag is on."""
+    if not plan_.deterministic:
+        return []
+    return determinism_env.run_in_process_calls(plan_.platform, plan_.in_process)
+
+
 def test_apply_in_process_sets_torch_determinism():
     import torch
 
     p = _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
     try:
-        assert determinism_env.apply_in_process(p) == ["torch.use_deterministic_algorithms(True)"]
+        assert _apply_in_process(p) == ["torch.use_deterministic_algorithms(True)"]
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.is_deterministic_algorithms_warn_only_enabled()  # a nondeterministic op raises
     finally:
         torch.use_deterministic_algorithms(False)
-    assert determinism_env.apply_in_process(_plan(True, "cpu", versions={})) == []
+    assert _apply_in_process(_plan(True, "cpu", versions={})) == []
 
 
 # --------------------------------------------------------------------------------------------
