@@ -1,7 +1,6 @@
 """Helpers shared by the kernel-level tests (consistent ops, consistent model, diagnosis)."""
 
 import contextlib
-import socket
 from pathlib import Path
 
 import pytest
@@ -9,9 +8,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from support.ports import free_port
 from true_on_policy.kernels import model as consistent_model
 
 from true_on_policy.kernels import ops as consistent_ops
+
+
+def gen(seed: int) -> torch.Generator:
+    """A fresh CPU generator seeded with ``seed``."""
+    return torch.Generator().manual_seed(seed)
 
 
 @contextlib.contextmanager
@@ -32,13 +37,6 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, worker) -> None:
         torch.save(worker(rank), Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a gloo group's rendezvous)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def spawn_ranks(worker, world: int, out_dir: Path) -> list:

@@ -13,11 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from true_on_policy.kernels import ops
-from kernel_helpers import threads
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+from kernel_helpers import gen, threads
 
 
 def rows_in_batches(fn, row: torch.Tensor, sizes, seed: int = 0, thread_counts=(1, 2)):

@@ -7,7 +7,6 @@ paths are exercised by feeding versions in and checking what would be set.
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from support.check_runs import no_vllm, run_check, unverified_fields
 from true_on_policy.cli import check as check_cli
 from true_on_policy.config.settings import Settings
 
@@ -67,12 +67,6 @@ def _plan(deterministic, platform, **kwargs):
     return determinism_env.plan(deterministic, platform, **kwargs)
 
 
-def _run_check(argv):
-    out, err = io.StringIO(), io.StringIO()
-    code = check_cli.main(argv, stdout=out, stderr=err)
-    return code, out.getvalue(), err.getvalue()
-
-
 # --------------------------------------------------------------------------------------------
 # check CLI: 0 verified, 2 mismatch or bad value, 3 unverified rows, 1 internal / compose error
 # --------------------------------------------------------------------------------------------
@@ -86,16 +80,12 @@ def _check_args(name, *overrides):
     return ["--config-path", str(CONFIGS), "--config-name", name, *overrides]
 
 
-def _unverified_fields(stderr):
-    return {line.split("[", 1)[1].split("]", 1)[0] for line in stderr.splitlines() if line.startswith("UNVERIFIED ")}
-
-
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
 def test_shipped_config_exits_3_naming_every_unverified_row(name, ascend_cfg, cuda_cfg):
-    code, out, err = _run_check(_check_args(name))
+    code, out, err = run_check(_check_args(name))
     expected = {row.field for row, _ in contract.unverified(_contract(ascend_cfg if name == ASCEND else cuda_cfg))}
     assert code == check_cli.EXIT_UNVERIFIED, err
-    assert expected and _unverified_fields(err) == expected
+    assert expected and unverified_fields(err) == expected
     assert "MISMATCH" not in out and "consistent where visible" in err
     assert "consistent and verified" not in err
     # the verdict is written once: the table does not repeat it
@@ -104,37 +94,37 @@ def test_shipped_config_exits_3_naming_every_unverified_row(name, ascend_cfg, cu
 
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
 def test_accepting_every_unverified_row_exits_0(name):
-    _, _, err = _run_check(_check_args(name))
-    rows = sorted(_unverified_fields(err))
+    _, _, err = run_check(_check_args(name))
+    rows = sorted(unverified_fields(err))
     flags = [part for row in rows for part in ("--accept-unverified", row)]
-    code, out, err2 = _run_check(_check_args(name, *flags))
+    code, out, err2 = run_check(_check_args(name, *flags))
     assert code == check_cli.EXIT_OK, err2
     assert all(f"accepted unverified: {row}:" in err2 for row in rows)
     # twin: leave one out and it is the only row named
-    code, _, err3 = _run_check(_check_args(name, *flags[2:]))
-    assert code == check_cli.EXIT_UNVERIFIED and _unverified_fields(err3) == {rows[0]}
+    code, _, err3 = run_check(_check_args(name, *flags[2:]))
+    assert code == check_cli.EXIT_UNVERIFIED and unverified_fields(err3) == {rows[0]}
 
 
 def test_accept_unverified_from_the_config_section():
-    _, _, err = _run_check(_check_args(CUDA))
-    rows = ",".join(sorted(_unverified_fields(err)))
-    code, _, err2 = _run_check(_check_args(CUDA, f"true_on_policy.accept_unverified=[{rows}]"))
+    _, _, err = run_check(_check_args(CUDA))
+    rows = ",".join(sorted(unverified_fields(err)))
+    code, _, err2 = run_check(_check_args(CUDA, f"true_on_policy.accept_unverified=[{rows}]"))
     assert code == check_cli.EXIT_OK, err2
 
 
 def test_accepting_a_row_that_does_not_exist_is_a_bad_value():
-    code, _, err = _run_check(_check_args(CUDA, "--accept-unverified", "no_such_row"))
+    code, _, err = run_check(_check_args(CUDA, "--accept-unverified", "no_such_row"))
     assert code == check_cli.EXIT_REFUSED and "no_such_row" in err and "not contract rows" in err
 
 
 def test_cpu_config_is_consistent_and_verified():
-    code, out, err = _run_check(_check_args("cpu_tiny_moe"))
+    code, out, err = run_check(_check_args("cpu_tiny_moe"))
     assert code == check_cli.EXIT_OK, err
     assert "launch accepted (consistent and verified" in err and "UNVERIFIED" not in err
 
 
 def test_check_reports_tp_mismatch():
-    code, out, err = _run_check(_check_args(ASCEND, f"{MG}.tensor_model_parallel_size=2"))
+    code, out, err = run_check(_check_args(ASCEND, f"{MG}.tensor_model_parallel_size=2"))
     assert code == check_cli.EXIT_REFUSED
     tp_lines = [line for line in err.splitlines() if line.startswith("TP (tensor parallel) [tp]")]
     assert len(tp_lines) == 1
@@ -155,7 +145,7 @@ def test_check_reports_tp_mismatch():
     ],
 )
 def test_bad_value_exits_2_naming_key_and_value(override, key, value):
-    code, out, err = _run_check(_check_args(ASCEND, override))
+    code, out, err = run_check(_check_args(ASCEND, override))
     assert code == check_cli.EXIT_REFUSED, err
     assert "bad config value" in err and key in err and value in err
     assert "TP (tensor parallel)" not in out  # no table with invented numbers
@@ -166,12 +156,12 @@ def test_internal_error_is_reported_as_such(monkeypatch):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(contract, "build_contract", broken)
-    code, _, err = _run_check(_check_args(ASCEND))
+    code, _, err = run_check(_check_args(ASCEND))
     assert code == check_cli.EXIT_ERROR and "internal error" in err and "boom" in err
 
 
 def test_check_unreadable_config_exits_1(tmp_path):
-    code, _, err = _run_check(["--config-path", str(tmp_path), "--config-name", "missing"])
+    code, _, err = run_check(["--config-path", str(tmp_path), "--config-name", "missing"])
     assert code == check_cli.EXIT_ERROR and "cannot compose" in err
 
 
@@ -351,10 +341,10 @@ def test_release_vllm_ascend_attention_is_a_mismatch(ascend_cfg):
 )
 def test_a_key_the_chosen_vllm_ascend_ignores_is_an_error(override, key):
     extra = [f"++{R}.engine_kwargs.vllm.additional_config.rl_config.enabled=true"] if key == "rl_config" else []
-    code, _, err = _run_check(_check_args(ASCEND, override, *extra))
+    code, _, err = run_check(_check_args(ASCEND, override, *extra))
     assert code == check_cli.EXIT_REFUSED and key in err and "ignore" in err
     # twin: the shipped config sets none of them
-    assert _run_check(_check_args(ASCEND))[0] == check_cli.EXIT_UNVERIFIED
+    assert run_check(_check_args(ASCEND))[0] == check_cli.EXIT_UNVERIFIED
 
 
 @pytest.mark.parametrize(
@@ -405,7 +395,7 @@ def test_the_launch_applies_the_verdict_it_prints(ascend_cfg, caplog):
     npu = Machine("ascend", "torch_npu is installed and sees 16 NPU(s)")
     expected = {row.field for row, _ in contract.unverified(_contract(ascend_cfg))}
     refused = verdict_mod.decide(_with(ascend_cfg), machine=npu, launching=True, detected={})
-    assert refused.code == verdict_mod.EXIT_UNVERIFIED and _unverified_fields(refused.text) == expected
+    assert refused.code == verdict_mod.EXIT_UNVERIFIED and unverified_fields(refused.text) == expected
     accepted_cfg = _with(ascend_cfg, **{"true_on_policy.accept_unverified": sorted(expected)})
     accepted = verdict_mod.decide(accepted_cfg, machine=npu, launching=True, detected={})
     assert accepted.code == verdict_mod.EXIT_OK, accepted.text
@@ -428,13 +418,9 @@ def test_the_launch_applies_the_verdict_it_prints(ascend_cfg, caplog):
 # --------------------------------------------------------------------------------------------
 
 
-def _no_vllm(name):
-    raise ImportError(name)
-
-
 @pytest.mark.parametrize("platform", determinism_env.PLATFORMS)
 def test_flag_off_sets_nothing(platform):
-    p = _plan(False, platform, versions={}, importer=_no_vllm)
+    p = _plan(False, platform, versions={}, importer=no_vllm)
     assert p.worker_env == {} and p.rollout_config == {} and p.training_config == {} and p.in_process == ()
     assert p.rollout_forced_env == {}
 
@@ -547,7 +533,7 @@ TRACED = ("VLLM_BATCH_INVARIANT", "block_size", "moe_router_dtype", "moe_token_d
 def test_plan_logs_the_first_version_the_doc_cites():
     ascend = _plan(True, "ascend", versions=ASCEND_MAIN, training_strategy="megatron",
                                   moe_router_dtype="fp32", moe_dispatcher="alltoall")
-    cuda = _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm, training_strategy="megatron",
+    cuda = _plan(True, "cuda", versions=CUDA_STACK, importer=no_vllm, training_strategy="megatron",
                                 moe_dispatcher="allgather")
     settings = ascend.settings + cuda.settings
     assert set(TRACED) <= {s.key for s in settings if s.first_version}
@@ -568,9 +554,9 @@ def test_plan_logs_the_first_version_the_doc_cites():
 @pytest.mark.parametrize(("vllm", "missing"), [("0.11.0", "0.11.1"), ("0.12.0", "0.13.0")])
 def test_cuda_refuses_a_vllm_without_the_emitted_keys(vllm, missing):
     with pytest.raises(determinism_env.ConfigError, match=f"stack_versions.vllm.*{missing}"):
-        _plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=_no_vllm)
+        _plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=no_vllm)
     # twin: the first version that has both keys plans
-    p = _plan(True, "cuda", versions={**CUDA_STACK, "vllm": "0.13.0"}, importer=_no_vllm)
+    p = _plan(True, "cuda", versions={**CUDA_STACK, "vllm": "0.13.0"}, importer=no_vllm)
     assert p.rollout_config[f"{determinism_env.ROLLOUT_VLLM}.attention_backend"] == "FLASH_ATTN"
 
 
@@ -586,7 +572,7 @@ def test_hccl_value_follows_cann(cann, hccl, a3_note):
 
 
 def test_cuda_environment_from_table():
-    p = _plan(True, "cuda", versions={**CUDA_STACK, "nccl": "2.28.9"}, importer=_no_vllm)
+    p = _plan(True, "cuda", versions={**CUDA_STACK, "nccl": "2.28.9"}, importer=no_vllm)
     env = p.worker_env
     assert env["VLLM_BATCH_INVARIANT"] == "1"
     assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
@@ -599,7 +585,7 @@ def test_cuda_environment_from_table():
 
 
 def test_cuda_nccl_2_31_reenables_other_collectives():
-    p = _plan(True, "cuda", versions={**CUDA_STACK, "nccl": "2.31.2"}, importer=_no_vllm)
+    p = _plan(True, "cuda", versions={**CUDA_STACK, "nccl": "2.31.2"}, importer=no_vllm)
     assert p.worker_env["NCCL_ALGO"] == "ring,tree;allreduce:tree"
 
 
@@ -630,15 +616,15 @@ def test_cuda_mirrors_the_installed_vllm_and_restores_environ(monkeypatch):
 @pytest.mark.parametrize("vllm", ["0.33.0", "0.34.1", None])
 def test_cuda_refuses_the_stale_table_for_vllm_0_33_on(vllm):
     with pytest.raises(determinism_env.ConfigError, match="stale"):
-        _plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=_no_vllm)
+        _plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=no_vllm)
     # twin: an older vLLM keeps the table
-    assert _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm).worker_env["NCCL_PROTO"] == "Simple"
+    assert _plan(True, "cuda", versions=CUDA_STACK, importer=no_vllm).worker_env["NCCL_PROTO"] == "Simple"
 
 
 def test_cuda_refuses_a_megatron_core_without_batch_invariant_mode():
     with pytest.raises(determinism_env.ConfigError, match="stack_versions.megatron-core"):
-        _plan(True, "cuda", versions={**CUDA_STACK, "megatron-core": "0.15.0"}, importer=_no_vllm)
-    p = _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
+        _plan(True, "cuda", versions={**CUDA_STACK, "megatron-core": "0.15.0"}, importer=no_vllm)
+    p = _plan(True, "cuda", versions=CUDA_STACK, importer=no_vllm)
     assert p.training_config[f"{TC}.batch_invariant_mode"] is True
 
 
@@ -646,7 +632,7 @@ def test_plans_import_no_device_library():
     for name in DEVICE_MODULES:
         sys.modules.pop(name, None)
     _plan(True, "ascend", versions=ASCEND_MAIN)
-    _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
+    _plan(True, "cuda", versions=CUDA_STACK, importer=no_vllm)
     assert not any(name in sys.modules for name in DEVICE_MODULES)
 
 
@@ -692,17 +678,24 @@ def test_launch_overrides_compose_to_the_applied_plan(ascend_cfg):
     assert all(isinstance(v, str) for v in env.values())  # Ray wants string env values
 
 
+def _apply_in_process(plan_):
+    """What a worker does with the plan it received: its in-process calls, when the flag is on."""
+    if not plan_.deterministic:
+        return []
+    return determinism_env.run_in_process_calls(plan_.platform, plan_.in_process)
+
+
 def test_apply_in_process_sets_torch_determinism():
     import torch
 
-    p = _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
+    p = _plan(True, "cuda", versions=CUDA_STACK, importer=no_vllm)
     try:
-        assert determinism_env.apply_in_process(p) == ["torch.use_deterministic_algorithms(True)"]
+        assert _apply_in_process(p) == ["torch.use_deterministic_algorithms(True)"]
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.is_deterministic_algorithms_warn_only_enabled()  # a nondeterministic op raises
     finally:
         torch.use_deterministic_algorithms(False)
-    assert determinism_env.apply_in_process(_plan(True, "cpu", versions={})) == []
+    assert _apply_in_process(_plan(True, "cpu", versions={})) == []
 
 
 # --------------------------------------------------------------------------------------------

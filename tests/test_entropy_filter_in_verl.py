@@ -18,10 +18,18 @@ from true_on_policy.loss.flashreinforce import (
     kept_token_count,
     sequence_advantages,
 )
-from verl_actor import current_log_probs, flashreinforce_actor_config, verl_advantages
+from verl_actor import (
+    current_log_probs,
+    flashreinforce_actor_config,
+    policy_batch,
+    policy_loss_call,
+    ppo_loss_inputs,
+    token_level_rewards,
+    verl_advantages,
+)
 
 F64 = torch.float64
-ROWS, PROMPT_LENGTH, RESPONSE_LENGTH, HIDDEN, VOCAB = 6, 2, 6, 4, 7
+ROWS, RESPONSE_LENGTH, HIDDEN, VOCAB = 6, 6, 4, 7
 RESPONSE_LENGTHS = torch.tensor([6, 3, 5, 1, 6, 2])
 FRACTION = 0.5
 DELTA = 0.01
@@ -32,30 +40,19 @@ def make_batch():
     """A linear softmax policy, responses of varied length, behaviour log-probs that drift by a per-row
     amount (the gate rejects some rows), token entropies with ties, and rewards with failures."""
     generator = torch.Generator().manual_seed(4321)
-    features = torch.randn(ROWS, RESPONSE_LENGTH, HIDDEN, generator=generator, dtype=F64)
-    weight = torch.randn(HIDDEN, VOCAB, generator=generator, dtype=F64)
-    tokens = torch.randint(VOCAB, (ROWS, RESPONSE_LENGTH), generator=generator)
-    mask = torch.arange(RESPONSE_LENGTH) < RESPONSE_LENGTHS.unsqueeze(-1)
-    drift = torch.tensor([0.0, 0.02, 0.01, 0.05, 0.8, 0.0], dtype=F64).unsqueeze(-1)
-    with torch.no_grad():
-        current = current_log_probs(features, weight, tokens)
-        noise = drift * torch.randn(ROWS, RESPONSE_LENGTH, generator=generator, dtype=F64)
-        behaviour = torch.where(mask, (current + noise).clamp(max=-1e-6), torch.zeros((), dtype=F64))
+    drift = [0.0, 0.02, 0.01, 0.05, 0.8, 0.0]
+    batch = policy_batch(
+        generator, RESPONSE_LENGTHS, response_length=RESPONSE_LENGTH, hidden=HIDDEN, vocab=VOCAB, drift=drift
+    )
     # rounded to one decimal: ties inside rows, broken by position
     entropies = torch.rand(ROWS, RESPONSE_LENGTH, generator=generator, dtype=F64).mul(10).round().div(10)
-    entropies = torch.where(mask, entropies, torch.full((), math.nan, dtype=F64))  # padding may hold anything
+    entropies = torch.where(batch["mask"], entropies, torch.full((), math.nan, dtype=F64))  # padding may hold anything
     rewards = torch.where(FAILED, torch.zeros((), dtype=F64), torch.tensor([1.0, 0.7, 1.0, 0.4, 0.9, 0.6], dtype=F64))
-    token_level_rewards = torch.zeros(ROWS, RESPONSE_LENGTH, dtype=F64)
-    token_level_rewards[torch.arange(ROWS), RESPONSE_LENGTHS - 1] = rewards
     return dict(
-        features=features,
-        weight=weight,
-        tokens=tokens,
-        mask=mask,
-        behaviour=behaviour,
+        **batch,
         entropies=entropies,
         rewards=rewards,
-        token_level_rewards=token_level_rewards,
+        token_level_rewards=token_level_rewards(rewards, RESPONSE_LENGTHS, RESPONSE_LENGTH),
     )
 
 
@@ -92,25 +89,13 @@ def filter_settings(monkeypatch):
 
 def call_policy_loss(batch, *, rows=None, weight=None, **overrides):
     """The registered loss called the way ppo_loss calls it, on ``rows``, with the filter carrier."""
-    from true_on_policy.verl_adapter import flashreinforce_registration  # noqa: F401
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
-
     index = torch.arange(ROWS) if rows is None else torch.tensor(rows)
-    config = flashreinforce_actor_config(ROWS)
-    config.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=ROWS, loss_scale_factor=None)
-    weight = batch["weight"] if weight is None else weight
-    arguments = dict(
-        old_log_prob=batch["behaviour"][index],
-        log_prob=current_log_probs(batch["features"][index], weight, batch["tokens"][index]),
-        advantages=verl_advantages(batch)[index],
-        response_mask=batch["mask"][index],
-        loss_agg_mode="seq-mean-token-mean",
-        config=config,
-    )
     if "rollout_is_weights" not in overrides:
-        arguments["rollout_is_weights"] = filter_carrier(batch, rows)
-    arguments.update(overrides)
-    return get_policy_loss_fn("flashreinforce")(**arguments)
+        overrides["rollout_is_weights"] = filter_carrier(batch, rows)
+    weight = batch["weight"] if weight is None else weight
+    return policy_loss_call(
+        batch, index, mini_batch=ROWS, weight=weight, dp_size=1, global_batch_size=ROWS, **overrides
+    )
 
 
 # --- the pure filter and the kept_tokens path -------------------------------------------------------------
@@ -234,35 +219,6 @@ def test_registered_loss_on_the_mask_is_the_pure_loss_on_entropies_bitwise(filte
     assert metrics["actor/flashreinforce/acceptance_rate"] == stats["acceptance_rate"].item()
 
 
-def ppo_loss_inputs(batch, weight, advantages, carrier, rows):
-    """The model output and TensorDict verl's ``ppo_loss`` receives for the micro-batch ``rows``,
-    with the trainer hook's field ``rollout_is_weights`` among the fields (see test_flashreinforce_in_verl)."""
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-
-    rows = torch.tensor(rows)
-    current = current_log_probs(batch["features"][rows], weight, batch["tokens"][rows])
-    lengths = RESPONSE_LENGTHS[rows].tolist()
-    pieces = []
-    for row, length in enumerate(lengths):
-        pieces += [torch.zeros(PROMPT_LENGTH - 1, dtype=F64), current[row, :length], torch.zeros(1, dtype=F64)]
-    mask = batch["mask"][rows]
-    data = TensorDict(
-        {
-            "prompts": torch.ones(len(rows), PROMPT_LENGTH, dtype=torch.long),
-            "responses": batch["tokens"][rows],
-            "attention_mask": torch.cat([torch.ones(len(rows), PROMPT_LENGTH, dtype=torch.long), mask.long()], dim=1),
-            "response_mask": mask.long(),
-            "old_log_probs": batch["behaviour"][rows],
-            "advantages": advantages[rows],
-            "rollout_is_weights": carrier[rows],
-        },
-        batch_size=[len(rows)],
-    )
-    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(batch["mask"].sum()), global_batch_size=ROWS)
-    return {"log_probs": torch.cat(pieces)}, data
-
-
 @pytest.mark.parametrize("micro_batches", [[[0, 1, 2, 3, 4, 5]], [[0, 1], [2, 3, 4], [5]], [[3], [0, 5], [1], [2, 4]]])
 def test_the_mask_travels_through_verls_ppo_loss_and_micro_batches(filter_settings, micro_batches):
     from verl.workers.utils.losses import ppo_loss
@@ -275,7 +231,9 @@ def test_the_mask_travels_through_verls_ppo_loss_and_micro_batches(filter_settin
     weight = batch["weight"].clone().requires_grad_(True)
     total = torch.zeros((), dtype=F64)
     for rows in micro_batches:
-        model_output, data = ppo_loss_inputs(batch, weight, advantages, carrier, rows)
+        model_output, data = ppo_loss_inputs(
+            batch, weight, advantages, rows, dp_size=1, global_batch_size=ROWS, fields={"rollout_is_weights": carrier}
+        )
         loss, _ = ppo_loss(config, model_output, data)
         loss.backward()
         total += loss.detach()

@@ -7,15 +7,13 @@ loop does not re-resolve servers), so the run must stop: sync, at verl's next ca
 or at the learner's full-batch check; async, at verl's abort or the sampler's max_rollout_failures.
 """
 
-import os
-import signal
 import subprocess
 import time
 
 import psutil
 import pytest
 
-from verl_run import REPO, read_file_logger, trainer_command, trainer_env
+from verl_run import REPO, kill_session, read_file_logger, trainer_command, trainer_env
 
 pytestmark = pytest.mark.e2e
 
@@ -57,13 +55,7 @@ def test_killed_rollout_server_stops_the_run_with_a_clear_error_in_bounded_time(
                 pytest.fail(f"the run hung: still running {KILL_BOUND_S}s after its rollout server was killed")
             exit_s = time.monotonic() - killed
         finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # whatever of our own Ray processes survived
-            except ProcessLookupError:
-                pass
+            kill_session(process)  # whatever of our own Ray processes survived
 
     text = log_path.read_text()
     assert returncode != 0, "the run finished as if nothing happened"

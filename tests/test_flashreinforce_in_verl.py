@@ -8,19 +8,27 @@ module, and they should not pay for (or depend on) more of verl than they use.
 
 import math
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from support.ports import free_port
 from true_on_policy.config import settings as settings_module
 from true_on_policy.loss.flashreinforce import flashreinforce_loss
-from verl_actor import current_log_probs, flashreinforce_actor_config, verl_advantages
+from verl_actor import (
+    current_log_probs,
+    flashreinforce_actor_config,
+    policy_batch,
+    policy_loss_call,
+    ppo_loss_inputs,
+    token_level_rewards,
+    verl_advantages,
+)
 
 F64 = torch.float64
-ROWS, PROMPT_LENGTH, RESPONSE_LENGTH, HIDDEN, VOCAB = 6, 2, 5, 4, 7
+ROWS, RESPONSE_LENGTH, HIDDEN, VOCAB = 6, 5, 4, 7
 RESPONSE_LENGTHS = torch.tensor([5, 3, 4, 1, 5, 2])
 DELTA = 0.01
 METRIC_NAMES = (
@@ -39,27 +47,13 @@ def make_batch():
     log-probs that drift from the current policy by a per-row amount (so the gate admits some rows
     and rejects others), and one outcome reward per row placed on its last response token."""
     generator = torch.Generator().manual_seed(1234)
-    features = torch.randn(ROWS, RESPONSE_LENGTH, HIDDEN, generator=generator, dtype=F64)
-    weight = torch.randn(HIDDEN, VOCAB, generator=generator, dtype=F64)
-    tokens = torch.randint(VOCAB, (ROWS, RESPONSE_LENGTH), generator=generator)
-    mask = torch.arange(RESPONSE_LENGTH) < RESPONSE_LENGTHS.unsqueeze(-1)
-    drift = torch.tensor([0.0, 0.02, 0.5, 0.05, 0.8, 0.01], dtype=F64).unsqueeze(-1)
-    with torch.no_grad():
-        current = current_log_probs(features, weight, tokens)
-        noise = drift * torch.randn(ROWS, RESPONSE_LENGTH, generator=generator, dtype=F64)
-        behaviour = torch.where(mask, (current + noise).clamp(max=-1e-6), torch.zeros((), dtype=F64))
-    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.25], dtype=F64)
-    token_level_rewards = torch.zeros(ROWS, RESPONSE_LENGTH, dtype=F64)
-    token_level_rewards[torch.arange(ROWS), RESPONSE_LENGTHS - 1] = rewards
-    return dict(
-        features=features,
-        weight=weight,
-        tokens=tokens,
-        mask=mask,
-        behaviour=behaviour,
-        rewards=rewards,
-        token_level_rewards=token_level_rewards,
+    drift = [0.0, 0.02, 0.5, 0.05, 0.8, 0.01]
+    batch = policy_batch(
+        generator, RESPONSE_LENGTHS, response_length=RESPONSE_LENGTH, hidden=HIDDEN, vocab=VOCAB, drift=drift
     )
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.25], dtype=F64)
+    placed = token_level_rewards(rewards, RESPONSE_LENGTHS, RESPONSE_LENGTH)
+    return dict(**batch, rewards=rewards, token_level_rewards=placed)
 
 
 def reference_gradient(batch):
@@ -153,39 +147,6 @@ def test_advantage_estimator_leaves_verls_padding_rows_out_of_the_mean(flashrein
 # --- (c) micro-batches and data-parallel ranks sum to the whole-batch loss ------------------------------
 
 
-def ppo_loss_inputs(batch, weight, advantages, rows, *, dp_size, global_batch_size):
-    """The model output and TensorDict verl's ``ppo_loss`` receives for the micro-batch ``rows``.
-
-    log-probs come in verl's no-padding layout: one flat tensor over prompt+response tokens of all
-    sequences, the log-prob of a token stored one position before it (the model's next-token output).
-    """
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-
-    rows = torch.tensor(rows)
-    current = current_log_probs(batch["features"][rows], weight, batch["tokens"][rows])
-    lengths = RESPONSE_LENGTHS[rows].tolist()
-    pieces = []
-    for row, length in enumerate(lengths):
-        pieces += [torch.zeros(PROMPT_LENGTH - 1, dtype=F64), current[row, :length], torch.zeros(1, dtype=F64)]
-    mask = batch["mask"][rows]
-    data = TensorDict(
-        {
-            "prompts": torch.ones(len(rows), PROMPT_LENGTH, dtype=torch.long),
-            "responses": batch["tokens"][rows],
-            "attention_mask": torch.cat([torch.ones(len(rows), PROMPT_LENGTH, dtype=torch.long), mask.long()], dim=1),
-            "response_mask": mask.long(),
-            "old_log_probs": batch["behaviour"][rows],
-            "advantages": advantages[rows],
-        },
-        batch_size=[len(rows)],
-    )
-    tu.assign_non_tensor(
-        data, dp_size=dp_size, batch_num_tokens=int(batch["mask"].sum()), global_batch_size=global_batch_size
-    )
-    return {"log_probs": torch.cat(pieces)}, data
-
-
 def gradient_through_ppo_loss(batch, micro_batches):
     from verl.workers.utils.losses import ppo_loss
 
@@ -209,12 +170,6 @@ def test_micro_batches_through_verls_ppo_loss_match_the_whole_batch(flashreinfor
 
     actual, _ = gradient_through_ppo_loss(batch, micro_batches)
     assert relative_error(actual, expected) <= 1e-6
-
-
-def _free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _data_parallel_worker(rank, world_size, port, settings_json, micro_batches_per_rank, result_path):
@@ -269,7 +224,7 @@ def test_two_data_parallel_ranks_match_the_whole_batch(flashreinforce_settings, 
     result_path = tmp_path / "gradient.pt"
     mp.spawn(
         _data_parallel_worker,
-        args=(2, _free_port(), os.environ[settings_module.ENV_VAR], micro_batches_per_rank, str(result_path)),
+        args=(2, free_port(), os.environ[settings_module.ENV_VAR], micro_batches_per_rank, str(result_path)),
         nprocs=2,
         join=True,
     )
@@ -300,25 +255,11 @@ def test_metrics_are_named_for_flashreinforce_and_match_the_reference(flashreinf
 
 def call_policy_loss(batch, *, rows=None, global_batch_size=ROWS, dp_size=1, **overrides):
     """The registered loss called the way ppo_loss calls it, on ``rows`` of the batch."""
-    from true_on_policy.verl_adapter import flashreinforce_registration  # noqa: F401
-    from verl.trainer.ppo.core_algos import get_policy_loss_fn
-
-    rows = torch.arange(ROWS) if rows is None else torch.tensor(rows)
-    config = flashreinforce_actor_config(ROWS)
-    config.global_batch_info.update(
-        dp_size=dp_size, batch_num_tokens=None, global_batch_size=global_batch_size, loss_scale_factor=None
+    index = torch.arange(ROWS) if rows is None else torch.tensor(rows)
+    return policy_loss_call(
+        batch, index, mini_batch=ROWS, weight=batch["weight"], dp_size=dp_size, global_batch_size=global_batch_size,
+        **overrides,
     )
-    arguments = dict(
-        old_log_prob=batch["behaviour"][rows],
-        log_prob=current_log_probs(batch["features"][rows], batch["weight"], batch["tokens"][rows]),
-        advantages=None if "advantages" in overrides else verl_advantages(batch)[rows],
-        response_mask=batch["mask"][rows],
-        loss_agg_mode="seq-mean-token-mean",
-        config=config,
-        rollout_is_weights=None,
-    )
-    arguments.update(overrides)
-    return get_policy_loss_fn("flashreinforce")(**arguments)
 
 
 def test_without_exported_settings_the_loss_and_the_advantage_refuse(monkeypatch):

@@ -10,7 +10,6 @@ so no Ray cluster starts). The one intended difference: a device config on this 
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from true_on_policy.cli import check as check_cli
+from support.check_runs import run_check
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -94,9 +93,8 @@ DEVICE_CASES = [
 
 
 def _check(config, overrides):
-    out, err = io.StringIO(), io.StringIO()
-    code = check_cli.main(["--config-path", str(CONFIGS), "--config-name", config, *overrides, STOP_OVERRIDE], stdout=out, stderr=err)
-    return code, err.getvalue()
+    code, _, err = run_check(["--config-path", str(CONFIGS), "--config-name", config, *overrides, STOP_OVERRIDE])
+    return code, err
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,8 @@ import pytest
 import torch
 
 import kernel_goldens
-from kernel_helpers import threads
+from kernel_helpers import gen, threads
 from true_on_policy.kernels import native, ops
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def both_paths(fn):

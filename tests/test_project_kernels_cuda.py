@@ -9,12 +9,12 @@ check`` on the shipped config. Nothing claims a GPU run: the kernel-family rows 
 from __future__ import annotations
 
 import dataclasses
-import io
 from pathlib import Path
 
 import pytest
 import torch
 
+from support.check_runs import no_vllm, run_check, unverified_fields
 from true_on_policy.cli import check as check_cli
 from true_on_policy.config.settings import ConfigError, Settings
 from true_on_policy.contract import determinism_plan as denv
@@ -27,13 +27,7 @@ KERNEL_ROWS = {"attention", "gemm", "norm", "log_softmax"}
 
 
 def _check(*overrides):
-    out, err = io.StringIO(), io.StringIO()
-    code = check_cli.main(["--config-path", str(CONFIGS), "--config-name", CONFIG, *overrides], stdout=out, stderr=err)
-    return code, out.getvalue(), err.getvalue()
-
-
-def _unverified(stderr):
-    return {line.split("[", 1)[1].split("]", 1)[0] for line in stderr.splitlines() if line.startswith("UNVERIFIED ")}
+    return run_check(["--config-path", str(CONFIGS), "--config-name", CONFIG, *overrides])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -165,7 +159,7 @@ def test_plan_pins_the_project_attention_and_no_vendor_environment():
     assert p.rollout_config == {f"{denv.ROLLOUT_VLLM}.attention_backend": "CUSTOM"}
     assert any("written, not run on a device" in op for op in p.ops)
     # twin: the engine family on the same stack emits vLLM's batch-invariant mode instead
-    e = denv.plan(True, "cuda", versions={"vllm": "0.28.0", "megatron-core": "0.16.1"}, importer=_no_vllm,
+    e = denv.plan(True, "cuda", versions={"vllm": "0.28.0", "megatron-core": "0.16.1"}, importer=no_vllm,
                   training_strategy="megatron", rollout_name="vllm")
     assert e.worker_env["VLLM_BATCH_INVARIANT"] == "1"
 
@@ -177,14 +171,10 @@ def test_plan_refuses_a_vllm_the_adapter_is_not_written_for(vllm):
         denv.plan(True, "cuda", versions={"vllm": vllm}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
 
 
-def _no_vllm(name):
-    raise ImportError(name)
-
-
 def test_check_exits_3_naming_the_kernel_family_rows_written_not_run():
     code, out, err = _check()
     assert code == check_cli.EXIT_UNVERIFIED, err
-    assert _unverified(err) == KERNEL_ROWS
+    assert unverified_fields(err) == KERNEL_ROWS
     assert all("written, not run on a device (cuda)" in line for line in err.splitlines() if line.startswith("UNVERIFIED "))
     assert "MISMATCH" not in out
     # accepting exactly those rows is the only way to exit 0

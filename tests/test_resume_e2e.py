@@ -5,7 +5,6 @@ JSONL. Every metric must match except wall-clock timings and memory/throughput r
 uninterrupted 6-step runs (checkpoints at 3 and 6) are the suite's shared ones (tests/verl_run.py).
 """
 
-import os
 import signal
 import subprocess
 import time
@@ -26,6 +25,7 @@ from verl_run import (
     Run,
     actor_weights,
     differing,
+    kill_session,
     latest_checkpoint,
     learned,
     run_logged,
@@ -67,13 +67,7 @@ def sigterm_after_checkpoint(config_name, metrics_path, checkpoint_dir, step, *o
         process.wait(timeout=SIGTERM_BOUND_S)
         return time.monotonic() - sent
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # Ray's processes the driver started, if any survived
-        except ProcessLookupError:
-            pass
+        kill_session(process)  # Ray's processes the driver started, if any survived
         log.close()
 
 

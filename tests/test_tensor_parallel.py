@@ -14,7 +14,6 @@ its results and the tests below assert on them.
 from __future__ import annotations
 
 import contextlib
-import io
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kernel_helpers import spawn_ranks
+from support.check_runs import run_check
 from true_on_policy.cli import check as check_cli
 from true_on_policy.contract import consistency as contract_mod
 from true_on_policy.kernels import tensor_parallel as tp
@@ -309,9 +309,8 @@ def test_tree_top_is_rank_order_and_identical_on_every_rank(ranks):
 
 
 def _check(*overrides: str, config: str = "cpu_tiny") -> tuple[int, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = check_cli.main(["--config-path", str(CONFIGS), "--config-name", config, *overrides], stdout=out, stderr=err)
-    return code, out.getvalue() + err.getvalue()
+    code, out, err = run_check(["--config-path", str(CONFIGS), "--config-name", config, *overrides])
+    return code, out + err
 
 
 def test_contract_accepts_another_tp_or_ep_with_the_invariant_kernels_and_says_why():

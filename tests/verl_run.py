@@ -270,6 +270,18 @@ def trainer_command(config_name: str, *overrides: str) -> list[str]:
     ]
 
 
+def kill_session(process: subprocess.Popen) -> None:
+    """Kill a run started with ``start_new_session=True``: the driver if it still runs, then whatever
+    of its session survived (Ray's processes the driver started; only our own processes)."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def trainer_env(metrics_path: Path) -> dict[str, str]:
     """The environment of a run whose file logger writes to ``metrics_path`` (verl/utils/tracking.py)."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", FILE_LOGGER_PATH_ENV: str(metrics_path)}

@@ -83,20 +83,15 @@ def _load(path: str, dtype, flag: str):
     return model.eval()
 
 
-def run(args) -> int:
-    import torch
-
-    from true_on_policy import diagnose as dg
-    from true_on_policy import tiny_assets
-    from true_on_policy.kernels import model as consistent_model
-    from true_on_policy.kernels import ops as consistent_ops
+def _check_args(args) -> None:
+    """Refuse bad flags before anything is loaded."""
+    from true_on_policy.diagnose import NEEDS_CONSISTENT_KERNELS
 
     if args.model is not None and args.checkpoint is not None:
         raise _BadInput("give either --model or --checkpoint, not both")
     if args.prompts < 1 or args.prompt_len < 1 or args.new_tokens < 0:
         raise _BadInput("--prompts and --prompt-len must be >= 1, --new-tokens >= 0")
-    deterministic = not args.no_deterministic
-    if args.inject in dg.NEEDS_CONSISTENT_KERNELS and not deterministic:
+    if args.inject in NEEDS_CONSISTENT_KERNELS and args.no_deterministic:
         raise _BadInput(
             f"--inject {args.inject} acts on the consistent kernels; it cannot be combined with --no-deterministic"
         )
@@ -104,13 +99,21 @@ def run(args) -> int:
         _check_dir(args.checkpoint, "--checkpoint")
     if args.rollout_checkpoint is not None:
         _check_dir(args.rollout_checkpoint, "--rollout-checkpoint")
-    dtype = consistent_ops.DTYPES[args.dtype]
 
+
+def _load_models(args):
+    """``(training, rollout, source, label)``: the two copies, the directory they came from and its
+    name in the report."""
+    from true_on_policy import tiny_assets
+    from true_on_policy.kernels.model import patch_transformers
+    from true_on_policy.kernels.ops import DTYPES
+
+    dtype = DTYPES[args.dtype]
     with contextlib.suppress(Exception):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    consistent_model.patch_transformers()  # before building: linears become ConsistentLinear at init
+    patch_transformers()  # before building: linears become ConsistentLinear at init
     if args.checkpoint is None:
         kind = args.model or "dense"
         source = str(tiny_assets.ensure_assets() / tiny_assets.MODEL_DIRS[kind])
@@ -123,8 +126,11 @@ def run(args) -> int:
         rollout = _load(args.rollout_checkpoint, dtype, "--rollout-checkpoint")
     else:
         rollout = copy.deepcopy(training)
+    return training, rollout, source, label
 
-    config = training.config
+
+def _check_fits(args, config) -> None:
+    """The fault's layer and the longest sequence fit the model."""
     n_layers = config.num_hidden_layers
     if not -n_layers <= args.layer < n_layers:
         raise _BadInput(f"--layer {args.layer}: the model has {n_layers} layers")
@@ -134,17 +140,36 @@ def run(args) -> int:
             f"--prompt-len + --new-tokens = {longest} exceeds max_position_embeddings {config.max_position_embeddings}"
         )
 
-    fault = None
-    if args.inject is not None:
-        try:
-            if args.inject == "router-tiebreak":
-                for model in (training, rollout):  # ties must exist for a tie-break to matter
-                    dg.make_router_ties(model, args.layer)
-            fault = dg.inject_fault(rollout, args.inject, args.layer)
-        except (ValueError, AttributeError) as exc:
-            raise _BadInput(f"--inject {args.inject}: {exc}") from exc
+
+def _plant_fault(args, training, rollout) -> str | None:
+    """Plant ``--inject`` in the rollout copy; its description (None without --inject)."""
+    from true_on_policy.diagnose import inject_fault, make_router_ties
+
+    if args.inject is None:
+        return None
+    try:
         if args.inject == "router-tiebreak":
-            fault += " (router rows of experts 0 and 1 zeroed on both copies, so ties occur)"
+            for model in (training, rollout):  # ties must exist for a tie-break to matter
+                make_router_ties(model, args.layer)
+        fault = inject_fault(rollout, args.inject, args.layer)
+    except (ValueError, AttributeError) as exc:
+        raise _BadInput(f"--inject {args.inject}: {exc}") from exc
+    if args.inject == "router-tiebreak":
+        fault += " (router rows of experts 0 and 1 zeroed on both copies, so ties occur)"
+    return fault
+
+
+def run(args) -> int:
+    import torch
+
+    from true_on_policy.diagnose import diagnose
+    from true_on_policy.kernels.model import UnsupportedFeatureError
+
+    _check_args(args)
+    training, rollout, source, label = _load_models(args)
+    config = training.config
+    _check_fits(args, config)
+    fault = _plant_fault(args, training, rollout)
 
     generator = torch.Generator().manual_seed(args.seed)
     low = 3 if config.vocab_size > 3 else 0
@@ -153,8 +178,8 @@ def run(args) -> int:
         torch.randint(low, config.vocab_size, (p + args.new_tokens,), generator=generator).tolist() for p in prompts
     ]
     try:
-        report = dg.diagnose(training, rollout, sequences, prompt_lengths=prompts, deterministic=deterministic)
-    except consistent_model.UnsupportedFeatureError as exc:  # a model the consistent kernels do not cover
+        report = diagnose(training, rollout, sequences, prompt_lengths=prompts, deterministic=not args.no_deterministic)
+    except UnsupportedFeatureError as exc:  # a model the consistent kernels do not cover
         raise _BadInput(f"this model is not covered by the consistent kernels: {exc}") from exc
     report.settings.update(model=label, checkpoint=source, fault=fault, rollout_checkpoint=args.rollout_checkpoint)
     print(report.format(only_differing=args.only_diff))

@@ -728,13 +728,6 @@ def apply_to_config(config: Any, plan_: Plan) -> Any:
     return merged
 
 
-def apply_in_process(plan_: Plan) -> list[str]:
-    """Run the plan's in-process calls in this worker; returns what was done. Call once, early."""
-    if not plan_.deterministic:
-        return []
-    return run_in_process_calls(plan_.platform, plan_.in_process)
-
-
 def run_in_process_calls(platform: str, calls) -> list[str]:
     """Execute ``(name, kwargs)`` in-process settings (a plan's ``in_process``, possibly via JSON)."""
     done: list[str] = []

@@ -57,12 +57,13 @@ class OpRecord:
     kind: str
     order: int  # execution order on the training side (rollout-only ops come last)
     sides: str  # "both", "training" (never ran on the rollout side) or "rollout"
-    tokens: int  # tokens compared
-    tokens_differing: int  # tokens whose outputs are not bitwise equal
-    max_abs: float  # max |Δ| over the outputs of all compared tokens (inf: non-finite on one side)
-    mean_abs: float  # mean |Δ| over all output elements of all compared tokens
-    first_diff: tuple[int, int] | None  # (sequence, position) of the first differing token
-    inputs_differing: int  # tokens whose inputs already differ
+    # the comparison (zero where the op was not compared, e.g. it ran on one side only)
+    tokens: int = 0  # tokens compared
+    tokens_differing: int = 0  # tokens whose outputs are not bitwise equal
+    max_abs: float = 0.0  # max |Δ| over the outputs of all compared tokens (inf: non-finite on one side)
+    mean_abs: float = 0.0  # mean |Δ| over all output elements of all compared tokens
+    first_diff: tuple[int, int] | None = None  # (sequence, position) of the first differing token
+    inputs_differing: int = 0  # tokens whose inputs already differ
 
     @property
     def equal(self) -> bool:
@@ -168,36 +169,63 @@ def _record_dict(r: OpRecord) -> dict:
     return d
 
 
-def _plot(report: Report, path, title: str | None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
-    from matplotlib.patches import Rectangle
-
+def _layout(report: Report):
+    """The heatmap's columns (embed, one per layer, head), its rows (op names: those before the layers,
+    the layers' ops, those after) and ``cell(record) -> (row, column)``."""
     layers = sorted({r.layer for r in report.ops if r.layer is not None})
+    in_order = sorted(report.ops, key=lambda r: r.order)
     seen_layer = False
     pre, post = [], []
-    for r in sorted(report.ops, key=lambda r: r.order):
+    for r in in_order:
         if r.layer is not None:
             seen_layer = True
         elif r.op != "model":
             (post if seen_layer else pre).append(r)
     columns = ["embed"] + [f"L{i}" for i in layers] + ["head"]
     row_names: list[str] = [r.name for r in pre]
-    for r in sorted(report.ops, key=lambda r: r.order):
+    for r in in_order:
         if r.layer is not None and r.name not in row_names:
             row_names.append(r.name)
     row_names += [r.name for r in post if r.name not in row_names]
+
+    def cell(r: OpRecord) -> tuple[int, int]:
+        col = 0 if r in pre else (len(columns) - 1 if r in post else 1 + layers.index(r.layer))
+        return row_names.index(r.name), col
+
+    return columns, row_names, cell
+
+
+def _print_values(ax, data, ran, vmin: float, vmax: float, big: float) -> None:
+    """Each cell's max |Δ| as text (zero grey, non-finite as inf)."""
+    middle = math.sqrt(vmin * vmax)
+    for i in range(len(ran)):
+        for j in range(len(ran[i])):
+            if not ran[i][j]:
+                continue
+            value = data[i][j]
+            if value == 0:
+                ax.text(j, i, "0", ha="center", va="center", fontsize=6, color="#888888")
+            else:
+                text = "inf" if value >= big else f"{value:.1e}"
+                color = "white" if value < middle else "black"
+                ax.text(j, i, text, ha="center", va="center", fontsize=5.5, color=color)
+
+
+def _plot(report: Report, path, title: str | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import ListedColormap, LogNorm
+    from matplotlib.patches import Rectangle
+
+    columns, row_names, cell = _layout(report)
     grid = [[math.nan] * len(columns) for _ in row_names]
     ran = [[False] * len(columns) for _ in row_names]
     for r in report.ops:
-        if r.op == "model":
-            continue
-        col = 0 if r in pre else (len(columns) - 1 if r in post else 1 + layers.index(r.layer))
-        row = row_names.index(r.name)
-        if r.sides == "both":
+        if r.op != "model" and r.sides == "both":
+            row, col = cell(r)
             grid[row][col] = r.max_abs
             ran[row][col] = True
     values = [v for line in grid for v in line if not math.isnan(v) and v > 0 and math.isfinite(v)]
@@ -205,8 +233,6 @@ def _plot(report: Report, path, title: str | None) -> None:
     vmax = max(values) if values else 1.0
     vmax = max(vmax, vmin * 10)
     big = max(vmax * 10, 1.0)
-    import numpy as np
-
     data = np.where(np.isinf(np.array(grid, dtype=float)), big, np.array(grid, dtype=float))
     masked = np.ma.masked_where(~(data > 0), data)
     fig_h = 1.2 + 0.22 * len(row_names)
@@ -216,28 +242,15 @@ def _plot(report: Report, path, title: str | None) -> None:
     ran_arr = np.array(ran)
     zero = np.ma.masked_where(~(ran_arr & (np.nan_to_num(data) == 0)), np.ones_like(data))
     absent = np.ma.masked_where(ran_arr, np.ones_like(data))
-    ax.imshow(absent, cmap=matplotlib.colors.ListedColormap(["#d9d9d9"]), aspect="auto", interpolation="nearest")
-    ax.imshow(zero, cmap=matplotlib.colors.ListedColormap(["white"]), aspect="auto", interpolation="nearest")
-    im = ax.imshow(
-        masked, cmap=cmap, norm=LogNorm(vmin=vmin, vmax=vmax), aspect="auto", interpolation="nearest"
-    )
+    ax.imshow(absent, cmap=ListedColormap(["#d9d9d9"]), aspect="auto", interpolation="nearest")
+    ax.imshow(zero, cmap=ListedColormap(["white"]), aspect="auto", interpolation="nearest")
+    im = ax.imshow(masked, cmap=cmap, norm=LogNorm(vmin=vmin, vmax=vmax), aspect="auto", interpolation="nearest")
     ax.set_xticks(range(len(columns)))
     ax.set_xticklabels(columns, fontsize=7)
     ax.set_yticks(range(len(row_names)))
     ax.set_yticklabels(row_names, fontsize=7)
     if len(columns) <= 12:  # small grids: print the values
-        middle = math.sqrt(vmin * vmax)
-        for i in range(len(row_names)):
-            for j in range(len(columns)):
-                if not ran[i][j]:
-                    continue
-                value = data[i][j]
-                if value == 0:
-                    ax.text(j, i, "0", ha="center", va="center", fontsize=6, color="#888888")
-                else:
-                    text = "inf" if value >= big else f"{value:.1e}"
-                    color = "white" if value < middle else "black"
-                    ax.text(j, i, text, ha="center", va="center", fontsize=5.5, color=color)
+        _print_values(ax, data, ran, vmin, vmax, big)
     bar = fig.colorbar(im, ax=ax, extend="max")
     bar.set_label("max |Δ| (log; red: non-finite on one side)", fontsize=7)
     bar.ax.tick_params(labelsize=6)
@@ -245,8 +258,8 @@ def _plot(report: Report, path, title: str | None) -> None:
     if d is not None:
         rec = next((r for r in report.ops if r.op == d.op), None)
         if rec is not None and rec.op != "model":
-            col = 0 if rec in pre else (len(columns) - 1 if rec in post else 1 + layers.index(rec.layer))
-            ax.add_patch(Rectangle((col - 0.5, row_names.index(rec.name) - 0.5), 1, 1, fill=False, ec="red", lw=2))
+            row, col = cell(rec)
+            ax.add_patch(Rectangle((col - 0.5, row - 0.5), 1, 1, fill=False, ec="red", lw=2))
     s = report.settings
     kernels = "consistent" if s["deterministic"] else "default"
     head = title or f"training vs rollout, {s.get('model', '')} {s['dtype']}, kernels {kernels}"
@@ -255,4 +268,3 @@ def _plot(report: Report, path, title: str | None) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
