@@ -182,41 +182,58 @@ SPECIFICATION = Kernel("torch", None)
 
 def _inference(*tensors: torch.Tensor) -> bool:
     """Whether no autograd graph records through ``tensors`` (the C++ kernels are forward-only)."""
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    if torch.is_grad_enabled():
+        for tensor in tensors:
+            if tensor.requires_grad:
+                return False
+    return True
 
 
-def _linear_dot(x_dtype, weight, k_per_leaf):  # bf16 read as bf16 where vdpbf16ps was checked; pairs of k
+def _unfaulted(library):  # the fault switches act on the torch code only
+    return library if _SWITCHES.fault == NO_FAULT else None
+
+
+def _fits_fixed_sum(x):
+    return x.dtype == torch.float32 and native.lib()
+
+
+def _fits_rms_norm(x, weight):
+    return _inference(x, weight) and native.lib()
+
+
+def _fits_silu_mul(gate, up):
+    if gate.dtype != up.dtype or gate.dtype not in (torch.float32, torch.bfloat16) or gate.shape != up.shape:
+        return None
+    return _inference(gate, up) and native.lib()
+
+
+# a linear's premises: x's dtype, a weight [N, K] (N >= FMA_CHAIN_MIN_N where it runs: narrower ones are padded),
+# k_per_leaf = K / leaves
+def _fits_linear_dot(x_dtype, weight, k_per_leaf):  # bf16 read as bf16 where vdpbf16ps was checked; pairs of k
     if x_dtype == weight.dtype == torch.bfloat16 and k_per_leaf % 2 == 0:
         return native.fma_chain_lib(weight.shape[0]) and native.bf16_dot_lib()
     return None
 
 
-def _moe_unsharded_inference(hidden, gate_up, down, k_parts, experts) -> bool:
-    """:func:`moe_experts` as one native call: inference, unsharded, hidden and weights of one dtype."""
-    if k_parts != 1 or experts is not None or hidden.dim() != 2 or len(gate_up) == 0:
-        return False
-    dtype = hidden.dtype
-    return _inference(hidden, gate_up[0], down[0]) and dtype == gate_up[0].dtype == down[0].dtype and dtype in (
-        torch.float32, torch.bfloat16)
+def _fits_linear_chain(x_dtype, weight, k_per_leaf):  # MKL's fma chains, checked for N columns
+    return native.fma_chain_lib(weight.shape[0])
 
 
-def _moe_dot(hidden, gate_up, down, k_parts, experts, packs):  # every expert packed; whole column groups
-    if not (hidden.dtype == torch.bfloat16 and _moe_unsharded_inference(hidden, gate_up, down, k_parts, experts)):
+def _fits_linear_tiles(x_dtype, weight, k_per_leaf):  # the torch code's aten calls, from C++
+    return native.lib()
+
+
+def _fits_attention(q):  # the products' widths: KV_BLOCK and head dim + 1 (the denominator's column)
+    return _unfaulted(native.fma_chain_lib(q.shape[-1] + 1))
+
+
+def _fits_paged_attention(q, kv):  # the cache read in place: fp32 or bf16, keys and values laid out alike
+    if kv.key_cache.dtype not in (torch.float32, torch.bfloat16) or kv.key_cache.stride() != kv.value_cache.stride():
         return None
-    if packs is None or (library := native.bf16_dot_lib()) is None:
-        return None
-    return library if gate_up[0].shape[0] % (2 * native.constants()["dot_group"]) == 0 else None
+    return _fits_attention(q)
 
 
-def _moe_chain(hidden, gate_up, down, k_parts, experts, packs):  # bf16 only where the dot path is not built
-    if not _moe_unsharded_inference(hidden, gate_up, down, k_parts, experts):
-        return None
-    if hidden.dtype == torch.bfloat16 and native.bf16_dot_lib() is not None:
-        return None
-    return native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0]))
-
-
-def _attention_backward(grad_out, plan):
+def _fits_attention_backward(grad_out, plan):
     """Every product of the backward has ``live`` >= 4 rows, a width (head dim, KV_BLOCK) on the fma-chain path,
     >= BLAS_MIN_WORK multiply-adds and a reduced dim (head dim, KV_BLOCK, live) <= K_CHUNK: the torch code's
     backward does not split it, and MKL is one fma chain only up to that length."""
@@ -226,32 +243,45 @@ def _attention_backward(grad_out, plan):
     return native.fma_chain_lib(D)
 
 
-def _unfaulted(library):
-    return library if _SWITCHES.fault == NO_FAULT else None
+def _moe_in_one_call(hidden, gate_up, down, k_parts, experts) -> bool:
+    """:func:`moe_experts` as one native call: inference, unsharded, hidden and weights of one dtype."""
+    if k_parts != 1 or experts is not None or hidden.dim() != 2 or len(gate_up) == 0:
+        return False
+    dtype = hidden.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or not dtype == gate_up[0].dtype == down[0].dtype:
+        return False
+    return _inference(hidden, gate_up[0], down[0])
 
 
-def _paged_attention(q, kv):  # the cache read in place: an fp32 or bf16 cache, keys and values laid out alike
-    if kv.key_cache.dtype not in (torch.float32, torch.bfloat16) or kv.key_cache.stride() != kv.value_cache.stride():
+def _fits_moe_dot(hidden, gate_up, down, k_parts, experts, packs):  # every expert packed; whole column groups
+    if hidden.dtype != torch.bfloat16 or not _moe_in_one_call(hidden, gate_up, down, k_parts, experts):
         return None
-    return _unfaulted(native.fma_chain_lib(q.shape[-1] + 1))
+    if packs is None or (library := native.bf16_dot_lib()) is None:
+        return None
+    return library if gate_up[0].shape[0] % (2 * native.constants()["dot_group"]) == 0 else None
 
 
-# op -> its C++ CPU kernels, tried in order; the first whose premise holds runs. Where none holds, on any other
+def _fits_moe_chain(hidden, gate_up, down, k_parts, experts, packs):  # bf16 only where there is no dot path
+    if not _moe_in_one_call(hidden, gate_up, down, k_parts, experts):
+        return None
+    if hidden.dtype == torch.bfloat16 and native.bf16_dot_lib() is not None:
+        return None
+    return native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0]))
+
+
+# op -> its C++ CPU kernels, tried in order: the first whose premise holds runs. Where none holds, on any other
 # device (whose kernels are the torch ops themselves) and with ``switches().native`` off, the op's torch code --
-# the specification, which every C++ kernel is held torch.equal to -- runs. The premises' arguments are the op's.
+# the specification, which every C++ kernel is held torch.equal to -- runs. A premise takes the op's arguments.
 ROUTES: dict[str, tuple[Route, ...]] = {
-    "fixed_sum": (Route("native", "fixed_sum", lambda x: x.dtype == torch.float32 and native.lib()),),
-    "rms_norm": (Route("native", "rms_norm", lambda x, weight: _inference(x, weight) and native.lib()),),
-    "silu_mul": (Route("native", "silu_mul", lambda gate, up: gate.dtype == up.dtype and _inference(gate, up) and gate.dtype
-                       in (torch.float32, torch.bfloat16) and gate.shape == up.shape and native.lib()),),
-    # a weight [N, K] (N >= FMA_CHAIN_MIN_N: narrower ones are padded), K / leaves columns per leaf
-    "linear": (Route("dot", "linear_dot", _linear_dot),
-               Route("chain", "linear_chain", lambda x_dtype, weight, k_per_leaf: native.fma_chain_lib(weight.shape[0])),
-               Route("tiles", "linear_tiles", lambda x_dtype, weight, k_per_leaf: native.lib())),
-    "attention": (Route("native", "attention", lambda q: _unfaulted(native.fma_chain_lib(q.shape[-1] + 1))),),
-    "attention_backward": (Route("native", "attention_backward", _attention_backward),),
-    "paged_attention": (Route("native", "attention", _paged_attention),),
-    "moe_experts": (Route("dot", "moe_experts", _moe_dot), Route("chain", "moe_experts_chain", _moe_chain)),
+    "fixed_sum": (Route("native", "fixed_sum", _fits_fixed_sum),),
+    "rms_norm": (Route("native", "rms_norm", _fits_rms_norm),),
+    "silu_mul": (Route("native", "silu_mul", _fits_silu_mul),),
+    "linear": (Route("dot", "linear_dot", _fits_linear_dot), Route("chain", "linear_chain", _fits_linear_chain),
+               Route("tiles", "linear_tiles", _fits_linear_tiles)),
+    "attention": (Route("native", "attention", _fits_attention),),
+    "attention_backward": (Route("native", "attention_backward", _fits_attention_backward),),
+    "paged_attention": (Route("native", "attention", _fits_paged_attention),),
+    "moe_experts": (Route("dot", "moe_experts", _fits_moe_dot), Route("chain", "moe_experts_chain", _fits_moe_chain)),
 }
 
 
@@ -262,8 +292,13 @@ def _route(op: str, device: torch.device, *args) -> Kernel:
         return SPECIFICATION
     for route in ROUTES[op]:
         if library := route.premise(*args):
-            return Kernel(route.path, getattr(library, route.entry))
+            if (kernel := _BOUND.get(route.entry)) is None:
+                kernel = _BOUND[route.entry] = Kernel(route.path, getattr(library, route.entry))
+            return kernel
     return SPECIFICATION
+
+
+_BOUND: dict[str, Kernel] = {}  # a route's entry -> its Kernel (native.lib() is loaded once per process)
 
 
 def _no_autocast(device: torch.device):
@@ -481,7 +516,8 @@ def pack_experts(gate_up, down) -> tuple[list[WeightPack], list[WeightPack]] | N
     start on the chain path (which an expert of few rows reads instead of laying its weights out in every call)."""
     if len(gate_up) == 0:
         return None
-    parts = 2 if _route("linear", gate_up[0].device, gate_up[0].dtype, gate_up[0], gate_up[0].shape[1]).path == "chain" else 1
+    weight = gate_up[0]
+    parts = 2 if _route("linear", weight.device, weight.dtype, weight, weight.shape[1]).path == "chain" else 1
     packs = ([pack_weight(w, parts) for w in gate_up], [pack_weight(w) for w in down])
     paths = {p.path if p is not None else None for p in packs[0] + packs[1]}
     return packs if len(paths) == 1 and None not in paths else None
