@@ -274,7 +274,7 @@ def main_simulation(argv: list[str]) -> dict:
     torch.set_num_threads(args.threads)
     # The engine's forward as configs/cpu_tiny runs it (true_on_policy.deterministic=true).
     consistent_model.patch_transformers()
-    consistent_ops.enable()
+    consistent_ops.set_switches(consistent=True)
     model = build_model("dense", seed=args.seed)
     runs = {"sync": [], "async": []}
     # Warm-up (kernels, allocator) on a workload of its own.

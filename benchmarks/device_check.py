@@ -92,12 +92,8 @@ def score(model, sequences: list[list[int]], prompt_lens: list[int], micro_batch
 
 
 def _with_flag(flag: bool, fn):
-    was = consistent_ops.enabled()
-    (consistent_ops.enable if flag else consistent_ops.disable)()
-    try:
+    with consistent_ops.consistent(flag):
         return fn()
-    finally:
-        (consistent_ops.enable if was else consistent_ops.disable)()
 
 
 def logdiff(kind: str, dtype: str, flag: bool, args) -> dict:

@@ -6,7 +6,7 @@ rollout (chunked prefill + decode steps over KV caches, then the rollout engine'
 and recorded log-probs) for the tiny dense and MoE models in fp32 and bf16. The inputs and the
 weights come from one ``torch.Generator`` (not from transformers' initialisers), so they depend on
 nothing but this file. ``tests/data/kernel_goldens_<capability>.pt`` holds what the kernels' torch code
-(the specification, :func:`native.disabled`) computes (``python tests/kernel_goldens.py --write``) on
+(the specification, ``ops.switched(native=False)``) computes (``python tests/kernel_goldens.py --write``) on
 torch's CPU capability of that name (its GEMM and ``exp`` kernels differ between AVX2 and AVX512),
 with the torch build; ``tests/test_kernel_goldens.py`` asserts ``torch.equal`` for every entry.
 History: first written from the original kernels (commit 0c2b828); rewritten once, when the linear's
@@ -314,9 +314,9 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="(re)write tests/data/kernel_goldens_<this CPU capability>.pt")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    from true_on_policy.kernels import native
+    from true_on_policy.kernels import ops
 
-    with native.disabled():  # the specification's bits; the C++ fast path is held equal to them
+    with ops.switched(native=False):  # the specification's bits; the C++ fast path is held equal to them
         goldens = compute()
     size = sum(v.numel() * v.element_size() for v in goldens.values())
     print(f"{len(goldens)} entries, {size / 1e6:.2f} MB")

@@ -50,7 +50,6 @@ def spawn_ranks(worker, world: int, out_dir: Path) -> list:
 @pytest.fixture(scope="module", autouse=True)
 def patched_transformers():
     """transformers' Qwen3 classes on the project's module code; the flag restored afterwards."""
-    previous = consistent_ops.enabled()
-    consistent_model.patch_transformers()
-    yield
-    consistent_ops.set_enabled(previous)
+    with consistent_ops.consistent(consistent_ops.enabled()):
+        consistent_model.patch_transformers()
+        yield

@@ -21,7 +21,7 @@ REQUESTS = [(5, 23), (110, 140), (1, 12), (50, 70)]
 @pytest.fixture(autouse=True)
 def flag_off_after():
     yield
-    ops.disable()
+    ops.set_switches(consistent=False)
 
 
 _MODELS: dict = {}

@@ -34,9 +34,9 @@ def rows_in_batches(fn, row: torch.Tensor, sizes, seed: int = 0, thread_counts=(
 
 
 def test_switch_is_one_flag_and_context_manager_restores():
-    previous = ops.enabled()
+    previous = ops.switches()
     try:
-        ops.disable()
+        ops.set_switches(consistent=False)
         assert not ops.enabled()
         with ops.consistent():
             assert ops.enabled()
@@ -44,10 +44,10 @@ def test_switch_is_one_flag_and_context_manager_restores():
                 assert not ops.enabled()
             assert ops.enabled()
         assert not ops.enabled()
-        ops.enable()
+        ops.set_switches(consistent=True)
         assert ops.enabled()
     finally:
-        ops.set_enabled(previous)
+        ops.set_switches(consistent=previous.consistent)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,7 +459,7 @@ def test_fault_switches_change_the_real_kernels_and_are_off_by_default():
     def run(fault=None):
         if fault is None:
             return ops.attention(q, k, v, positions, kv_valid, 0.25)
-        with ops.injected(fault):
+        with ops.switched(fault=fault):
             return ops.attention(q, k, v, positions, kv_valid, 0.25)
 
     reference = run()
@@ -471,7 +471,7 @@ def test_fault_switches_change_the_real_kernels_and_are_off_by_default():
 
     logits = torch.tensor([[0.0, 0.0, -1.0, 2.0]])  # experts 0 and 1 tie behind expert 3
     _, experts = ops.moe_route(logits, 2, True)
-    with ops.injected(ops.Fault(router_ties_to_higher=True)):
+    with ops.switched(fault=ops.Fault(router_ties_to_higher=True)):
         _, reversed_experts = ops.moe_route(logits, 2, True)
     assert experts.tolist() == [[3, 0]] and reversed_experts.tolist() == [[3, 1]]
 
@@ -480,5 +480,5 @@ def test_fault_switches_refuse_the_training_path():
     q = torch.randn(1, 2, 8, 4, requires_grad=True)
     k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
     positions, kv_valid = torch.arange(8)[None], torch.ones(1, 8, dtype=torch.bool)
-    with ops.injected(ops.Fault(softmax_dtype=torch.bfloat16)), pytest.raises(RuntimeError, match="forward-only"):
+    with ops.switched(fault=ops.Fault(softmax_dtype=torch.bfloat16)), pytest.raises(RuntimeError, match="forward-only"):
         ops.attention(q, k, v, positions, kv_valid, 0.5)

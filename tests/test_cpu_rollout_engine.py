@@ -24,11 +24,9 @@ def dense_model():
 def consistent(request):
     """Run a test with the consistent kernels on (param True) or the default kernels (False)."""
     enabled = getattr(request, "param", True)
-    was = consistent_ops.enabled()
-    (consistent_ops.enable if enabled else consistent_ops.disable)()
-    consistent_model.patch_transformers()
-    yield enabled
-    (consistent_ops.enable if was else consistent_ops.disable)()
+    with consistent_ops.consistent(enabled):
+        consistent_model.patch_transformers()
+        yield enabled
 
 
 def prompt(n, offset=0):

@@ -1,6 +1,6 @@
 """The C++ fast path (``kernels/native.py``) computes the torch code's bits, and the shorter decode tiles keep them.
 
-Each native op is held ``torch.equal`` to the ops' torch code (:func:`native.disabled`) on shapes
+Each native op is held ``torch.equal`` to the ops' torch code (``ops.switched(native=False)``) on shapes
 that cover its branches; the goldens are reproduced by the torch code alone too. Twins show what
 each guard is for: an IEEE square root (instead of torch's) changes RMSNorm bits, tiles of 1-2
 rows or below torch's BLAS threshold change a row's matmul bits, and a build without OpenMP runs
@@ -10,6 +10,7 @@ the library's loops on one thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import numpy as np
@@ -25,7 +26,7 @@ def both_paths(fn):
     """(native result, torch-code result) of ``fn()``."""
     with torch.no_grad():
         fast = fn()
-        with native.disabled():
+        with ops.switched(native=False):
             reference = fn()
     return fast, reference
 
@@ -34,9 +35,10 @@ def test_the_native_library_is_built_and_used():
     """`make install` builds it: a missing library would leave every test on the slow path unnoticed."""
     lib = native.lib()
     assert lib is not None, "the native kernels did not build (see the RuntimeWarning)"
-    with native.disabled():
-        assert native.lib() is None
-    assert native.lib() is lib
+    x = torch.ones(3)
+    with ops.switched(native=False):
+        assert ops._route("fixed_sum", x.device, x) is ops.SPECIFICATION
+    assert ops._route("fixed_sum", x.device, x).run is lib.fixed_sum
 
 
 def test_the_native_loops_run_on_torchs_threads():
@@ -281,13 +283,13 @@ def test_a_chain_packed_weight_gives_the_linears_bits(dtype):
             x = torch.randn(m, k, generator=g).to(dtype)
             for out_dtype, k_parts in ((dtype, 1), (torch.float32, 2)):
                 leaves = ops.local_leaves(k, k_parts)
-                packed = lib.linear(x, w, None, out_dtype, ops.TILE_ROWS, ops.K_CHUNK, leaves, True, False, [*pack.tensors])
+                packed = lib.linear_chain(x, w, None, out_dtype, ops.K_CHUNK, leaves, [*pack.tensors])
                 fast, reference = both_paths(lambda: ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts))
                 assert torch.equal(packed, fast) and torch.equal(packed, reference), (n, k, m, out_dtype)
                 if ops.pack_weight(w).path == "chain":  # dispatched: ops.linear reads it
                     assert torch.equal(ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts, pack=pack), reference)
     with pytest.raises(RuntimeError, match=r"a chain pack must be pack_chain_weight\(weight, 1\) of the weight \[16, 3072\]"):
-        lib.linear(x[:1], w, None, dtype, ops.TILE_ROWS, ops.K_CHUNK, 1, True, False, [lib.pack_chain_weight(w.t().contiguous(), 1)])
+        lib.linear_chain(x[:1], w, None, dtype, ops.K_CHUNK, 1, [lib.pack_chain_weight(w.t().contiguous(), 1)])
 
 
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="weights are packed only for the dot path (AVX512-BF16)")
@@ -317,7 +319,7 @@ def test_packed_experts_in_one_native_call_are_the_torch_codes_bits():
     down = [(torch.randn(H, inter, generator=g) * 0.05).to(torch.bfloat16) for _ in range(E)]
     gate_up[2][5] = (torch.randn(H, generator=g) * 2.0**-130).to(torch.bfloat16)  # a row the dot product flushes
     packs = ([ops.pack_weight(w) for w in gate_up], [ops.pack_weight(w) for w in down])
-    assert ops._native_moe_experts(torch.zeros(1, H, dtype=torch.bfloat16), gate_up, down, 1, None, packs) == "dot"
+    assert ops._route("moe_experts", torch.device("cpu"), torch.zeros(1, H, dtype=torch.bfloat16), gate_up, down, 1, None, packs).path == "dot"
     for tokens in (1, 4, 70):
         hidden = (torch.randn(tokens, H, generator=g) * 2.0**20).to(torch.bfloat16)
         chosen = torch.stack([torch.randperm(E - 1, generator=g)[:top_k] for _ in range(tokens)])  # expert 5: none
@@ -326,7 +328,7 @@ def test_packed_experts_in_one_native_call_are_the_torch_codes_bits():
         assert not torch.equal(lib.dot_matmul(x, gate_up[2], ops.K_CHUNK, 8, False),
                                lib.dot_matmul(x, gate_up[2], ops.K_CHUNK, 8, True))
         fast = ops.moe_experts(hidden, chosen, gate_up, down, packs=packs)
-        with native.disabled():
+        with ops.switched(native=False):
             reference = ops.moe_experts(hidden, chosen, gate_up, down)
         assert fast.dtype == torch.bfloat16 and torch.equal(fast, reference), tokens
     with pytest.raises(RuntimeError, match="expert id 6 of 6 experts"):
@@ -351,13 +353,13 @@ def test_experts_on_the_chain_path_in_one_native_call_are_the_torch_codes_bits(d
     lib = native.lib()
     chain_packs = [[lib.pack_chain_weight(w, 2) for w in gate_up], [lib.pack_chain_weight(w, 1) for w in down]]
     dispatched = dtype == torch.float32 or native.bf16_dot_lib() is None
-    assert (ops._native_moe_experts(torch.zeros(1, H, dtype=dtype), gate_up, down, 1, None, None) == "chain") == dispatched
+    assert (ops._route("moe_experts", torch.device("cpu"), torch.zeros(1, H, dtype=dtype), gate_up, down, 1, None, None).path == "chain") == dispatched
     heights = set()  # the experts' row counts
     for tokens in (1, 4, 12, 20, 150):
         hidden = torch.randn(tokens, H, generator=g).to(dtype)
         chosen = torch.stack([torch.randperm(E - 1, generator=g)[:top_k] for _ in range(tokens)])  # expert 5: none
         heights |= set(torch.bincount(chosen.flatten(), minlength=E).tolist())
-        with native.disabled():
+        with ops.switched(native=False):
             reference = ops.moe_experts(hidden, chosen, gate_up, down)
         for packs in ([[], []], chain_packs):
             fast = lib.moe_experts_chain(hidden, chosen, gate_up, down, *packs, ops.K_CHUNK, *leaves)
@@ -456,7 +458,7 @@ def test_attention_gradients_are_the_torch_codes_bits(dtype):
         q, k, v, q_pos, kv_valid = _attention_case(g, *shape, dtype)
         grad_out = torch.randn(q.shape, generator=g).to(dtype)
         results = []
-        for path in (contextlib.nullcontext, native.disabled):
+        for path in (contextlib.nullcontext, functools.partial(ops.switched, native=False)):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             with path():
                 out = ops.attention(*leaves, q_pos, kv_valid, 0.25)
@@ -482,7 +484,7 @@ def test_attention_with_strided_caches_and_a_small_call_after_a_large_one():
 def test_the_torch_code_alone_reproduces_the_goldens():
     """The reference the native path is held to is still the original kernels' bits."""
     goldens = kernel_goldens.load()
-    with native.disabled(), threads(2):
+    with ops.switched(native=False), threads(2):
         actual = kernel_goldens.compute(("ops", "model/dense/fp32", "model/moe/bf16"))
     for name, value in actual.items():
         assert torch.equal(value, goldens[name]), name

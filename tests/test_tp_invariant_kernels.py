@@ -13,16 +13,17 @@ each rank's weighted partial sum all give other bits.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from kernel_helpers import spawn_ranks
-from true_on_policy.kernels import native, ops
+from true_on_policy.kernels import ops
 from true_on_policy.kernels import tensor_parallel as tp
 
-PATHS = {"native": contextlib.nullcontext, "torch": native.disabled}
+PATHS = {"native": contextlib.nullcontext, "torch": functools.partial(ops.switched, native=False)}
 SHAPES = [  # (rows, K, N): decode and training rows, K with and without chunked leaves, narrow N
     (1, 64, 24), (5, 128, 64), (64, 192, 40), (130, 200, 17), (3, 1048, 32), (65, 4096, 12), (2, 48, 3), (70, 24, 96),
 ]
@@ -86,7 +87,7 @@ def test_twin_a_narrow_shard_without_zero_features_is_another_kernel():
     gives those columns other bits than the wide product (a router of 4 experts, a 2-way split)."""
     x, w, _ = _inputs(64, 64, 24, torch.float32, seed=9)
     wide = ops.linear(x, w, out_dtype=torch.float32)
-    with native.disabled(), torch.no_grad():
+    with ops.switched(native=False), torch.no_grad():
         unpadded = ops._padded_linear_forward(x, w[:4], None, torch.float32, ops.k_leaves(64))  # noqa: SLF001
     assert not torch.equal(unpadded, wide[:, :4])
     assert torch.equal(ops.linear(x, w[:4], out_dtype=torch.float32), wide[:, :4])

@@ -38,9 +38,8 @@ def mesh():
 
 @pytest.fixture(autouse=True)
 def flag_on():
-    previous = ops.set_enabled(True)
-    yield
-    ops.set_enabled(previous)
+    with ops.consistent(True):
+        yield
 
 
 def _model(kind: str) -> nn.Module:

@@ -67,16 +67,12 @@ def score(model, sequences: list[list[int]], prompt_lens: list[int], micro_batch
 
 
 def measure(kind: str, dtype: str, deterministic: bool, prompts: int, new_tokens: int, micro_batch: int) -> dict:
-    was_enabled = consistent_ops.enabled()
-    (consistent_ops.enable if deterministic else consistent_ops.disable)()
-    try:
+    with consistent_ops.consistent(deterministic):
         model = tiny_assets.build_model(kind).to(consistent_ops.DTYPES[dtype])
         prompt_ids = make_prompts(prompts, model.config.vocab_size)
         outputs = rollout(model, prompt_ids, new_tokens)
         sequences = [p + out for p, (out, _) in zip(prompt_ids, outputs)]
         trained = score(model, sequences, [len(p) for p in prompt_ids], micro_batch)
-    finally:
-        (consistent_ops.enable if was_enabled else consistent_ops.disable)()
     recorded = torch.cat([log_probs for _, log_probs in outputs])
     scored = torch.cat(trained).to(recorded.dtype)
     diff = (recorded - scored).abs()

@@ -45,7 +45,7 @@ def _install_attention_variant(model: nn.Module, layer: int, variant: str, fault
     from transformers import AttentionInterface
 
     def interface(module, query, key, value, attention_mask, **kwargs):
-        with ops.injected(fault):  # the real kernel, with the fault's switches on for this call only
+        with ops.switched(fault=fault):  # the real kernel, with the fault's switches on for this call only
             return cm.attention_function(module, query, key, value, attention_mask, **kwargs)
 
     name = f"{cm.ATTN_IMPLEMENTATION}+{variant}"
@@ -116,11 +116,11 @@ def inject_fault(model: nn.Module, fault: str, layer: int = -1) -> str:
         state = {}
 
         def swap_in(module, args):  # the real top-k kernel, its tie-break switch flipped for this gate
-            state["previous"] = ops.set_fault(ops.Fault(router_ties_to_higher=True))
+            state["previous"] = ops.set_switches(fault=ops.Fault(router_ties_to_higher=True)).fault
 
         def swap_out(module, args, output):
             if "previous" in state:
-                ops.set_fault(state.pop("previous"))
+                ops.set_switches(fault=state.pop("previous"))
 
         gate.register_forward_pre_hook(swap_in)
         gate.register_forward_hook(swap_out, always_call=True)  # restored even if the forward raises

@@ -11,19 +11,19 @@ otherwise the first process that needs it builds it
 (once per environment: it lives under ``sys.prefix``, keyed by the source's hash, the flags
 and torch's version; ``-march=native``: for the machine it is built on). Its loops run on torch's
 intra-op threads (OpenMP), each output written by one thread in a fixed order. If it cannot be built the
-ops run their torch code -- the same bits, slower -- and say so once on stderr. :func:`disabled`
-forces the torch code (tests compare the two paths).
+ops run their torch code -- the same bits, slower -- and say so once on stderr. Which op calls which
+of its functions, and when, is :data:`true_on_policy.kernels.ops.ROUTES`; ``ops.switched(native=False)``
+forces the torch code (tests compare the two paths). The layout constants the ops' dispatch reads come
+from the library (:func:`constants`), never copied here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import os
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -38,7 +38,7 @@ LDFLAGS = ["-fopenmp"]
 
 _lib: ModuleType | None = None
 _tried = False
-_disabled = False
+_constants: dict[str, int] | None = None
 
 
 def build_directory(cflags=CFLAGS, ldflags=LDFLAGS) -> Path:
@@ -84,10 +84,8 @@ def exp_is_torchs(library: ModuleType) -> bool:
 
 
 def lib() -> ModuleType | None:
-    """The loaded library, or None (disabled, or the build failed: said once on stderr)."""
+    """The loaded library, or None (the build failed: said once on stderr)."""
     global _lib, _tried
-    if _disabled:
-        return None
     if not _tried:
         _tried = True
         try:
@@ -104,6 +102,15 @@ def lib() -> ModuleType | None:
                 stacklevel=2,
             )
     return _lib
+
+
+def constants() -> dict[str, int]:
+    """The library's layout constants by name (``dot_group``: the dot path's columns per group), read from it
+    once; the library must be loaded."""
+    global _constants
+    if _constants is None:
+        _constants = dict(lib().constants())
+    return _constants
 
 
 # MKL's fp32 GEMM (torch's BLAS path: >= 4 rows, R * K * N >= 400) computes each entry as an fma
@@ -168,8 +175,8 @@ def dot_is_fma_chain(library: ModuleType) -> bool:
         x[0, :3] = torch.tensor([0.0, -0.0, 0.0])
         w[:, 1::7] = -0.0
         x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
-        dot = library.linear(x, w, None, torch.float32, 64, 128, leaves, False, True, None)
-        widened = library.linear(x.float(), w.float(), None, torch.float32, 64, 128, leaves, False, False, None)
+        dot = library.linear_dot(x, w, None, torch.float32, 128, leaves, None)
+        widened = library.linear_tiles(x.float(), w.float(), None, torch.float32, 64, 128, leaves)
         if not torch.equal(dot, widened):
             return False
     return True
@@ -196,14 +203,3 @@ def bf16_dot_lib() -> ModuleType | None:
                 stacklevel=2,
             )
     return library if _bf16_dot else None
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """The ops' torch code inside (the reference the native path is held equal to)."""
-    global _disabled
-    previous, _disabled = _disabled, True
-    try:
-        yield
-    finally:
-        _disabled = previous

@@ -7,9 +7,11 @@ fixed K chunks, a fixed pairwise tree whose leaves depend on the unsharded size,
 :data:`MAX_TP` gives the same bits); one online-softmax cadence for training and decode; fp32 at
 the sensitive points, outputs cast once. Each op's docstring states its invariant.
 
-The switch (:func:`enabled`, :func:`enable`, :func:`disable`, :func:`consistent`) is the one flag;
-the ops always compute the consistent way, except under :class:`Fault` switches (diagnosis only).
-On CPU some ops call :mod:`.native` (C++), the same bits; this torch code stays the specification.
+One switch (:class:`Switches`: the flag models read, the native kernels, :class:`Fault` switches for
+diagnosis) is set by :func:`set_switches` or :func:`switched`; the ops always compute the consistent way,
+except under fault switches. One table (:data:`ROUTES`, read by :func:`_route` alone) says which
+implementation computes an op: on CPU some ops call :mod:`.native` (C++), the same bits; this torch code
+stays the specification.
 Pure torch; no verl, no transformers import. Details: docs/true_on_policy.md.
 """
 
@@ -18,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +37,13 @@ __all__ = [
     "tile_rows",
     "K_CHUNK",
     "KV_BLOCK",
+    "Switches",
+    "switches",
+    "set_switches",
+    "switched",
     "enabled",
-    "enable",
-    "disable",
-    "set_enabled",
     "consistent",
+    "ROUTES",
     "fixed_sum",
     "matmul_tiles",
     "matmul_tree",
@@ -67,7 +73,6 @@ __all__ = [
     "log_softmax",
     "token_log_probs",
     "Fault",
-    "injected",
     "DTYPES",
 ]
 
@@ -81,38 +86,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ----------------------------------------------------------------------------------------------
 # The one switch
 # ----------------------------------------------------------------------------------------------
-
-_ENABLED = False
-
-
-def enabled() -> bool:
-    """Whether models patched by :mod:`consistent_model` run on these ops."""
-    return _ENABLED
-
-
-def set_enabled(value: bool) -> bool:
-    """Set the switch; return its previous value."""
-    global _ENABLED
-    previous, _ENABLED = _ENABLED, bool(value)
-    return previous
-
-
-def enable() -> None:
-    set_enabled(True)
-
-
-def disable() -> None:
-    set_enabled(False)
-
-
-@contextlib.contextmanager
-def consistent(value: bool = True) -> Iterator[None]:
-    """Context manager: the switch set to ``value`` inside, restored on exit."""
-    previous = set_enabled(value)
-    try:
-        yield
-    finally:
-        set_enabled(previous)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,24 +103,202 @@ class Fault:
 
 
 NO_FAULT = Fault()
-_FAULT = NO_FAULT
 
 
-def set_fault(fault: Fault) -> Fault:
-    """Set the fault switches; return the previous ones."""
-    global _FAULT
-    previous, _FAULT = _FAULT, fault
+@dataclasses.dataclass(frozen=True)
+class Switches:
+    """The ops' one switch, process-wide: read by :func:`switches`, set by :func:`set_switches` (a worker, once)
+    or :func:`switched` (a scope).
+
+    ``consistent``: models patched by :mod:`.model` run on these ops (:func:`enabled`). ``native``: CPU ops run
+    their C++ kernels (:data:`ROUTES`) where those compute the specification's bits; off, the torch code runs
+    (the reference the C++ is held equal to). ``fault``: :class:`Fault` switches (diagnosis only).
+    """
+
+    consistent: bool = False
+    native: bool = True
+    fault: Fault = NO_FAULT
+
+
+_SWITCHES = Switches()
+
+
+def switches() -> Switches:
+    """The switches in force."""
+    return _SWITCHES
+
+
+def set_switches(**changes) -> Switches:
+    """Set the named :class:`Switches` fields (``consistent=``, ``native=``, ``fault=``); return the previous ones."""
+    global _SWITCHES
+    previous, _SWITCHES = _SWITCHES, dataclasses.replace(_SWITCHES, **changes)
     return previous
 
 
 @contextlib.contextmanager
-def injected(fault: Fault) -> Iterator[None]:
-    """Context manager: ``fault`` switched on inside, the previous switches restored on exit."""
-    previous = set_fault(fault)
+def switched(**changes) -> Iterator[Switches]:
+    """Context manager: the named :class:`Switches` fields set inside, restored on exit."""
+    previous = set_switches(**changes)
     try:
-        yield
+        yield _SWITCHES
     finally:
-        set_fault(previous)
+        set_switches(**{name: getattr(previous, name) for name in changes})
+
+
+def enabled() -> bool:
+    """Whether models patched by :mod:`.model` run on these ops (``switches().consistent``)."""
+    return _SWITCHES.consistent
+
+
+def consistent(value: bool = True) -> contextlib.AbstractContextManager[Switches]:
+    """``switched(consistent=value)``: the engines' scope of the flag."""
+    return switched(consistent=value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch: the one table of which implementation computes an op
+# ----------------------------------------------------------------------------------------------
+
+
+class Route(NamedTuple):
+    """A C++ CPU kernel of an op: ``path`` (its name among the op's kernels), ``entry`` (the library's function)
+    and ``premise``: given the op's arguments, the library (:mod:`.native`) where ``entry`` computes the
+    specification's bits for them, else a false value -- a library check, a width, dtypes, autograd, faults."""
+
+    path: str
+    entry: str
+    premise: Callable[..., ModuleType | None]
+
+
+class Kernel(NamedTuple):
+    """What :func:`_route` chose: ``path`` ("torch": the specification) and the library function to call."""
+
+    path: str
+    run: Callable | None
+
+
+SPECIFICATION = Kernel("torch", None)
+
+
+def _inference(*tensors: torch.Tensor) -> bool:
+    """Whether no autograd graph records through ``tensors`` (the C++ kernels are forward-only)."""
+    if torch.is_grad_enabled():
+        for tensor in tensors:
+            if tensor.requires_grad:
+                return False
+    return True
+
+
+def _unfaulted(library):  # the fault switches act on the torch code only
+    return library if _SWITCHES.fault == NO_FAULT else None
+
+
+def _fits_fixed_sum(x):
+    return x.dtype == torch.float32 and native.lib()
+
+
+def _fits_rms_norm(x, weight):
+    return _inference(x, weight) and native.lib()
+
+
+def _fits_silu_mul(gate, up):
+    if gate.dtype != up.dtype or gate.dtype not in (torch.float32, torch.bfloat16) or gate.shape != up.shape:
+        return None
+    return _inference(gate, up) and native.lib()
+
+
+# a linear's premises: x's dtype, a weight [N, K] (N >= FMA_CHAIN_MIN_N where it runs: narrower ones are padded),
+# k_per_leaf = K / leaves
+def _fits_linear_dot(x_dtype, weight, k_per_leaf):  # bf16 read as bf16 where vdpbf16ps was checked; pairs of k
+    if x_dtype == weight.dtype == torch.bfloat16 and k_per_leaf % 2 == 0:
+        return native.fma_chain_lib(weight.shape[0]) and native.bf16_dot_lib()
+    return None
+
+
+def _fits_linear_chain(x_dtype, weight, k_per_leaf):  # MKL's fma chains, checked for N columns
+    return native.fma_chain_lib(weight.shape[0])
+
+
+def _fits_linear_tiles(x_dtype, weight, k_per_leaf):  # the torch code's aten calls, from C++
+    return native.lib()
+
+
+def _fits_attention(q):  # the products' widths: KV_BLOCK and head dim + 1 (the denominator's column)
+    return _unfaulted(native.fma_chain_lib(q.shape[-1] + 1))
+
+
+def _fits_paged_attention(q, kv):  # the cache read in place: fp32 or bf16, keys and values laid out alike
+    if kv.key_cache.dtype not in (torch.float32, torch.bfloat16) or kv.key_cache.stride() != kv.value_cache.stride():
+        return None
+    return _fits_attention(q)
+
+
+def _fits_attention_backward(grad_out, plan):
+    """Every product of the backward has ``live`` >= 4 rows, a width (head dim, KV_BLOCK) on the fma-chain path,
+    >= BLAS_MIN_WORK multiply-adds and a reduced dim (head dim, KV_BLOCK, live) <= K_CHUNK: the torch code's
+    backward does not split it, and MKL is one fma chain only up to that length."""
+    live, D = plan.dims[8], grad_out.shape[-1]
+    if live < SHORT_TILE_ROWS[0] or live * D * plan.B < BLAS_MIN_WORK or max(D, plan.B, live) > K_CHUNK:
+        return None
+    return native.fma_chain_lib(D)
+
+
+def _moe_in_one_call(hidden, gate_up, down, k_parts, experts) -> bool:
+    """:func:`moe_experts` as one native call: inference, unsharded, hidden and weights of one dtype."""
+    if k_parts != 1 or experts is not None or hidden.dim() != 2 or len(gate_up) == 0:
+        return False
+    dtype = hidden.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or not dtype == gate_up[0].dtype == down[0].dtype:
+        return False
+    return _inference(hidden, gate_up[0], down[0])
+
+
+def _fits_moe_dot(hidden, gate_up, down, k_parts, experts, packs):  # every expert packed; whole column groups
+    if hidden.dtype != torch.bfloat16 or not _moe_in_one_call(hidden, gate_up, down, k_parts, experts):
+        return None
+    if packs is None or (library := native.bf16_dot_lib()) is None:
+        return None
+    return library if gate_up[0].shape[0] % (2 * native.constants()["dot_group"]) == 0 else None
+
+
+def _fits_moe_chain(hidden, gate_up, down, k_parts, experts, packs):  # bf16 only where there is no dot path
+    if not _moe_in_one_call(hidden, gate_up, down, k_parts, experts):
+        return None
+    if hidden.dtype == torch.bfloat16 and native.bf16_dot_lib() is not None:
+        return None
+    return native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0]))
+
+
+# op -> its C++ CPU kernels, tried in order: the first whose premise holds runs. Where none holds, on any other
+# device (whose kernels are the torch ops themselves) and with ``switches().native`` off, the op's torch code --
+# the specification, which every C++ kernel is held torch.equal to -- runs. A premise takes the op's arguments.
+ROUTES: dict[str, tuple[Route, ...]] = {
+    "fixed_sum": (Route("native", "fixed_sum", _fits_fixed_sum),),
+    "rms_norm": (Route("native", "rms_norm", _fits_rms_norm),),
+    "silu_mul": (Route("native", "silu_mul", _fits_silu_mul),),
+    "linear": (Route("dot", "linear_dot", _fits_linear_dot), Route("chain", "linear_chain", _fits_linear_chain),
+               Route("tiles", "linear_tiles", _fits_linear_tiles)),
+    "attention": (Route("native", "attention", _fits_attention),),
+    "attention_backward": (Route("native", "attention_backward", _fits_attention_backward),),
+    "paged_attention": (Route("native", "attention", _fits_paged_attention),),
+    "moe_experts": (Route("dot", "moe_experts", _fits_moe_dot), Route("chain", "moe_experts_chain", _fits_moe_chain)),
+}
+
+
+def _route(op: str, device: torch.device, *args) -> Kernel:
+    """The implementation of ``op`` (a key of :data:`ROUTES`) for ``args`` on ``device``: the first C++ kernel
+    whose premise holds, else :data:`SPECIFICATION`. The one place the ops' dispatch is decided."""
+    if device.type != "cpu" or not _SWITCHES.native:
+        return SPECIFICATION
+    for route in ROUTES[op]:
+        if library := route.premise(*args):
+            if (kernel := _BOUND.get(route.entry)) is None:
+                kernel = _BOUND[route.entry] = Kernel(route.path, getattr(library, route.entry))
+            return kernel
+    return SPECIFICATION
+
+
+_BOUND: dict[str, Kernel] = {}  # a route's entry -> its Kernel (native.lib() is loaded once per process)
 
 
 def _no_autocast(device: torch.device):
@@ -175,8 +326,8 @@ def fixed_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fixed_sum(x: torch.Tensor) -> torch.Tensor:
-    if x.dtype == torch.float32 and x.device.type == "cpu" and (lib := native.lib()) is not None:
-        return lib.fixed_sum(x)
+    if (kernel := _route("fixed_sum", x.device, x)).run:
+        return kernel.run(x)
     n = x.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
@@ -344,17 +495,6 @@ class WeightPack:
     parts: int = 1  # a linear reads a pack of one part; the experts' gate_up packs have two
 
 
-def _native_path(x_dtype: torch.dtype, weight: torch.Tensor, k_per_leaf: int) -> str | None:
-    """The native path :func:`linear` runs for a weight [N, K] of N >= FMA_CHAIN_MIN_N on CPU: "dot" (bf16
-    operands, an even reduction per leaf, the dot product checked), "chain" (the fma chain checked for N
-    columns), or None (the aten calls)."""
-    if weight.device.type != "cpu" or native.fma_chain_lib(weight.shape[0]) is None:
-        return None
-    if x_dtype == weight.dtype == torch.bfloat16 and k_per_leaf % 2 == 0 and native.bf16_dot_lib() is not None:
-        return "dot"
-    return "chain"
-
-
 def pack_weight(weight: torch.Tensor, parts: int = 1) -> WeightPack | None:
     """``weight``'s :class:`WeightPack` for the native path a linear of its dtype takes on it (an fp32 or bf16
     weight [N, K] on CPU, whose ``parts`` row blocks are each a linear of N / ``parts`` >= FMA_CHAIN_MIN_N
@@ -362,7 +502,7 @@ def pack_weight(weight: torch.Tensor, parts: int = 1) -> WeightPack | None:
     if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.shape[0] % parts:
         return None
     block = weight[: weight.shape[0] // parts]
-    path = _native_path(weight.dtype, block, weight.shape[1])
+    path = _route("linear", weight.device, weight.dtype, block, weight.shape[1]).path
     if path == "dot" and parts == 1:
         return WeightPack(tuple(weight.shape), path, tuple(native.lib().pack_dot_weight(weight)))
     if path == "chain":
@@ -376,7 +516,8 @@ def pack_experts(gate_up, down) -> tuple[list[WeightPack], list[WeightPack]] | N
     start on the chain path (which an expert of few rows reads instead of laying its weights out in every call)."""
     if len(gate_up) == 0:
         return None
-    parts = 2 if _native_path(gate_up[0].dtype, gate_up[0], gate_up[0].shape[1]) == "chain" else 1
+    weight = gate_up[0]
+    parts = 2 if _route("linear", weight.device, weight.dtype, weight, weight.shape[1]).path == "chain" else 1
     packs = ([pack_weight(w, parts) for w in gate_up], [pack_weight(w) for w in down])
     paths = {p.path if p is not None else None for p in packs[0] + packs[1]}
     return packs if len(paths) == 1 and None not in paths else None
@@ -405,13 +546,14 @@ def _padded_linear_forward(x, weight, bias, out_dtype, leaves: int, pack: Weight
     m = rows.shape[0]
     height = tile_rows(m, k, n, TILE_ROWS, x.device, leaves)
     with _no_autocast(x.device):
-        if x.device.type == "cpu" and (lib := native.lib()) is not None:
-            # from C++: the same entries as fma chains where MKL's are (checked), bf16 read as bf16 by the
-            # dot-product instruction where it was checked (the same fma chains), else the same aten calls
-            path = _native_path(x.dtype, weight, k // leaves)
-            packed = pack.tensors if pack is not None and pack.path == path and pack.parts == 1 else None
-            return lib.linear(x, weight, bias, out_dtype, height, K_CHUNK, leaves, path is not None, path == "dot",
-                              packed)
+        # from C++: the same entries as fma chains where MKL's are (checked), bf16 read as bf16 by the
+        # dot-product instruction where it was checked (the same fma chains), else the same aten calls
+        kernel = _route("linear", x.device, x.dtype, weight, k // leaves)
+        if kernel.path == "tiles":
+            return kernel.run(x, weight, bias, out_dtype, height, K_CHUNK, leaves)
+        if kernel.run:
+            packed = pack.tensors if pack is not None and pack.path == kernel.path and pack.parts == 1 else None
+            return kernel.run(x, weight, bias, out_dtype, K_CHUNK, leaves, packed)
         if m == 0:
             return x.new_zeros(*x.shape[:-1], n, dtype=out_dtype)
         tiles = -(-m // height)
@@ -503,12 +645,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     torch's rsqrt kernel is not position-invariant in bf16). The casts are exactly HF's: fp32
     inside, back to the input dtype before the weight multiply (whose dtype promotion is HF's too).
     """
+    if (kernel := _route("rms_norm", x.device, x, weight)).run:
+        return kernel.run(x, weight, eps)
     input_dtype = x.dtype
-    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if not grad and x.device.type == "cpu" and (lib := native.lib()) is not None:
-        return lib.rms_norm(x, weight, eps)
     h = x.to(torch.float32)
-    if grad:
+    if not _inference(x, weight):
         variance = fixed_sum(h * h) / h.shape[-1]
         return weight * (h / torch.sqrt(variance + eps)).to(input_dtype)
     # inference: the same ops, in place on the fresh intermediates
@@ -531,10 +672,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
     Without autograd on CPU one native pass after torch's ``exp`` -- the same bits as this code.
     """
-    needs_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
-    if gate.device.type == "cpu" and gate.dtype == up.dtype and not needs_grad and (lib := native.lib()) is not None:
-        if gate.dtype in (torch.float32, torch.bfloat16) and gate.shape == up.shape:
-            return lib.silu_mul(gate, up)
+    if (kernel := _route("silu_mul", gate.device, gate, up)).run:
+        return kernel.run(gate, up)
     return silu(gate) * up
 
 
@@ -725,7 +864,7 @@ def _key_value_blocks(k, v, plan: AttentionPlan, fault: Fault):
     return k_blocks, v_ext.view(S, Hkv, n_blocks, B, D + 1)
 
 
-def _native_attention(lib, q, k, v, plan: AttentionPlan, scaling: float, keep_for_backward: bool):
+def _native_attention(attention_kernel, q, k, v, plan: AttentionPlan, scaling: float, keep_for_backward: bool):
     """:func:`_attention_kernel` (no faults) as one call into the fused C++ attention; the same bits.
 
     The backward state holds q, k, v themselves: the fused backward builds its tiles and blocks from
@@ -733,28 +872,34 @@ def _native_attention(lib, q, k, v, plan: AttentionPlan, scaling: float, keep_fo
     S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
     args = (q, k, v, scaling, plan.R, plan.B, tiles, live, n_used, plan.pair_t, plan.pair_j, plan.invisible)
     if not keep_for_backward:
-        return lib.attention(*args, plan.kv_invalid, K_CHUNK, False, None)[0], None
-    out, probs, out_tiles = lib.attention(*args, plan.kv_invalid, K_CHUNK, True, None)
+        return attention_kernel(*args, plan.kv_invalid, K_CHUNK, False, None)[0], None
+    out, probs, out_tiles = attention_kernel(*args, plan.kv_invalid, K_CHUNK, True, None)
     probs = probs.view(S, Hkv, plan.pair_t.numel(), live, plan.B)
     return out.to(q.dtype), dict(q=q, k=k, v=v, scaling=scaling, probs=probs, out_tiles=out_tiles)
 
 
-def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, keep_for_backward: bool = False):
-    """The forward of :func:`attention`: (out [S, Hq, Tq, D] in q's dtype, saved state or None).
-
-    Reads the :class:`Fault` switches (all off outside fault injection).
-    """
-    fault = _FAULT
+def _attention_forward(q, k, v, plan: AttentionPlan, scaling: float, keep_for_backward: bool = False):
+    """The forward of :func:`attention`: (out [S, Hq, Tq, D] in q's dtype, saved state or None), from the
+    implementation :data:`ROUTES` picks. Reads the :class:`Fault` switches (all off outside fault injection)."""
+    fault = _SWITCHES.fault
     if fault != NO_FAULT and keep_for_backward:
         raise RuntimeError(f"attention fault switches are forward-only (diagnosis), got {fault}")
-    if fault == NO_FAULT and q.device.type == "cpu" and (lib := native.fma_chain_lib(q.shape[-1] + 1)) is not None:
-        return _native_attention(lib, q, k, v, plan, scaling, keep_for_backward)
-    additive = fault.additive_mask
+    if (kernel := _route("attention", q.device, q)).run:
+        return _native_attention(kernel.run, q, k, v, plan, scaling, keep_for_backward)
+    return _attention_kernel(q, k, v, plan, scaling, fault, keep_for_backward)
+
+
+def _rounding(fault: Fault):
+    """The softmax's intermediate values as the fault holds them: in its dtype (in place: p shares its buffer
+    with the GEMM operand), else as they are."""
     if fault.softmax_dtype is None:
-        rounded = _identity
-    else:
-        def rounded(x):  # the softmax's intermediate values held in the fault's dtype (in place: p shares
-            return x.copy_(x.to(fault.softmax_dtype))  # its buffer with the GEMM operand below)
+        return _identity
+    return lambda x: x.copy_(x.to(fault.softmax_dtype))
+
+
+def _attention_kernel(q, k, v, plan: AttentionPlan, scaling: float, fault: Fault, keep_for_backward: bool):
+    """:func:`_attention_forward`'s torch code: the specification, with ``fault``'s switches."""
+    additive, rounded = fault.additive_mask, _rounding(fault)
     S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
     D = q.shape[-1]
     R, B = plan.R, plan.B
@@ -839,26 +984,13 @@ def _torch_backward_operands(state, plan: AttentionPlan):
     return state["q_tiles"], state["k_blocks"], state["v_blocks"]
 
 
-def _native_backward(grad_out: torch.Tensor, plan: AttentionPlan):
-    """The library if its fused backward computes the torch code's bits here, else None: every
-    product of the backward has ``live`` >= 4 rows, a width (head dim, KV_BLOCK) on the fma-chain
-    path, >= BLAS_MIN_WORK multiply-adds and a reduced dim (head dim, KV_BLOCK, live) <= K_CHUNK:
-    the torch code's backward does not split it, and MKL is one fma chain only up to that length."""
-    live, D = plan.dims[8], grad_out.shape[-1]
-    if grad_out.device.type != "cpu" or live < SHORT_TILE_ROWS[0] or live * D * plan.B < BLAS_MIN_WORK:
-        return None
-    if max(D, plan.B, live) > K_CHUNK:
-        return None
-    return native.fma_chain_lib(D)
-
-
 class _Attention(torch.autograd.Function):
     """Forward: the consistent kernel. Backward: the same (tile, block) pairs with plain bmm and
     index_add (gradients need not be batch-invariant)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan, scaling):
-        out, state = _attention_kernel(q, k, v, plan, scaling, keep_for_backward=True)
+        out, state = _attention_forward(q, k, v, plan, scaling, keep_for_backward=True)
         ctx.state, ctx.plan, ctx.scaling, ctx.dtypes = state, plan, scaling, (q.dtype, k.dtype, v.dtype)
         return out
 
@@ -873,8 +1005,9 @@ class _Attention(torch.autograd.Function):
             do = _heads_to_tiles(grad_out, plan, live)
             delta = (do * st["out_tiles"]).sum(-1)  # [S, Hkv, tiles, live]
             probs = st["probs"]  # [S, Hkv, P, live, B]
-            if "q" in st and (lib := _native_backward(grad_out, plan)) is not None:  # the same bits, fused in C++
-                grad_q, grad_k, grad_v = lib.attention_backward(
+            # the same bits, fused in C++ (after the native forward, whose state holds q, k, v)
+            if "q" in st and (kernel := _route("attention_backward", grad_out.device, grad_out, plan)).run:
+                grad_q, grad_k, grad_v = kernel.run(
                     do, delta, probs, st["q"], st["k"], st["v"], st["scaling"], plan.R, pair_t, pair_j,
                     plan.kv_invalid, n_blocks,
                 )
@@ -944,7 +1077,7 @@ def attention(
     with _no_autocast(q.device):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return _Attention.apply(q, k, v, plan, scaling)
-        return _attention_kernel(q, k, v, plan, scaling)[0]
+        return _attention_forward(q, k, v, plan, scaling)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -981,13 +1114,12 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, plan: AttentionPlan, scaling: 
     if tuple(q.shape[:3]) != (S, Hq, Tq) or table[0] != S or table[1] * bs != Tk or hkv != Hkv:
         raise ValueError(f"paged_attention: q {tuple(q.shape)}, cache {tuple(kv.key_cache.shape)}, block table "
                          f"{table} do not fit the plan's (S, Hq, Tq, Hkv, Tk) = {(S, Hq, Tq, Hkv, Tk)}")
-    if q.device.type == "cpu" and _FAULT == NO_FAULT and (lib := native.fma_chain_lib(q.shape[-1] + 1)) is not None:
-        if kv.key_cache.dtype in (torch.float32, torch.bfloat16) and kv.key_cache.stride() == kv.value_cache.stride():
-            tiles, live, n_used = plan.dims[7], plan.dims[8], plan.dims[10]
-            with _no_autocast(q.device):
-                return lib.attention(q, kv.key_cache, kv.value_cache, scaling, plan.R, plan.B, tiles, live, n_used,
-                                     plan.pair_t, plan.pair_j, plan.invisible, plan.kv_invalid, K_CHUNK, False,
-                                     kv.slot_rows())[0]
+    if (kernel := _route("paged_attention", q.device, q, kv)).run:
+        tiles, live, n_used = plan.dims[7], plan.dims[8], plan.dims[10]
+        with _no_autocast(q.device):
+            return kernel.run(q, kv.key_cache, kv.value_cache, scaling, plan.R, plan.B, tiles, live, n_used,
+                              plan.pair_t, plan.pair_j, plan.invisible, plan.kv_invalid, K_CHUNK, False,
+                              kv.slot_rows())[0]
     keys, values = kv.gather()
     return attention(q, keys, values, None, None, scaling, plan)
 
@@ -1009,7 +1141,7 @@ def moe_route(
     x = router_logits.to(torch.float32)
     e = torch.exp(x - x.amax(dim=-1, keepdim=True))
     probs = e / fixed_sum(e)
-    if _FAULT.router_ties_to_higher:  # a planted fault (diagnosis only): the tie order reversed
+    if _SWITCHES.fault.router_ties_to_higher:  # a planted fault (diagnosis only): the tie order reversed
         values, indices = torch.sort(probs.flip(-1), dim=-1, descending=True, stable=True)
         indices = (probs.shape[-1] - 1) - indices
     else:
@@ -1049,16 +1181,14 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
         raise ValueError("moe_experts: k_parts > 1 needs gather (the shards' partials in shard order)")
     if packs is not None and not (len(packs) == 2 and len(packs[0]) == len(packs[1]) == len(gate_up)):
         raise ValueError(f"moe_experts: packs must be (gate_up packs, down packs) for {len(gate_up)} experts")
-    if (path := _native_moe_experts(hidden, gate_up, down, k_parts, experts, packs)) is not None:
-        lib, gate_up_list, down_list = native.lib(), list(gate_up), list(down)
+    if (kernel := _route("moe_experts", hidden.device, hidden, gate_up, down, k_parts, experts, packs)).run:
+        gate_up_list, down_list = list(gate_up), list(down)
         leaves = (local_leaves(hidden.shape[-1], 1), local_leaves(down_list[0].shape[-1], 1))
-        if path == "dot":
-            per_slot = lib.moe_experts(hidden, top_k_index, gate_up_list, down_list, [p.tensors for p in packs[0]],
-                                       [p.tensors for p in packs[1]], K_CHUNK, *leaves)
+        if kernel.path == "dot":
+            kernel_packs = [[p.tensors for p in part] for part in packs]
         else:
-            chain_packs = [[p.tensors[0] for p in part] for part in packs] if packs is not None else [[], []]
-            per_slot = lib.moe_experts_chain(hidden, top_k_index, gate_up_list, down_list, *chain_packs, K_CHUNK,
-                                             *leaves)
+            kernel_packs = [[p.tensors[0] for p in part] for part in packs] if packs is not None else [[], []]
+        per_slot = kernel.run(hidden, top_k_index, gate_up_list, down_list, *kernel_packs, K_CHUNK, *leaves)
         return per_slot.view(tokens, top_k, hidden.shape[-1])
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.bincount(flat, minlength=max(held, default=-1) + 1).tolist()
@@ -1085,27 +1215,6 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
     if outputs:
         per_slot[torch.cat(pair_ids)] = grouped
     return per_slot.view(tokens, top_k, width)
-
-
-def _native_moe_experts(hidden, gate_up, down, k_parts, experts, packs) -> str | None:
-    """The native path on which :func:`moe_experts` runs as one call -- inference on CPU, unsharded, hidden and
-    weights of one dtype -- else None: "dot" (bf16 where the dot product is checked, every expert packed, an
-    intermediate size of whole column groups), "chain" (fp32, or bf16 without the dot path, the linears' fma
-    chains checked for both widths; packs, where given, are chain packs)."""
-    if k_parts != 1 or experts is not None or hidden.device.type != "cpu" or hidden.dim() != 2 or len(gate_up) == 0:
-        return None
-    if torch.is_grad_enabled() and (hidden.requires_grad or gate_up[0].requires_grad or down[0].requires_grad):
-        return None  # training: the torch code's autograd
-    if not hidden.dtype == gate_up[0].dtype == down[0].dtype or hidden.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if hidden.dtype == torch.bfloat16 and native.bf16_dot_lib() is not None:
-        if packs is None or gate_up[0].shape[0] % (2 * NATIVE_MOE_GROUP):
-            return None
-        return "dot"
-    return "chain" if native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0])) is not None else None
-
-
-NATIVE_MOE_GROUP = 32  # columns of the native dot path's column group (csrc: kDotGroup)
 
 
 def moe_select(per_slot_by_rank: list[torch.Tensor], owner: torch.Tensor) -> torch.Tensor:

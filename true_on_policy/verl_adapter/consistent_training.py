@@ -59,7 +59,7 @@ def _activate(consistent: bool) -> None:
     consistent_model.patch_transformers()
     replacement = None
     if consistent:
-        consistent_ops.enable()
+        consistent_ops.set_switches(consistent=True)
         replacement = consistent_logprobs_from_logits
     vocab = os.environ.get(ROLLOUT_VOCAB_ENV)
     if vocab:  # flag on or off: the mask is part of what the rollout samples from

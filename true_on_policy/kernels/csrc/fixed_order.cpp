@@ -20,7 +20,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <numeric>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -1203,160 +1205,215 @@ at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
   return out;
 }
 
-// ops._padded_linear_forward: x @ weight.T (+ bias) over row tiles of tile_rows, K split in `leaves` equal
-// leaves (each in k_chunk chunks whose fp32 partials are added in order) combined by the pairwise tree
-// (ops.matmul_tree); the same aten calls as the Python code, minus its dispatch.
-// chain (N >= 12, the fma chain checked): the same entries as fma chains with no tile to pad -- up to
-// chain_pack_rows rows against the weight's chain pack where given (few_rows_times_group), else up to
-// kFewRows rows broadcast against the weight's panels (few_rows_times_weight), up to one block of lanes
-// computed transposed (weight rows times the input rows as columns), for more the input rows times the
-// weight transposed once per call into column-block panels, in items of (row block, column block).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk, int64_t leaves, bool chain,
-                  bool dot, const c10::optional<std::vector<at::Tensor>>& pack) {
+// A linear's input x [..., k] as rows [m, k], and the sizes [..., n] of its output.
+struct LinearRows {
+  at::Tensor rows;
+  int64_t m, k, n;
+  std::vector<int64_t> out_sizes;
+};
+
+LinearRows linear_rows(const at::Tensor& x, const at::Tensor& weight, int64_t leaves) {
   const int64_t k = x.size(-1), n = weight.size(0);
-  const auto rows = x.reshape({-1, k});
-  const int64_t m = rows.size(0);
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = n;
-  if (m == 0) return at::zeros(out_sizes, x.options().dtype(out_dtype));
-  TORCH_CHECK(leaves >= 1 && (leaves & (leaves - 1)) == 0 && k % leaves == 0, "linear: K = ", k,
+  LinearRows r{x.reshape({-1, k}), 0, k, n, std::move(out_sizes)};
+  r.m = r.rows.size(0);
+  TORCH_CHECK(r.m == 0 || (leaves >= 1 && (leaves & (leaves - 1)) == 0 && k % leaves == 0), "linear: K = ", k,
               " does not split into ", leaves, " equal leaves (a power of two)");
-  at::Tensor out;
-  if (dot) {
-    TORCH_CHECK(rows.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && (k / leaves) % 2 == 0 &&
-                    k_chunk % 2 == 0, "linear: the dot path takes bf16 operands whose leaves and chunks are even, got ",
-                rows.scalar_type(), " x ", weight.scalar_type(), ", K = ", k, ", ", leaves, " leaves, chunk ", k_chunk);
-    TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "linear: the dot path writes fp32 or bf16, got ",
-                out_dtype);
-    const auto b = bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    TORCH_CHECK(!b.defined() || b.numel() == n, "linear: a bias of ", b.numel(), " for ", n, " output features");
-    out = at::empty({m, n}, x.options().dtype(out_dtype));
-    const DotPack packed = pack ? dot_pack_of(*pack, n, k) : DotPack{};
-    dot_product_tree(rows.contiguous(), weight.contiguous(), k_chunk, leaves,
-                     LinearOut{out.data_ptr(), out_dtype == at::kBFloat16, b.defined() ? b.data_ptr<float>() : nullptr},
-                     true, pack ? &packed : nullptr);
-    return out.view(out_sizes);  // the epilogue is done
-  } else if (chain && m > kMaxBlocks * kLanes) {
-    const int64_t n16 = round_up(n, kLanes);
-    const auto xf = rows.to(at::kFloat).contiguous();
-    const bool bf16 = weight.scalar_type() == at::kBFloat16;
-    const auto w = bf16 ? weight.contiguous() : weight.to(at::kFloat).contiguous();
-    constexpr int64_t kBlockRows = 16 * kMaxRows, kBlockCols = kMaxBlocks * kLanes;
-    const int64_t col_blocks = (n16 + kBlockCols - 1) / kBlockCols;
-    // weight^T as [k, 16] strips (weight_panel, bf16 widened), a column block's 4 strips together: a tile reads
-    // each strip as one stream (chain_pack_group's layout), where rows of the whole transpose would alias in L1
-    auto wt = at::empty({col_blocks, kMaxBlocks, k, kLanes}, xf.options());
-    float* ws = wt.data_ptr<float>();
-    for_each_item(n16 / kLanes, [] { return 0; }, [&](int, int64_t p) {
-      const int64_t row = p * kLanes, rows_in = std::min(kLanes, n - row);
-      float* panel = ws + p * k * kLanes;
-      if (bf16)
-        weight_panel(w.data_ptr<at::BFloat16>() + row * k, k, rows_in, k, panel, kLanes);
-      else
-        weight_panel(w.data_ptr<float>() + row * k, k, rows_in, k, panel, kLanes);
-    });
-    out = at::empty({m, n16}, xf.options());
-    const float* xs = xf.data_ptr<float>();
-    float* o = out.data_ptr<float>();
-    for_each_item((m + kBlockRows - 1) / kBlockRows * col_blocks, [] { return 0; }, [&](int, int64_t item) {
-      const int64_t r0 = item / col_blocks * kBlockRows, b = item % col_blocks, n0 = b * kBlockCols;
-      fma_chain_tree_rows(xs + r0 * k, k, 1, std::min(kBlockRows, m - r0), ws + b * k * kBlockCols, kLanes, k,
-                          std::min(kBlockCols, n16 - n0), k_chunk, leaves, o + r0 * n16 + n0, n16, k * kLanes);
-    });
-    if (n16 != n) out = out.narrow(1, 0, n);
-  } else if (chain && pack && m <= chain_pack_rows(weight.scalar_type())) {
-    const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
-    const auto& p = (*pack)[0];
-    TORCH_CHECK(pack->size() == 1 && p.scalar_type() == weight.scalar_type() && p.is_contiguous() &&
-                    p.sizes() == at::IntArrayRef({1, groups, kMaxBlocks, k, kLanes}),
-                "linear: a chain pack must be pack_chain_weight(weight, 1) of the weight ", weight.sizes(), " ",
-                weight.scalar_type(), ", got ", pack->size(), " tensors, the first ", p.sizes(), " ", p.scalar_type());
-    const auto xf = rows.to(at::kFloat).contiguous();
-    out = at::empty({m, n}, xf.options());
-    for_each_item(groups, [] { return std::vector<float>(); }, [&](std::vector<float>& sums, int64_t g) {
-      const int64_t nn = std::min(kGroupRows, n - g * kGroupRows), offset = g * k * kGroupRows;
-      float* c = out.data_ptr<float>() + g * kGroupRows;
-      if (p.scalar_type() == at::kFloat)
-        few_rows_times_group(xf.data_ptr<float>(), k, m, p.data_ptr<float>() + offset, k, nn, k_chunk, leaves, c, n, sums);
-      else
-        few_rows_times_group(xf.data_ptr<float>(), k, m, p.data_ptr<at::BFloat16>() + offset, k, nn, k_chunk, leaves, c,
-                             n, sums);
-    });
-  } else if (chain && m <= kFewRows) {
-    // a bf16 weight is widened into the panels: an fp32 copy of it would cost more than the products
-    const bool bf16 = weight.scalar_type() == at::kBFloat16;
-    const auto xf = rows.to(at::kFloat).contiguous(), w = bf16 ? weight.contiguous() : weight.to(at::kFloat).contiguous();
-    out = at::empty({m, n}, xf.options());
-    constexpr int64_t kFeatures = kMaxBlocks * kLanes;  // output features per item: one panel group
-    for_each_item((n + kFeatures - 1) / kFeatures, [] { return PanelScratch(); }, [&](PanelScratch& scratch, int64_t item) {
-      const int64_t n0 = item * kFeatures, nn = std::min(kFeatures, n - n0);
-      float* c = out.data_ptr<float>() + n0;
-      if (bf16)
-        few_rows_times_weight(xf.data_ptr<float>(), k, m, w.data_ptr<at::BFloat16>() + n0 * k, k, nn, k, k_chunk, leaves,
-                              c, n, scratch);
-      else
-        few_rows_times_weight(xf.data_ptr<float>(), k, m, w.data_ptr<float>() + n0 * k, k, nn, k, k_chunk, leaves, c, n,
-                              scratch);
-    });
-  } else if (chain) {
-    const int64_t lanes = round_up(m, kLanes);
-    const auto xf = rows.to(at::kFloat).contiguous(), w = weight.to(at::kFloat).contiguous();
-    std::vector<float> xt(k * lanes, 0.0f), st(n * lanes);
-    const float* xs = xf.data_ptr<float>();
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < k; ++j) xt[j * lanes + i] = xs[i * k + j];
-    constexpr int64_t kFeatures = 8 * kMaxRows;  // output features per item: each entry is its own chain
-    for_each_item((n + kFeatures - 1) / kFeatures, [] { return 0; }, [&](int, int64_t item) {
-      const int64_t n0 = item * kFeatures, nn = std::min(kFeatures, n - n0);
-      fma_chain_tree_rows(w.data_ptr<float>() + n0 * k, k, 1, nn, xt.data(), lanes, k, lanes, k_chunk, leaves,
-                          st.data() + n0 * lanes, lanes);
-    });
-    out = at::empty({m, n}, xf.options());
-    float* o = out.data_ptr<float>();
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) o[i * n + j] = st[j * lanes + i];
-  } else {
-    const int64_t tiles = (m + tile_rows - 1) / tile_rows;
-    at::Tensor a;
-    if (tiles * tile_rows != m) {  // zero rows appended; one copy does the fp32 cast too
-      a = at::zeros({tiles * tile_rows, k}, x.options().dtype(at::kFloat));
-      a.narrow(0, 0, m).copy_(rows);
-    } else {
-      a = rows.to(at::kFloat);
-    }
-    a = a.view({tiles, tile_rows, k});
-    const auto w = weight.to(at::kFloat);
-    const auto b = w.is_contiguous() ? w.as_strided({tiles, k, n}, {0, 1, k})  // W^T per tile, no copy
-                                     : w.t().unsqueeze(0).expand({tiles, k, n});
-    auto leaf_product = [&](int64_t first, int64_t width) {  // ops.matmul_tiles over k in [first, first + width)
-      if (width <= k_chunk) return at::bmm(a.narrow(2, first, width), b.narrow(1, first, width));
-      at::Tensor acc;
-      for (int64_t start = first; start < first + width; start += k_chunk) {
-        const int64_t len = std::min(k_chunk, first + width - start);
-        auto part = at::bmm(a.narrow(2, start, len), b.narrow(1, start, len));
-        acc = acc.defined() ? acc + part : part;
-      }
-      return acc;
-    };
-    const int64_t width = k / leaves;
-    std::vector<std::pair<int64_t, at::Tensor>> stack;  // (leaves below, sum), as ops.matmul_tree
-    for (int64_t first = 0; first < k; first += width) {
-      auto part = leaf_product(first, width);
-      int64_t size = 1;
-      while (!stack.empty() && stack.back().first == size) {
-        part = stack.back().second + part;
-        stack.pop_back();
-        size *= 2;
-      }
-      stack.emplace_back(size, part);
-    }
-    out = stack.front().second;
-    out = out.view({tiles * tile_rows, n}).narrow(0, 0, m);
-  }
+  return r;
+}
+
+// ops.linear_epilogue on the fp32 products out [m, n], shaped as the input's rows.
+at::Tensor linear_epilogue(at::Tensor out, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                           const LinearRows& r) {
   if (bias.has_value() && bias->defined()) out = out + bias->to(at::kFloat);
   if (out_dtype != at::kFloat) out = out.to(out_dtype);
-  return out.view(out_sizes);
+  return out.view(r.out_sizes);
+}
+
+// ops._padded_linear_forward on the dot path (native.bf16_dot_lib checked it): bf16 x @ weight.T read as bf16
+// by the dot-product instruction -- the fma chains of the widened operands -- the epilogue written by the kernel.
+at::Tensor linear_dot(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                      at::ScalarType out_dtype, int64_t k_chunk, int64_t leaves,
+                      const c10::optional<std::vector<at::Tensor>>& pack) {
+  const LinearRows r = linear_rows(x, weight, leaves);
+  if (r.m == 0) return at::zeros(r.out_sizes, x.options().dtype(out_dtype));
+  TORCH_CHECK(r.rows.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+                  (r.k / leaves) % 2 == 0 && k_chunk % 2 == 0,
+              "linear: the dot path takes bf16 operands whose leaves and chunks are even, got ", r.rows.scalar_type(),
+              " x ", weight.scalar_type(), ", K = ", r.k, ", ", leaves, " leaves, chunk ", k_chunk);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "linear: the dot path writes fp32 or bf16, got ",
+              out_dtype);
+  const auto b = bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!b.defined() || b.numel() == r.n, "linear: a bias of ", b.numel(), " for ", r.n, " output features");
+  auto out = at::empty({r.m, r.n}, x.options().dtype(out_dtype));
+  const DotPack packed = pack ? dot_pack_of(*pack, r.n, r.k) : DotPack{};
+  dot_product_tree(r.rows.contiguous(), weight.contiguous(), k_chunk, leaves,
+                   LinearOut{out.data_ptr(), out_dtype == at::kBFloat16, b.defined() ? b.data_ptr<float>() : nullptr},
+                   true, pack ? &packed : nullptr);
+  return out.view(r.out_sizes);
+}
+
+// The chain path's products for more rows than one block of lanes: the input rows times the weight transposed
+// once per call into column-block panels, in items of (row block, column block).
+at::Tensor chain_many_rows(const LinearRows& r, const at::Tensor& weight, int64_t k_chunk, int64_t leaves) {
+  const int64_t m = r.m, k = r.k, n = r.n, n16 = round_up(n, kLanes);
+  const auto xf = r.rows.to(at::kFloat).contiguous();
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  const auto w = bf16 ? weight.contiguous() : weight.to(at::kFloat).contiguous();
+  constexpr int64_t kBlockRows = 16 * kMaxRows, kBlockCols = kMaxBlocks * kLanes;
+  const int64_t col_blocks = (n16 + kBlockCols - 1) / kBlockCols;
+  // weight^T as [k, 16] strips (weight_panel, bf16 widened), a column block's 4 strips together: a tile reads
+  // each strip as one stream (chain_pack_group's layout), where rows of the whole transpose would alias in L1
+  auto wt = at::empty({col_blocks, kMaxBlocks, k, kLanes}, xf.options());
+  float* ws = wt.data_ptr<float>();
+  for_each_item(n16 / kLanes, [] { return 0; }, [&](int, int64_t p) {
+    const int64_t row = p * kLanes, rows_in = std::min(kLanes, n - row);
+    float* panel = ws + p * k * kLanes;
+    if (bf16)
+      weight_panel(w.data_ptr<at::BFloat16>() + row * k, k, rows_in, k, panel, kLanes);
+    else
+      weight_panel(w.data_ptr<float>() + row * k, k, rows_in, k, panel, kLanes);
+  });
+  auto out = at::empty({m, n16}, xf.options());
+  const float* xs = xf.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for_each_item((m + kBlockRows - 1) / kBlockRows * col_blocks, [] { return 0; }, [&](int, int64_t item) {
+    const int64_t r0 = item / col_blocks * kBlockRows, b = item % col_blocks, n0 = b * kBlockCols;
+    fma_chain_tree_rows(xs + r0 * k, k, 1, std::min(kBlockRows, m - r0), ws + b * k * kBlockCols, kLanes, k,
+                        std::min(kBlockCols, n16 - n0), k_chunk, leaves, o + r0 * n16 + n0, n16, k * kLanes);
+  });
+  return n16 != n ? out.narrow(1, 0, n) : out;
+}
+
+// The chain path's products for up to chain_pack_rows rows against the weight's chain pack (few_rows_times_group).
+at::Tensor chain_packed_rows(const LinearRows& r, const at::Tensor& weight, int64_t k_chunk, int64_t leaves,
+                             const std::vector<at::Tensor>& pack) {
+  const int64_t m = r.m, k = r.k, n = r.n, groups = (n + kGroupRows - 1) / kGroupRows;
+  const auto& p = pack[0];
+  TORCH_CHECK(pack.size() == 1 && p.scalar_type() == weight.scalar_type() && p.is_contiguous() &&
+                  p.sizes() == at::IntArrayRef({1, groups, kMaxBlocks, k, kLanes}),
+              "linear: a chain pack must be pack_chain_weight(weight, 1) of the weight ", weight.sizes(), " ",
+              weight.scalar_type(), ", got ", pack.size(), " tensors, the first ", p.sizes(), " ", p.scalar_type());
+  const auto xf = r.rows.to(at::kFloat).contiguous();
+  auto out = at::empty({m, n}, xf.options());
+  for_each_item(groups, [] { return std::vector<float>(); }, [&](std::vector<float>& sums, int64_t g) {
+    const int64_t nn = std::min(kGroupRows, n - g * kGroupRows), offset = g * k * kGroupRows;
+    float* c = out.data_ptr<float>() + g * kGroupRows;
+    if (p.scalar_type() == at::kFloat)
+      few_rows_times_group(xf.data_ptr<float>(), k, m, p.data_ptr<float>() + offset, k, nn, k_chunk, leaves, c, n, sums);
+    else
+      few_rows_times_group(xf.data_ptr<float>(), k, m, p.data_ptr<at::BFloat16>() + offset, k, nn, k_chunk, leaves, c,
+                           n, sums);
+  });
+  return out;
+}
+
+// The chain path's products for up to kFewRows rows broadcast against the weight's panels (few_rows_times_weight).
+at::Tensor chain_few_rows(const LinearRows& r, const at::Tensor& weight, int64_t k_chunk, int64_t leaves) {
+  const int64_t m = r.m, k = r.k, n = r.n;
+  // a bf16 weight is widened into the panels: an fp32 copy of it would cost more than the products
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  const auto xf = r.rows.to(at::kFloat).contiguous(), w = bf16 ? weight.contiguous() : weight.to(at::kFloat).contiguous();
+  auto out = at::empty({m, n}, xf.options());
+  constexpr int64_t kFeatures = kMaxBlocks * kLanes;  // output features per item: one panel group
+  for_each_item((n + kFeatures - 1) / kFeatures, [] { return PanelScratch(); }, [&](PanelScratch& scratch, int64_t item) {
+    const int64_t n0 = item * kFeatures, nn = std::min(kFeatures, n - n0);
+    float* c = out.data_ptr<float>() + n0;
+    if (bf16)
+      few_rows_times_weight(xf.data_ptr<float>(), k, m, w.data_ptr<at::BFloat16>() + n0 * k, k, nn, k, k_chunk, leaves,
+                            c, n, scratch);
+    else
+      few_rows_times_weight(xf.data_ptr<float>(), k, m, w.data_ptr<float>() + n0 * k, k, nn, k, k_chunk, leaves, c, n,
+                            scratch);
+  });
+  return out;
+}
+
+// The chain path's products for up to one block of lanes of rows, computed transposed (weight rows times the
+// input rows as columns).
+at::Tensor chain_transposed(const LinearRows& r, const at::Tensor& weight, int64_t k_chunk, int64_t leaves) {
+  const int64_t m = r.m, k = r.k, n = r.n, lanes = round_up(m, kLanes);
+  const auto xf = r.rows.to(at::kFloat).contiguous(), w = weight.to(at::kFloat).contiguous();
+  std::vector<float> xt(k * lanes, 0.0f), st(n * lanes);
+  const float* xs = xf.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < k; ++j) xt[j * lanes + i] = xs[i * k + j];
+  constexpr int64_t kFeatures = 8 * kMaxRows;  // output features per item: each entry is its own chain
+  for_each_item((n + kFeatures - 1) / kFeatures, [] { return 0; }, [&](int, int64_t item) {
+    const int64_t n0 = item * kFeatures, nn = std::min(kFeatures, n - n0);
+    fma_chain_tree_rows(w.data_ptr<float>() + n0 * k, k, 1, nn, xt.data(), lanes, k, lanes, k_chunk, leaves,
+                        st.data() + n0 * lanes, lanes);
+  });
+  auto out = at::empty({m, n}, xf.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) o[i * n + j] = st[j * lanes + i];
+  return out;
+}
+
+// ops._padded_linear_forward on the chain path (N >= 12, native.fma_chain_lib checked it): the same entries as
+// fma chains, with no tile to pad -- chain_many_rows, chain_packed_rows (where the weight's chain pack is given),
+// chain_few_rows or chain_transposed by the number of rows.
+at::Tensor linear_chain(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        at::ScalarType out_dtype, int64_t k_chunk, int64_t leaves,
+                        const c10::optional<std::vector<at::Tensor>>& pack) {
+  const LinearRows r = linear_rows(x, weight, leaves);
+  if (r.m == 0) return at::zeros(r.out_sizes, x.options().dtype(out_dtype));
+  at::Tensor out;
+  if (r.m > kMaxBlocks * kLanes)
+    out = chain_many_rows(r, weight, k_chunk, leaves);
+  else if (pack && r.m <= chain_pack_rows(weight.scalar_type()))
+    out = chain_packed_rows(r, weight, k_chunk, leaves, *pack);
+  else if (r.m <= kFewRows)
+    out = chain_few_rows(r, weight, k_chunk, leaves);
+  else
+    out = chain_transposed(r, weight, k_chunk, leaves);
+  return linear_epilogue(out, bias, out_dtype, r);
+}
+
+// ops._padded_linear_forward as its torch code computes it: x @ weight.T over row tiles of tile_rows, K split in
+// `leaves` equal leaves (each in k_chunk chunks whose fp32 partials are added in order) combined by the pairwise
+// tree (ops.matmul_tree); the same aten calls as the Python code, minus its dispatch.
+at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        at::ScalarType out_dtype, int64_t tile_rows, int64_t k_chunk, int64_t leaves) {
+  const LinearRows r = linear_rows(x, weight, leaves);
+  if (r.m == 0) return at::zeros(r.out_sizes, x.options().dtype(out_dtype));
+  const int64_t m = r.m, k = r.k, n = r.n, tiles = (m + tile_rows - 1) / tile_rows;
+  at::Tensor a;
+  if (tiles * tile_rows != m) {  // zero rows appended; one copy does the fp32 cast too
+    a = at::zeros({tiles * tile_rows, k}, x.options().dtype(at::kFloat));
+    a.narrow(0, 0, m).copy_(r.rows);
+  } else {
+    a = r.rows.to(at::kFloat);
+  }
+  a = a.view({tiles, tile_rows, k});
+  const auto w = weight.to(at::kFloat);
+  const auto b = w.is_contiguous() ? w.as_strided({tiles, k, n}, {0, 1, k})  // W^T per tile, no copy
+                                   : w.t().unsqueeze(0).expand({tiles, k, n});
+  auto leaf_product = [&](int64_t first, int64_t width) {  // ops.matmul_tiles over k in [first, first + width)
+    if (width <= k_chunk) return at::bmm(a.narrow(2, first, width), b.narrow(1, first, width));
+    at::Tensor acc;
+    for (int64_t start = first; start < first + width; start += k_chunk) {
+      const int64_t len = std::min(k_chunk, first + width - start);
+      auto part = at::bmm(a.narrow(2, start, len), b.narrow(1, start, len));
+      acc = acc.defined() ? acc + part : part;
+    }
+    return acc;
+  };
+  const int64_t width = k / leaves;
+  std::vector<std::pair<int64_t, at::Tensor>> stack;  // (leaves below, sum), as ops.matmul_tree
+  for (int64_t first = 0; first < k; first += width) {
+    auto part = leaf_product(first, width);
+    int64_t size = 1;
+    while (!stack.empty() && stack.back().first == size) {
+      part = stack.back().second + part;
+      stack.pop_back();
+      size *= 2;
+    }
+    stack.emplace_back(size, part);
+  }
+  return linear_epilogue(stack.front().second.view({tiles * tile_rows, n}).narrow(0, 0, m), bias, out_dtype, r);
 }
 
 // a @ b for fp32 matrices a [M, K], b [K, N] as fma_chain_rows computes it (one k chunk): what
@@ -1854,11 +1911,17 @@ int64_t parallel_threads(int64_t n) {
   return chunks.load();
 }
 
+// The constants the ops' dispatch reads (native.constants), by name: the C++ is their one source.
+std::map<std::string, int64_t> constants() { return {{"dot_group", kDotGroup}}; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "threads an at::parallel_for over n items runs on");
   m.def("fixed_sum", &fixed_sum, "ops.fixed_sum for an fp32 CPU tensor");
   m.def("rms_norm", &rms_norm, "ops.rms_norm (inference) for a CPU tensor");
-  m.def("linear", &linear, "ops._linear_forward for CPU tensors");
+  m.def("constants", &constants, "the library's layout constants the ops' dispatch reads, by name");
+  m.def("linear_dot", &linear_dot, "ops._padded_linear_forward on the dot path (bf16, AVX512-BF16)");
+  m.def("linear_chain", &linear_chain, "ops._padded_linear_forward on the chain path (MKL's fma chains)");
+  m.def("linear_tiles", &linear_tiles, "ops._padded_linear_forward as its torch code's aten calls");
   m.def("pack_chain_weight", &pack_chain_weight, "a weight [N, K] laid out once for few rows on the chain path");
   m.def("moe_experts_chain", &moe_experts_chain, "ops.moe_experts (fp32 or bf16, unsharded) on the chain path in one call");
   m.def("silu_mul", &silu_mul, "ops.silu_mul (inference) for CPU tensors");
