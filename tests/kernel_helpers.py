@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from true_on_policy.kernels import model as consistent_model
+from true_on_policy.kernels.model import patch_transformers
 
-from true_on_policy.kernels import ops as consistent_ops
+from true_on_policy.kernels.ops import enabled, set_enabled
 
 
 @contextlib.contextmanager
@@ -52,7 +52,7 @@ def spawn_ranks(worker, world: int, out_dir: Path) -> list:
 @pytest.fixture(scope="module", autouse=True)
 def patched_transformers():
     """transformers' Qwen3 classes on the project's module code; the flag restored afterwards."""
-    previous = consistent_ops.enabled()
-    consistent_model.patch_transformers()
+    previous = enabled()
+    patch_transformers()
     yield
-    consistent_ops.set_enabled(previous)
+    set_enabled(previous)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from true_on_policy.cli import check as check_cli
+from true_on_policy.cli.check import main
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -95,7 +95,7 @@ DEVICE_CASES = [
 
 def _check(config, overrides):
     out, err = io.StringIO(), io.StringIO()
-    code = check_cli.main(["--config-path", str(CONFIGS), "--config-name", config, *overrides, STOP_OVERRIDE], stdout=out, stderr=err)
+    code = main(["--config-path", str(CONFIGS), "--config-name", config, *overrides, STOP_OVERRIDE], stdout=out, stderr=err)
     return code, err.getvalue()
 
 

@@ -86,17 +86,17 @@ def _load(path: str, dtype, flag: str):
 def run(args) -> int:
     import torch
 
-    from true_on_policy import diagnose as dg
+    from true_on_policy.diagnose import NEEDS_CONSISTENT_KERNELS, diagnose, inject_fault, make_router_ties
     from true_on_policy import tiny_assets
-    from true_on_policy.kernels import model as consistent_model
-    from true_on_policy.kernels import ops as consistent_ops
+    from true_on_policy.kernels.model import UnsupportedFeatureError, patch_transformers
+    from true_on_policy.kernels import ops
 
     if args.model is not None and args.checkpoint is not None:
         raise _BadInput("give either --model or --checkpoint, not both")
     if args.prompts < 1 or args.prompt_len < 1 or args.new_tokens < 0:
         raise _BadInput("--prompts and --prompt-len must be >= 1, --new-tokens >= 0")
     deterministic = not args.no_deterministic
-    if args.inject in dg.NEEDS_CONSISTENT_KERNELS and not deterministic:
+    if args.inject in NEEDS_CONSISTENT_KERNELS and not deterministic:
         raise _BadInput(
             f"--inject {args.inject} acts on the consistent kernels; it cannot be combined with --no-deterministic"
         )
@@ -104,13 +104,13 @@ def run(args) -> int:
         _check_dir(args.checkpoint, "--checkpoint")
     if args.rollout_checkpoint is not None:
         _check_dir(args.rollout_checkpoint, "--rollout-checkpoint")
-    dtype = consistent_ops.DTYPES[args.dtype]
+    dtype = ops.DTYPES[args.dtype]
 
     with contextlib.suppress(Exception):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    consistent_model.patch_transformers()  # before building: linears become ConsistentLinear at init
+    patch_transformers()  # before building: linears become ConsistentLinear at init
     if args.checkpoint is None:
         kind = args.model or "dense"
         source = str(tiny_assets.ensure_assets() / tiny_assets.MODEL_DIRS[kind])
@@ -139,8 +139,8 @@ def run(args) -> int:
         try:
             if args.inject == "router-tiebreak":
                 for model in (training, rollout):  # ties must exist for a tie-break to matter
-                    dg.make_router_ties(model, args.layer)
-            fault = dg.inject_fault(rollout, args.inject, args.layer)
+                    make_router_ties(model, args.layer)
+            fault = inject_fault(rollout, args.inject, args.layer)
         except (ValueError, AttributeError) as exc:
             raise _BadInput(f"--inject {args.inject}: {exc}") from exc
         if args.inject == "router-tiebreak":
@@ -153,8 +153,8 @@ def run(args) -> int:
         torch.randint(low, config.vocab_size, (p + args.new_tokens,), generator=generator).tolist() for p in prompts
     ]
     try:
-        report = dg.diagnose(training, rollout, sequences, prompt_lengths=prompts, deterministic=deterministic)
-    except consistent_model.UnsupportedFeatureError as exc:  # a model the consistent kernels do not cover
+        report = diagnose(training, rollout, sequences, prompt_lengths=prompts, deterministic=deterministic)
+    except UnsupportedFeatureError as exc:  # a model the consistent kernels do not cover
         raise _BadInput(f"this model is not covered by the consistent kernels: {exc}") from exc
     report.settings.update(model=label, checkpoint=source, fault=fault, rollout_checkpoint=args.rollout_checkpoint)
     print(report.format(only_differing=args.only_diff))

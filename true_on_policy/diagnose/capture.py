@@ -16,9 +16,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from true_on_policy.kernels import model as cm
+from true_on_policy.kernels.model import ROLLOUT_KWARG
 from true_on_policy.kernels import ops
-from true_on_policy.transformers_adapter import patches as transformers_patches
+from true_on_policy.transformers_adapter import patches
 
 
 # inputs that describe the layout, not the data (rule 1: a mask is a selection, compared via outputs)
@@ -31,7 +31,7 @@ _SKIP_INPUTS = {
     "output_hidden_states",
     "logits_to_keep",
     "labels",
-    cm.ROLLOUT_KWARG,
+    ROLLOUT_KWARG,
 }
 
 
@@ -266,7 +266,7 @@ class _Side:
         combine = ops.moe_combine
         ops.moe_combine = self._combine_wrapper(combine)
         try:
-            with transformers_patches.wrapping_apply_rotary(modeling, self._rope_wrapper):
+            with patches.wrapping_apply_rotary(modeling, self._rope_wrapper):
                 yield self
         finally:
             ops.moe_combine = combine

@@ -20,15 +20,15 @@ from torch import nn
 from true_on_policy.diagnose.capture import _Side, _is_ancestor, _kind, _layer_of, _short_name
 from true_on_policy.diagnose.compare import _OpStats, _classify, _compare, _rows_absdiff, _rows_equal, _suggest
 from true_on_policy.diagnose.report import Divergence, OpRecord, Report
-from true_on_policy.kernels import model as cm
+from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, KVCache, convert_model, forward_packed, patch_transformers
 from true_on_policy.kernels import ops
 
 
 def _prepare(model: nn.Module, deterministic: bool) -> None:
-    if getattr(model.config, "_attn_implementation", None) != cm.ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(cm.ATTN_IMPLEMENTATION)
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if deterministic:
-        cm.convert_model(model)
+        convert_model(model)
 
 
 def _log_softmax(logits: torch.Tensor, deterministic: bool) -> torch.Tensor:
@@ -67,7 +67,7 @@ def diagnose(
     for i, (s, p) in enumerate(zip(sequences, prompt_lengths)):
         if not 1 <= p <= len(s):
             raise ValueError(f"diagnose: sequence {i} has {len(s)} tokens, prompt length {p} is not in [1, {len(s)}]")
-    cm.patch_transformers()
+    patch_transformers()
     for model in (training_model, rollout_model):
         _prepare(model, deterministic)
     device = training_model.get_input_embeddings().weight.device
@@ -106,7 +106,7 @@ def diagnose(
     r_side = _Side(rollout_model, "rollout")
     stats: dict[str, _OpStats] = {}
     roll_lsm = torch.zeros_like(train_lsm)
-    caches = [cm.KVCache() for _ in sequences]
+    caches = [KVCache() for _ in sequences]
     done = [0] * B
     calls = 0
     with ops.consistent(deterministic), r_side.hooked():
@@ -119,7 +119,7 @@ def diagnose(
             seg_pos = torch.cat([torch.arange(done[i], done[i] + n) for i, n in segments])
             index = torch.cat([i * T + torch.arange(done[i], done[i] + n) for i, n in segments])
             r_side.begin((1, int(seg_ids.numel())))
-            out = cm.forward_packed(
+            out = forward_packed(
                 rollout_model,
                 seg_ids.to(r_device),
                 seg_pos.to(r_device),

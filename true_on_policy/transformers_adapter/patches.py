@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from true_on_policy.kernels import architectures
@@ -177,49 +177,34 @@ def covered(role: str) -> tuple[type, ...]:
     return _COVERED[role]
 
 
-def _replacement(role: str, owner, original) -> Callable:
-    from true_on_policy.kernels import model
-
-    factories = {
-        "rms_norm": model.make_rms_norm_forward,
-        "rotary": model.make_rotary_forward,
-        "apply_rotary": model.make_apply_rotary,
-        "mlp": model.make_mlp_forward,
-        "decoder_layer": model.make_decoder_layer_init,
-        "causal_lm": model.make_causal_lm_init,
-        "causal_lm_forward": model.make_causal_lm_forward,
-        "router": model.make_router_forward,
-        "experts": model.make_experts_forward,
-    }
-    return factories[role](original)
-
-
-def apply() -> None:
-    """Patch every target (idempotent) and register the ``"consistent"`` attention; all checked first."""
-    from true_on_policy.kernels import model
-
+def apply(replacements: Mapping[str, Callable[[Callable], Callable]], attention_name: str,
+          registrations: tuple[Callable, Callable]) -> None:
+    """Patch every target (idempotent) and register ``registrations`` (the attention function, the mask
+    function) under ``attention_name``; all checked first. ``replacements``: role -> the factory that
+    takes the original and returns its replacement (the module code: :mod:`true_on_policy.kernels.model`)."""
     registries = _registries()
     checked = [(target, *check(target)) for target in targets()]
-    for registry, function in zip(registries, (model.attention_function, model.mask_function)):
-        registry.register(model.ATTN_IMPLEMENTATION, function)
+    missing = {target.role for target, *_ in checked if target.role not in READ_ONLY_ROLES} - set(replacements)
+    if missing:
+        raise TransformersPatchError(f"apply: no replacement for the roles {sorted(missing)}")
+    for registry, function in zip(registries, registrations):
+        registry.register(attention_name, function)
     if _ORIGINALS:
         return
     for target, owner, original in checked:
         if target.role in READ_ONLY_ROLES:
             continue
         _ORIGINALS[owner, target.attribute] = original
-        setattr(owner, target.attribute, _replacement(target.role, owner, original))
+        setattr(owner, target.attribute, replacements[target.role](original))
 
 
-def revert() -> None:
-    """Undo :func:`apply`: originals restored, the ``"consistent"`` registrations removed."""
-    from true_on_policy.kernels import model
-
+def revert(attention_name: str) -> None:
+    """Undo :func:`apply`: originals restored, the ``attention_name`` registrations removed."""
     for (owner, attribute), original in reversed(list(_ORIGINALS.items())):
         setattr(owner, attribute, original)
     _ORIGINALS.clear()
     for registry in _registries():
-        registry._global_mapping.pop(model.ATTN_IMPLEMENTATION, None)
+        registry._global_mapping.pop(attention_name, None)
 
 
 @contextlib.contextmanager
