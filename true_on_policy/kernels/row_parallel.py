@@ -10,13 +10,14 @@ in only their all-gather.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from true_on_policy.kernels import ops
 
-__all__ = ["tree_reduce", "row_parallel_linear"]
+__all__ = ["Gather", "reduce_partials", "tree_reduce", "row_parallel_linear"]
 
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 
@@ -27,26 +28,32 @@ def _combine(partial: torch.Tensor, gather: Gather) -> torch.Tensor:
     return x32.clone() if len(parts) == 1 else ops.tree_combine(parts)
 
 
-class _TreeReduce(torch.autograd.Function):
-    """Forward: the ranks' partials folded (:func:`tree_reduce`); backward: the (replicated) gradient
-    goes to every rank's partial unchanged."""
+class _Reduce(torch.autograd.Function):
+    """Forward: ``reduce(partial)``, the ranks' partials summed; backward: the (replicated) gradient goes
+    to every rank's partial unchanged."""
 
     @staticmethod
-    def forward(ctx, partial, gather):
-        return _combine(partial, gather)
+    def forward(ctx, partial, reduce):
+        return reduce(partial)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
 
 
+def reduce_partials(partial: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``reduce(partial)`` -- a sum over the ranks of their partials -- with the gradient of the sum passed
+    to every rank's partial unchanged (every rank computes the same replicated loss from the sum)."""
+    if torch.is_grad_enabled() and partial.requires_grad:
+        return _Reduce.apply(partial, reduce)
+    return reduce(partial)
+
+
 def tree_reduce(partial: torch.Tensor, gather: Gather) -> torch.Tensor:
     """The sum over ranks of ``partial`` as fp32, the same bits on every rank and at every group size:
     ``gather`` (every rank's tensor in rank order, a copy) of the fp32 partials, then
     :func:`ops.tree_combine` over ranks 0, 1, ..., n-1."""
-    if torch.is_grad_enabled() and partial.requires_grad:
-        return _TreeReduce.apply(partial, gather)
-    return _combine(partial, gather)
+    return reduce_partials(partial, functools.partial(_combine, gather=gather))
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int,

@@ -99,19 +99,6 @@ class _CopyToRegion(torch.autograd.Function):
         return tree_all_reduce(grad, ctx.group).to(grad.dtype), None
 
 
-class _PlainReduceFromRegion(torch.autograd.Function):
-    """Flag off. Forward: a plain all-reduce of the ranks' partials; backward: the (replicated) gradient
-    goes to every rank's partial unchanged."""
-
-    @staticmethod
-    def forward(ctx, partial, group):
-        return _plain_all_reduce(partial, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 class _GatherFromRegion(torch.autograd.Function):
     """Forward: all-gather along the last dim; backward: this rank's slice of the gradient."""
 
@@ -136,7 +123,7 @@ def copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
 
 def plain_reduce_from_region(partial: torch.Tensor, group) -> torch.Tensor:
     """Flag off: the ranks' partials summed by a plain ``dist.all_reduce`` (its own order)."""
-    return _PlainReduceFromRegion.apply(partial, group) if _tracks_grad(partial) else _plain_all_reduce(partial, group)
+    return row_parallel.reduce_partials(partial, functools.partial(_plain_all_reduce, group=group))
 
 
 def gather_from_region(x: torch.Tensor, group) -> torch.Tensor:
