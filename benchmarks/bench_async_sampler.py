@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from true_on_policy.kernels import model as consistent_model
+from true_on_policy.kernels.model import patch_transformers
 
-from true_on_policy.kernels import ops as consistent_ops
+from true_on_policy.kernels import ops
 from true_on_policy.rollout.engine import RolloutEngine, SamplingParams, derive_seed
 from true_on_policy.rollout.prompt_ledger import PromptLedger, PromptSlot, SlotState, policy_lag
 from true_on_policy.tiny_assets import VOCAB_SIZE, build_model, tiny_model_config
@@ -273,8 +273,8 @@ def main_simulation(argv: list[str]) -> dict:
     load_before = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     # The engine's forward as configs/cpu_tiny runs it (true_on_policy.deterministic=true).
-    consistent_model.patch_transformers()
-    consistent_ops.set_switches(consistent=True)
+    patch_transformers()
+    ops.set_switches(consistent=True)
     model = build_model("dense", seed=args.seed)
     runs = {"sync": [], "async": []}
     # Warm-up (kernels, allocator) on a workload of its own.

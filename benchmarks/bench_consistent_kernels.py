@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from true_on_policy.kernels import model as cm
+from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, KVCache, forward_packed, patch_transformers
 from true_on_policy.kernels import ops
 from true_on_policy.tiny_assets import tiny_model_config
 
@@ -102,16 +102,16 @@ def decode_step(model, flag: bool, batch: int, cache_len: int):
     model.eval()
     lens = [cache_len - 1 - (i * cache_len) // (2 * batch) for i in range(batch)]  # ragged, < cache_len
     with ops.consistent(flag):
-        caches = [cm.KVCache() for _ in range(batch)]
+        caches = [KVCache() for _ in range(batch)]
         ids = torch.randint(3, model.config.vocab_size, (sum(lens),), generator=g)
         pos = torch.cat([torch.arange(n) for n in lens])
-        cm.forward_packed(model, ids, pos, lens, caches)
+        forward_packed(model, ids, pos, lens, caches)
     step_ids = torch.randint(3, model.config.vocab_size, (batch,), generator=g)
     positions = torch.tensor(lens)
 
     def step():
         with ops.consistent(flag):
-            cm.forward_packed(model, step_ids, positions, [1] * batch, caches)
+            forward_packed(model, step_ids, positions, [1] * batch, caches)
         for c, n in zip(caches, lens):  # drop the new token again: every repeat decodes the same step
             c.truncate(n)
 
@@ -125,14 +125,14 @@ def cases(args):
             for b, c in DECODE_SHAPES:
 
                 def make_decode(kind=kind, dtype=dtype, b=b, c=c):
-                    model = build(kind, cm.ATTN_IMPLEMENTATION, dtype)
+                    model = build(kind, ATTN_IMPLEMENTATION, dtype)
                     return decode_step(model, True, b, c), decode_step(model, False, b, c), 5 * args.repeats
 
                 yield f"decode_b{b}_c{c}/{kind}/{dname}", make_decode
             for packed in (False, True):
 
                 def make_train(kind=kind, dtype=dtype, packed=packed):
-                    consistent = build(kind, cm.ATTN_IMPLEMENTATION, dtype)
+                    consistent = build(kind, ATTN_IMPLEMENTATION, dtype)
                     default = build(kind, "sdpa", dtype)
                     default.load_state_dict(consistent.state_dict())
                     return (
@@ -164,7 +164,7 @@ def main() -> None:
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
-    cm.patch_transformers()
+    patch_transformers()
     records = []
     for name, make in cases(args):
         if args.cases and not any(sub in name for sub in args.cases):

@@ -73,51 +73,51 @@ def rollout(args) -> list[dict]:
 @contextlib.contextmanager
 def non_invariant():
     """K chunks added left to right over each rank's shard; the row-parallel partials all-reduced."""
-    from true_on_policy.kernels import ops
-    from true_on_policy.kernels import tensor_parallel as tp
+    from true_on_policy.kernels import ops, row_parallel, tensor_parallel
 
-    saved = ops.k_leaves, ops.local_leaves, tp.tree_all_reduce
+    saved = ops.k_leaves, ops.local_leaves, row_parallel.tree_reduce
     ops.k_leaves, ops.local_leaves = (lambda k: 1), (lambda k, parts: 1)
-    tp.tree_all_reduce = lambda x, group=None: tp._plain_all_reduce(x.to(torch.float32), group)  # noqa: SLF001
+    # the world group's partials all-reduced (the ranks' gather is not used)
+    row_parallel.tree_reduce = lambda x, gather: tensor_parallel._plain_all_reduce(x.to(torch.float32), None)  # noqa: SLF001
     try:
         yield
     finally:
-        ops.k_leaves, ops.local_leaves, tp.tree_all_reduce = saved
+        ops.k_leaves, ops.local_leaves, row_parallel.tree_reduce = saved
 
 
 def _kernel_worker(rank: int, port: int, repeats: int, out: str) -> None:
     import torch.distributed as dist
 
-    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, KVCache, forward_packed, patch_transformers
     from true_on_policy.kernels import ops
-    from true_on_policy.kernels import tensor_parallel as tp
+    from true_on_policy.kernels import tensor_parallel
     from true_on_policy.tiny_assets import build_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    cm.patch_transformers()
+    patch_transformers()
     records = []
     with ops.consistent(True), torch.no_grad():
         for kind, tp_size in (("dense", 1), ("dense", 2), ("moe", 1), ("moe", 2)):
             model = build_model(kind, seed=0).to(torch.bfloat16)
-            model.set_attn_implementation(cm.ATTN_IMPLEMENTATION)
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
             if tp_size > 1:
-                tp.shard_model(model, tp_size=2, ep_size=2 if kind == "moe" else 1)
+                tensor_parallel.shard_model(model, tp_size=2, ep_size=2 if kind == "moe" else 1)
             layout = f"TP{tp_size}{'/EP2' if kind == 'moe' and tp_size > 1 else ''}"
             g = torch.Generator().manual_seed(0)
             lens = [200, 150, 300, 100]
             ids = torch.randint(3, 128, (sum(lens),), generator=g)
             pos = torch.cat([torch.arange(n) for n in lens])
-            caches = [cm.KVCache() for _ in range(8)]
+            caches = [KVCache() for _ in range(8)]
             prompt = torch.randint(3, 128, (8 * 100,), generator=g)
-            cm.forward_packed(model, prompt, torch.arange(100).repeat(8), [100] * 8, caches)
+            forward_packed(model, prompt, torch.arange(100).repeat(8), [100] * 8, caches)
 
             def train(model=model, ids=ids, pos=pos, lens=lens):
-                cm.forward_packed(model, ids, pos, lens)
+                forward_packed(model, ids, pos, lens)
 
             def decode(model=model, caches=caches):
                 step = torch.randint(3, 128, (8,), generator=g)
-                cm.forward_packed(model, step, torch.tensor([c.length for c in caches]), [1] * 8, caches)
+                forward_packed(model, step, torch.tensor([c.length for c in caches]), [1] * 8, caches)
                 for c in caches:
                     c.truncate(c.length - 1)  # the same step again next time
 

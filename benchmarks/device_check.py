@@ -28,8 +28,8 @@ import time
 import torch
 
 from true_on_policy import tiny_assets
-from true_on_policy.kernels import model as consistent_model
-from true_on_policy.kernels import ops as consistent_ops
+from true_on_policy.kernels.model import KVCache, forward_packed, patch_transformers
+from true_on_policy.kernels import ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -53,7 +53,7 @@ def build(kind: str, dtype: torch.dtype, device: str):
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy incremental decode of all prompts together; (generated tokens, their log-probs) per prompt."""
-    caches = [consistent_model.KVCache() for _ in prompts]
+    caches = [KVCache() for _ in prompts]
     generated: list[list[int]] = [[] for _ in prompts]
     recorded: list[list[torch.Tensor]] = [[] for _ in prompts]
     feed = [list(p) for p in prompts]
@@ -62,9 +62,9 @@ def decode(model, prompts: list[list[int]], new_tokens: int, device: str) -> tup
         ids = torch.tensor([t for f in feed for t in f], device=device)
         positions = torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(caches, lens)]).to(device)
         last = torch.cumsum(torch.tensor(lens, device=device), 0) - 1
-        rows = consistent_model.forward_packed(model, ids, positions, lens, caches, logits_rows=last)
+        rows = forward_packed(model, ids, positions, lens, caches, logits_rows=last)
         chosen = rows.float().argmax(dim=-1)
-        log_probs = consistent_ops.token_log_probs(rows, chosen)
+        log_probs = ops.token_log_probs(rows, chosen)
         for i in range(len(prompts)):
             generated[i].append(int(chosen[i]))
             recorded[i].append(log_probs[i : i + 1])
@@ -81,18 +81,18 @@ def score(model, sequences: list[list[int]], prompt_lens: list[int], micro_batch
         group = order[start : start + micro_batch]
         ids = torch.tensor([t for i in group for t in sequences[i]], device=device)
         positions = torch.cat([torch.arange(len(sequences[i])) for i in group]).to(device)
-        logits = consistent_model.forward_packed(model, ids, positions, [len(sequences[i]) for i in group], None)
+        logits = forward_packed(model, ids, positions, [len(sequences[i]) for i in group], None)
         offset = 0
         for i in group:
             n, p = len(sequences[i]), prompt_lens[i]
             labels = torch.tensor(sequences[i][p:], device=device)
-            scores[i] = consistent_ops.token_log_probs(logits[offset + p - 1 : offset + n - 1], labels)
+            scores[i] = ops.token_log_probs(logits[offset + p - 1 : offset + n - 1], labels)
             offset += n
     return [scores[i] for i in range(len(sequences))]
 
 
 def _with_flag(flag: bool, fn):
-    with consistent_ops.consistent(flag):
+    with ops.consistent(flag):
         return fn()
 
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompts, --longest, --new-tokens, --micro-batch and --repeats must be >= 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch.cuda.is_available() is False")
-    consistent_model.patch_transformers()
+    patch_transformers()
     meta = {
         "case": "environment",
         "torch": torch.__version__,

@@ -181,10 +181,10 @@ def build(kind: str, dtype: torch.dtype):
     """The tiny model with weights drawn from this file's generator (independent of HF's init)."""
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, convert_model
     from true_on_policy.tiny_assets import tiny_model_config
 
-    model = AutoModelForCausalLM.from_config(tiny_model_config(kind), attn_implementation=cm.ATTN_IMPLEMENTATION)
+    model = AutoModelForCausalLM.from_config(tiny_model_config(kind), attn_implementation=ATTN_IMPLEMENTATION)
     g = _gen(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -192,7 +192,7 @@ def build(kind: str, dtype: torch.dtype):
                 p.copy_(1 + _randn(g, *p.shape, scale=0.1))
             else:
                 p.copy_(_randn(g, *p.shape, scale=0.15))
-    cm.convert_model(model)
+    convert_model(model)
     return model.to(dtype).eval()
 
 
@@ -202,7 +202,7 @@ def _sequences():
 
 
 def _model_cases(out: dict, kind: str, dname: str) -> None:
-    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels.model import KVCache, forward_packed
     from true_on_policy.kernels import ops
     from true_on_policy.rollout.engine import RolloutEngine, SamplingParams
 
@@ -251,7 +251,7 @@ def _model_cases(out: dict, kind: str, dname: str) -> None:
 
     # rollout: staggered admission, a chunked prefill, then decode steps over the KV caches
     with torch.no_grad():
-        caches = [cm.KVCache() for _ in seqs]
+        caches = [KVCache() for _ in seqs]
         done = [0] * len(seqs)
         step = 0
         while any(dn < len(s) for dn, s in zip(done, seqs)) and step < 12:
@@ -270,7 +270,7 @@ def _model_cases(out: dict, kind: str, dname: str) -> None:
             step_pos = torch.cat([torch.arange(done[i], done[i] + n) for i, n in segments])
             lens = [n for _, n in segments]
             rows = torch.tensor(lens).cumsum(0) - 1 if step else None
-            logits = cm.forward_packed(model, step_ids, step_pos, lens, [caches[i] for i, _ in segments], rows)
+            logits = forward_packed(model, step_ids, step_pos, lens, [caches[i] for i, _ in segments], rows)
             out[f"{key}/rollout/step{step}"] = logits
             for i, n in segments:
                 done[i] += n
@@ -291,10 +291,10 @@ def _model_cases(out: dict, kind: str, dname: str) -> None:
 
 def compute(groups: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     """Every golden entry (or those of ``groups``: "ops", "model/dense/fp32", ...) with the flag on."""
-    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels.model import patch_transformers
     from true_on_policy.kernels import ops
 
-    cm.patch_transformers()
+    patch_transformers()
     out: dict[str, torch.Tensor] = {}
     with ops.consistent(True), torch.random.fork_rng():
         if groups is None or "ops" in groups:

@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from support.ports import free_port
-from true_on_policy.kernels import model as consistent_model
+from true_on_policy.kernels.model import patch_transformers
 
-from true_on_policy.kernels import ops as consistent_ops
+from true_on_policy.kernels import ops
 
 
 def gen(seed: int) -> torch.Generator:
@@ -50,6 +50,6 @@ def spawn_ranks(worker, world: int, out_dir: Path) -> list:
 @pytest.fixture(scope="module", autouse=True)
 def patched_transformers():
     """transformers' Qwen3 classes on the project's module code; the flag restored afterwards."""
-    with consistent_ops.consistent(consistent_ops.enabled()):
-        consistent_model.patch_transformers()
+    with ops.consistent(ops.enabled()):
+        patch_transformers()
         yield

@@ -11,7 +11,12 @@ import torch
 
 from true_on_policy import tiny_assets
 from true_on_policy.kernels import architectures, ops
-from true_on_policy.kernels import model as cm
+from true_on_policy.kernels.model import (
+    ATTN_IMPLEMENTATION,
+    UnsupportedFeatureError,
+    patch_transformers,
+    unpatch_transformers,
+)
 from true_on_policy.patching import PatchTargetChanged
 from true_on_policy.transformers_adapter import patches
 from kernel_helpers import patched_transformers  # noqa: F401 (an autouse fixture)
@@ -120,7 +125,7 @@ def test_uncovered_is_refused_naming_architecture_and_feature(kind, changes, nam
         architectures.check_config(_config(kind, **changes))
     assert named in str(raised.value)
     assert isinstance(raised.value, ValueError)  # a bad config: the launch exits 2 on it
-    assert isinstance(raised.value, cm.UnsupportedFeatureError)  # the engines' error type
+    assert isinstance(raised.value, UnsupportedFeatureError)  # the engines' error type
 
 
 def test_training_engine_refuses_before_building_the_model():
@@ -130,22 +135,22 @@ def test_training_engine_refuses_before_building_the_model():
     config = tiny_assets.tiny_model_config("qwen2")
     config.final_logit_softcapping = 30.0
     with ops.consistent(True), pytest.raises(architectures.UncoveredModelError, match="soft-capped logits"):
-        AutoModelForCausalLM.from_config(config, attn_implementation=cm.ATTN_IMPLEMENTATION)
+        AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
     with ops.consistent(False):
-        AutoModelForCausalLM.from_config(config, attn_implementation=cm.ATTN_IMPLEMENTATION)
+        AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
 
 
 def test_a_built_model_unlike_its_entry_is_refused():
     """The entry has teeth: a Qwen2 whose q/k/v projections lost their bias is not what the table
     describes. Twin: the same model as built runs."""
     model = tiny_assets.build_model("qwen2")
-    model.set_attn_implementation(cm.ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
     ids = torch.tensor([[5, 6, 7, 8]])
     with ops.consistent(True):
         model(input_ids=ids, use_cache=False)
     model.model.layers[0].self_attn.q_proj.bias = None
     model.__dict__.pop("_true_on_policy_checked")
-    with ops.consistent(True), pytest.raises(cm.UnsupportedFeatureError, match="qkv_bias: built False, described True"):
+    with ops.consistent(True), pytest.raises(UnsupportedFeatureError, match="qkv_bias: built False, described True"):
         model(input_ids=ids, use_cache=False)
 
 
@@ -166,11 +171,11 @@ def test_rope_table_matches_transformers_scalings(rope):
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=1024,
                          rope_parameters=rope)
     cos, sin = ops.rope_table(config)
-    cm.unpatch_transformers()  # transformers' own rotary module
+    unpatch_transformers()  # transformers' own rotary module
     try:
         hf_cos, hf_sin = LlamaRotaryEmbedding(config)(torch.zeros(1), torch.arange(1024)[None])
     finally:
-        cm.patch_transformers()
+        patch_transformers()
     torch.testing.assert_close(cos, hf_cos[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sin, hf_sin[0], rtol=1e-5, atol=1e-5)
     default = ops.rope_table(LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=1024,
@@ -199,18 +204,18 @@ def test_a_changed_target_is_refused_by_name_before_anything_is_patched(monkeypa
     from transformers.models.qwen2 import modeling_qwen2
     from transformers.models.qwen3 import modeling_qwen3
 
-    cm.unpatch_transformers()
+    unpatch_transformers()
     original_norm = modeling_qwen3.Qwen3RMSNorm.forward
     try:
         monkeypatch.setattr(modeling_qwen2.Qwen2MLP, "forward", lambda self, x, scale: x)  # transformers changed it
         with pytest.raises(PatchTargetChanged, match=r"modeling_qwen2\.Qwen2MLP\.forward: its parameters"):
-            cm.patch_transformers()
+            patch_transformers()
         assert not patches.applied() and modeling_qwen3.Qwen3RMSNorm.forward is original_norm
         monkeypatch.undo()
-        cm.patch_transformers()  # twin: the unchanged target patches
+        patch_transformers()  # twin: the unchanged target patches
         assert patches.applied() and modeling_qwen3.Qwen3RMSNorm.forward is not original_norm
     finally:
-        cm.patch_transformers()
+        patch_transformers()
 
 
 def test_a_registry_without_its_mapping_is_refused(monkeypatch):

@@ -8,7 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from true_on_policy.kernels import model as cm
+from true_on_policy.kernels.model import (
+    ATTN_IMPLEMENTATION,
+    ConsistentLMHead,
+    ConsistentLinear,
+    KVCache,
+    UnsupportedFeatureError,
+    forward_packed,
+    patch_transformers,
+    unpatch_transformers,
+)
 from true_on_policy.kernels import ops
 from true_on_policy.tiny_assets import build_model, tiny_model_config
 from kernel_helpers import threads, patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)
@@ -50,7 +59,7 @@ OTHER_SHAPES = ["qwen2-untied-gqa3", "llama-biased-tied-mha"]
 def model_for(kind: str, dtype: torch.dtype):
     if (kind, dtype) not in _MODELS:
         model = (_other_shapes(kind) if kind in OTHER_SHAPES else build_model(kind, seed=0)).to(dtype)
-        model.set_attn_implementation(cm.ATTN_IMPLEMENTATION)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
         _MODELS[kind, dtype] = model
     return _MODELS[kind, dtype]
 
@@ -106,7 +115,7 @@ def rollout(model, seqs):
 
     The rollout scores the given tokens (teacher forcing), so the log-probs are comparable.
     """
-    caches = [cm.KVCache() for _ in seqs]
+    caches = [KVCache() for _ in seqs]
     done = [0] * len(seqs)  # tokens already in the cache
     log_probs = [[] for _ in seqs]
     pending = {}  # request -> logits row predicting its next token
@@ -127,7 +136,7 @@ def rollout(model, seqs):
             segments.append((i, n))
         ids = torch.cat([seqs[i][done[i] : done[i] + n] for i, n in segments])
         pos = torch.cat([torch.arange(done[i], done[i] + n) for i, n in segments])
-        logits = cm.forward_packed(model, ids, pos, [n for _, n in segments], [caches[i] for i, _ in segments])
+        logits = forward_packed(model, ids, pos, [n for _, n in segments], [caches[i] for i, _ in segments])
         start = 0
         for i, n in segments:
             if i in pending:  # the previous step's last row predicted this segment's first token
@@ -217,7 +226,7 @@ def test_flag_on_matches_default_numerics_closely():
 @pytest.mark.parametrize("kind", KINDS)
 def test_backward_flows_and_matches_default_gradients(kind):
     model = build_model(kind, seed=0)
-    model.set_attn_implementation(cm.ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.train()
     seqs = sequences()
     ids = torch.cat(seqs)[None]
@@ -240,7 +249,7 @@ def test_training_features_keep_the_bits_checkpointing_autocast_router_logits():
     """verl trains with gradient checkpointing and autocast(bf16) around bf16 params; MoE may ask
     for router logits (aux loss). None of it changes a bit of the consistent forward."""
     model = build_model("moe", seed=0).to(torch.bfloat16)
-    model.set_attn_implementation(cm.ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
     seqs = sequences()
     ids = torch.cat(seqs)[None]
     pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
@@ -275,8 +284,8 @@ def test_rollout_without_caches_and_logits_rows():
     pos = torch.cat([torch.arange(n) for n in lens])
     last = torch.tensor(lens).cumsum(0) - 1
     with ops.consistent(True):
-        full = cm.forward_packed(model, ids, pos, lens)
-        rows = cm.forward_packed(model, ids, pos, lens, logits_rows=last)
+        full = forward_packed(model, ids, pos, lens)
+        rows = forward_packed(model, ids, pos, lens, logits_rows=last)
         with torch.no_grad():
             train = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
     assert full.dtype == torch.float32 and torch.equal(full, train) and torch.equal(rows, train[last])
@@ -290,7 +299,7 @@ def test_forward_hooks_see_the_same_modules_on_both_engines():
         seqs = sequences()[:2]
         with ops.consistent(True):
             train_packed(model, seqs)
-            cm.forward_packed(model, seqs[0][:4], torch.arange(4), [4], [cm.KVCache()])
+            forward_packed(model, seqs[0][:4], torch.arange(4), [4], [KVCache()])
     finally:
         handle.remove()
     assert seen == [sum(len(s) for s in seqs), 4]
@@ -298,11 +307,11 @@ def test_forward_hooks_see_the_same_modules_on_both_engines():
 
 def test_bad_positions_raise_and_leave_caches_untouched():
     model = model_for("dense", torch.float32)
-    cache = cm.KVCache()
+    cache = KVCache()
     with ops.consistent(True):
-        cm.forward_packed(model, torch.tensor([5, 6, 7]), torch.arange(3), [3], [cache])
+        forward_packed(model, torch.tensor([5, 6, 7]), torch.arange(3), [3], [cache])
         with pytest.raises(ValueError, match="positions"):
-            cm.forward_packed(model, torch.tensor([8]), torch.tensor([4]), [1], [cache])
+            forward_packed(model, torch.tensor([8]), torch.tensor([4]), [1], [cache])
     assert cache.length == 3 and cache.keys(0).shape == (2, 3, 16)
 
 
@@ -316,7 +325,7 @@ def _tiny_forward(model):
     return model(input_ids=ids, position_ids=torch.arange(4)[None], use_cache=False)
 
 
-def _built(config, attn=cm.ATTN_IMPLEMENTATION):
+def _built(config, attn=ATTN_IMPLEMENTATION):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -325,7 +334,7 @@ def _built(config, attn=cm.ATTN_IMPLEMENTATION):
 
 def test_unsupported_attention_implementation_raises():
     model = build_model("dense")  # transformers' default (sdpa)
-    with ops.consistent(True), pytest.raises(cm.UnsupportedFeatureError, match="sdpa"):
+    with ops.consistent(True), pytest.raises(UnsupportedFeatureError, match="sdpa"):
         _tiny_forward(model)
     with ops.consistent(False):
         _tiny_forward(model)  # the default path is untouched
@@ -335,7 +344,7 @@ def test_sliding_window_raises():
     config = tiny_model_config("dense")
     config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 0
     config.layer_types = ["sliding_attention"] * config.num_hidden_layers
-    with ops.consistent(True), pytest.raises(cm.UnsupportedFeatureError, match="sliding window"):
+    with ops.consistent(True), pytest.raises(UnsupportedFeatureError, match="sliding window"):
         _tiny_forward(_built(config))
 
 
@@ -343,7 +352,7 @@ def test_attention_dropout_raises_in_training():
     config = tiny_model_config("dense")
     config.attention_dropout = 0.1
     model = _built(config).train()
-    with ops.consistent(True), pytest.raises(cm.UnsupportedFeatureError, match="dropout"):
+    with ops.consistent(True), pytest.raises(UnsupportedFeatureError, match="dropout"):
         _tiny_forward(model)
 
 
@@ -357,7 +366,7 @@ def test_unknown_rope_type_raises():
 def test_other_activation_raises():
     config = tiny_model_config("dense")
     config.hidden_act = "gelu"
-    with ops.consistent(True), pytest.raises(cm.UnsupportedFeatureError, match="gelu"):
+    with ops.consistent(True), pytest.raises(UnsupportedFeatureError, match="gelu"):
         _tiny_forward(_built(config))
 
 
@@ -369,7 +378,7 @@ def test_uncovered_architecture_raises_naming_it():
     config = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=None)
     model = _built(config)
-    with ops.consistent(True), pytest.raises(cm.UnsupportedFeatureError, match="model_type 'mistral' is not covered"):
+    with ops.consistent(True), pytest.raises(UnsupportedFeatureError, match="model_type 'mistral' is not covered"):
         _tiny_forward(model)
 
 
@@ -377,24 +386,24 @@ def test_hf_cache_raises():
     model = model_for("dense", torch.float32)
     with ops.consistent(True):
         first = model(input_ids=torch.tensor([[5, 6]]), use_cache=True)  # a fresh cache is just a forward
-        with pytest.raises(cm.UnsupportedFeatureError, match="past_key_values"):
+        with pytest.raises(UnsupportedFeatureError, match="past_key_values"):
             model(input_ids=torch.tensor([[7]]), past_key_values=first.past_key_values, use_cache=True)
 
 
 def test_model_built_before_patching_is_converted_and_wrapped_linears_raise():
-    cm.unpatch_transformers()
+    unpatch_transformers()
     try:
         early = build_model("dense")
         assert type(early.lm_head) is torch.nn.Linear
     finally:
-        cm.patch_transformers()
-        cm.patch_transformers()  # idempotent
-    early.set_attn_implementation(cm.ATTN_IMPLEMENTATION)
+        patch_transformers()
+        patch_transformers()  # idempotent
+    early.set_attn_implementation(ATTN_IMPLEMENTATION)
     with ops.consistent(True):
         reference = _tiny_forward(model_for("dense", torch.float32)).logits
         assert torch.equal(_tiny_forward(early).logits, reference)  # converted on its first forward
-    assert isinstance(early.lm_head, cm.ConsistentLMHead)
-    assert isinstance(early.model.layers[0].mlp.up_proj, cm.ConsistentLinear)
+    assert isinstance(early.lm_head, ConsistentLMHead)
+    assert isinstance(early.model.layers[0].mlp.up_proj, ConsistentLinear)
 
     class Adapter(torch.nn.Module):  # what a LoRA wrapper looks like to the model
         def __init__(self, base):
@@ -405,5 +414,5 @@ def test_model_built_before_patching_is_converted_and_wrapped_linears_raise():
             return self.base(x)
 
     early.model.layers[0].self_attn.q_proj = Adapter(early.model.layers[0].self_attn.q_proj)
-    with ops.consistent(True), pytest.raises(cm.UnsupportedFeatureError, match="q_proj is a Adapter"):
+    with ops.consistent(True), pytest.raises(UnsupportedFeatureError, match="q_proj is a Adapter"):
         _tiny_forward(early)

@@ -17,12 +17,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from support.check_runs import no_vllm, run_check, unverified_fields
-from true_on_policy.cli import check as check_cli
+from true_on_policy.cli import check
 from true_on_policy.config.settings import Settings
 
-from true_on_policy.contract import consistency as contract
+from true_on_policy.contract import consistency
 
-from true_on_policy.contract import determinism_plan as determinism_env
+from true_on_policy.contract import determinism_plan
 from true_on_policy.contract import kernel_families
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,12 +34,12 @@ DEVICE_MODULES = ("torch_npu", "vllm", "vllm_ascend")
 
 @pytest.fixture(scope="module")
 def ascend_cfg():
-    return check_cli.compose_config(str(CONFIGS), ASCEND)
+    return check.compose_config(str(CONFIGS), ASCEND)
 
 
 @pytest.fixture(scope="module")
 def cuda_cfg():
-    return check_cli.compose_config(str(CONFIGS), CUDA)
+    return check.compose_config(str(CONFIGS), CUDA)
 
 
 def _with(cfg, **updates):
@@ -57,14 +57,14 @@ def _settings(cfg):
 
 def _contract(cfg, detected=None):
     # detected={} : nothing installed here, the config's stack_versions stand in
-    return contract.contract_for_config(cfg, _settings(cfg), detected={} if detected is None else detected)
+    return consistency.contract_for_config(cfg, _settings(cfg), detected={} if detected is None else detected)
 
 
 def _plan(deterministic, platform, **kwargs):
     """The plan for the engines of the shipped configs of ``platform`` unless told otherwise."""
     kwargs.setdefault("training_strategy", "fsdp" if platform == "cpu" else "megatron")
     kwargs.setdefault("rollout_name", "cpu" if platform == "cpu" else "vllm")
-    return determinism_env.plan(deterministic, platform, **kwargs)
+    return determinism_plan.plan(deterministic, platform, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def _plan(deterministic, platform, **kwargs):
 
 R = "actor_rollout_ref.rollout"
 MG = "actor_rollout_ref.actor.megatron"
-TC = determinism_env.MEGATRON_TC
+TC = determinism_plan.MEGATRON_TC
 
 
 def _check_args(name, *overrides):
@@ -83,8 +83,8 @@ def _check_args(name, *overrides):
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
 def test_shipped_config_exits_3_naming_every_unverified_row(name, ascend_cfg, cuda_cfg):
     code, out, err = run_check(_check_args(name))
-    expected = {row.field for row, _ in contract.unverified(_contract(ascend_cfg if name == ASCEND else cuda_cfg))}
-    assert code == check_cli.EXIT_UNVERIFIED, err
+    expected = {row.field for row, _ in consistency.unverified(_contract(ascend_cfg if name == ASCEND else cuda_cfg))}
+    assert code == check.EXIT_UNVERIFIED, err
     assert expected and unverified_fields(err) == expected
     assert "MISMATCH" not in out and "consistent where visible" in err
     assert "consistent and verified" not in err
@@ -98,34 +98,34 @@ def test_accepting_every_unverified_row_exits_0(name):
     rows = sorted(unverified_fields(err))
     flags = [part for row in rows for part in ("--accept-unverified", row)]
     code, out, err2 = run_check(_check_args(name, *flags))
-    assert code == check_cli.EXIT_OK, err2
+    assert code == check.EXIT_OK, err2
     assert all(f"accepted unverified: {row}:" in err2 for row in rows)
     # twin: leave one out and it is the only row named
     code, _, err3 = run_check(_check_args(name, *flags[2:]))
-    assert code == check_cli.EXIT_UNVERIFIED and unverified_fields(err3) == {rows[0]}
+    assert code == check.EXIT_UNVERIFIED and unverified_fields(err3) == {rows[0]}
 
 
 def test_accept_unverified_from_the_config_section():
     _, _, err = run_check(_check_args(CUDA))
     rows = ",".join(sorted(unverified_fields(err)))
     code, _, err2 = run_check(_check_args(CUDA, f"true_on_policy.accept_unverified=[{rows}]"))
-    assert code == check_cli.EXIT_OK, err2
+    assert code == check.EXIT_OK, err2
 
 
 def test_accepting_a_row_that_does_not_exist_is_a_bad_value():
     code, _, err = run_check(_check_args(CUDA, "--accept-unverified", "no_such_row"))
-    assert code == check_cli.EXIT_REFUSED and "no_such_row" in err and "not contract rows" in err
+    assert code == check.EXIT_REFUSED and "no_such_row" in err and "not contract rows" in err
 
 
 def test_cpu_config_is_consistent_and_verified():
     code, out, err = run_check(_check_args("cpu_tiny_moe"))
-    assert code == check_cli.EXIT_OK, err
+    assert code == check.EXIT_OK, err
     assert "launch accepted (consistent and verified" in err and "UNVERIFIED" not in err
 
 
 def test_check_reports_tp_mismatch():
     code, out, err = run_check(_check_args(ASCEND, f"{MG}.tensor_model_parallel_size=2"))
-    assert code == check_cli.EXIT_REFUSED
+    assert code == check.EXIT_REFUSED
     tp_lines = [line for line in err.splitlines() if line.startswith("TP (tensor parallel) [tp]")]
     assert len(tp_lines) == 1
     assert "training=2" in tp_lines[0] and "rollout=1" in tp_lines[0]
@@ -146,7 +146,7 @@ def test_check_reports_tp_mismatch():
 )
 def test_bad_value_exits_2_naming_key_and_value(override, key, value):
     code, out, err = run_check(_check_args(ASCEND, override))
-    assert code == check_cli.EXIT_REFUSED, err
+    assert code == check.EXIT_REFUSED, err
     assert "bad config value" in err and key in err and value in err
     assert "TP (tensor parallel)" not in out  # no table with invented numbers
 
@@ -155,14 +155,14 @@ def test_internal_error_is_reported_as_such(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(contract, "build_contract", broken)
+    monkeypatch.setattr(consistency, "build_contract", broken)
     code, _, err = run_check(_check_args(ASCEND))
-    assert code == check_cli.EXIT_ERROR and "internal error" in err and "boom" in err
+    assert code == check.EXIT_ERROR and "internal error" in err and "boom" in err
 
 
 def test_check_unreadable_config_exits_1(tmp_path):
     code, _, err = run_check(["--config-path", str(tmp_path), "--config-name", "missing"])
-    assert code == check_cli.EXIT_ERROR and "cannot compose" in err
+    assert code == check.EXIT_ERROR and "cannot compose" in err
 
 
 @pytest.mark.subprocess
@@ -187,15 +187,15 @@ def test_check_cli_as_subprocess():
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
 def test_router_dtype_compares_training_with_the_vllm_gate(name, ascend_cfg, cuda_cfg):
     base = ascend_cfg if name == ASCEND else cuda_cfg
-    served = contract.canonical_dtype(OmegaConf.select(base, f"{R}.dtype"))
+    served = consistency.canonical_dtype(OmegaConf.select(base, f"{R}.dtype"))
     shipped = _contract(base).row("moe_router_dtype")
     assert shipped.rollout.value == served  # vLLM's Qwen3-MoE gate runs in the served dtype
-    assert contract.status(_contract(base), shipped) == "ok"
+    assert consistency.status(_contract(base), shipped) == "ok"
     # twin: the project's fp32 pin reaches Megatron, and vLLM has no fp32 gate -> a mismatch
     fp32 = _contract(_with(base, **{"true_on_policy.moe_router_dtype": "fp32"}))
     row = fp32.row("moe_router_dtype")
     assert row.training.value == "float32" and row.rollout.value == served != "float32"
-    assert "moe_router_dtype" in {m.field for m in contract.compare(fp32)}
+    assert "moe_router_dtype" in {m.field for m in consistency.compare(fp32)}
 
 
 def test_router_dtype_pin_is_honoured_by_the_project_engine(cuda_cfg):
@@ -210,53 +210,53 @@ def test_kernel_rows_name_an_implementation_per_side(name, ascend_cfg, cuda_cfg)
     for field in (*kernel_families.OPS, "attention"):
         row = result.row(field)
         assert row.training.show() and row.rollout.show() and row.training.source and row.rollout.source
-        state, reason = contract._check(result, row)
+        state, reason = consistency._check(result, row)
         assert state == "unverified" and reason, field  # nothing on a device stack is "ok" unrun
 
 
 def _without_training_keys(cfg, *keys):
-    p = determinism_env.plan_for_config(cfg, _settings(cfg), detected={})
+    p = determinism_plan.plan_for_config(cfg, _settings(cfg), detected={})
     kept = {k: v for k, v in p.training_config.items() if k.rsplit(".", 1)[1] not in keys}
     assert len(kept) < len(p.training_config)
-    return contract.contract_for_config(cfg, _settings(cfg), plan=dataclasses.replace(p, training_config=kept))
+    return consistency.contract_for_config(cfg, _settings(cfg), plan=dataclasses.replace(p, training_config=kept))
 
 
 def test_ascend_gemm_same_op_is_unverified_and_unpinned_training_is_a_mismatch(ascend_cfg):
     cfg = _with(ascend_cfg, **{"true_on_policy.stack_versions.ops-batchinvariant": "1.0.0"})
     row = _contract(cfg).row("gemm")
     assert row.training.value == row.rollout.value  # both: batch_invariant_ops.npu_mm_batch_invariant
-    assert contract.status(_contract(cfg), row) == "unverified"
+    assert consistency.status(_contract(cfg), row) == "unverified"
     broken = _without_training_keys(cfg, "use_batch_invariant_ops", "batch_invariant_mode")
-    assert "gemm" in {m.field for m in contract.compare(broken)}
+    assert "gemm" in {m.field for m in consistency.compare(broken)}
 
 
 def test_cuda_gemm_without_megatron_batch_invariant_mode_is_a_mismatch(cuda_cfg):
     shipped = _contract(cuda_cfg)
-    assert contract.status(shipped, shipped.row("gemm")) == "unverified"
+    assert consistency.status(shipped, shipped.row("gemm")) == "unverified"
     broken = _without_training_keys(cuda_cfg, "batch_invariant_mode")
-    assert "gemm" in {m.field for m in contract.compare(broken)}
+    assert "gemm" in {m.field for m in consistency.compare(broken)}
 
 
 def test_cpu_kernel_rows_hold_and_an_engine_without_the_project_kernels_does_not():
-    cfg = check_cli.compose_config(str(CONFIGS), "cpu_tiny_moe")
+    cfg = check.compose_config(str(CONFIGS), "cpu_tiny_moe")
     result = _contract(cfg)
     for field in kernel_families.OPS:
-        assert contract.status(result, result.row(field)) == "ok"
+        assert consistency.status(result, result.row(field)) == "ok"
     other = _contract(_with(cfg, **{f"{R}.name": "sglang"}))  # no kernel setting known: never "ok"
     for field in kernel_families.OPS:
-        assert contract.status(other, other.row(field)) != "ok", field
+        assert consistency.status(other, other.row(field)) != "ok", field
 
 
 def test_vllm_on_cpu_runs_the_project_kernels_but_only_eager_and_without_sleep_mode():
-    cfg = check_cli.compose_config(str(CONFIGS), "cpu_tiny_moe")
+    cfg = check.compose_config(str(CONFIGS), "cpu_tiny_moe")
     compiled = _contract(_with(cfg, **{f"{R}.name": "vllm", f"{R}.enforce_eager": False}))
-    mismatched = {m.field for m in contract.compare(compiled)}
+    mismatched = {m.field for m in consistency.compare(compiled)}
     assert not set(kernel_families.OPS) & mismatched
     assert "eager" in mismatched
     eager = _contract(
         _with(cfg, **{f"{R}.name": "vllm", f"{R}.enforce_eager": True, f"{R}.enable_sleep_mode": False, f"{R}.free_cache_engine": False})
     )
-    assert not {"eager", "sleep_mode"} & {m.field for m in contract.compare(eager)}
+    assert not {"eager", "sleep_mode"} & {m.field for m in consistency.compare(eager)}
 
 
 @pytest.mark.parametrize(
@@ -270,28 +270,28 @@ def test_vllm_on_cpu_runs_the_project_kernels_but_only_eager_and_without_sleep_m
 def test_a_training_config_override_is_compared_with_the_rollout_engines_own_key(engine, key):
     """``model.override_config`` reaches the training model only; each engine's override key is read (SGLang's
     is a JSON string), and the fix names that key, never another engine's."""
-    cfg = _with(check_cli.compose_config(str(CONFIGS), "cpu_tiny"), **{
+    cfg = _with(check.compose_config(str(CONFIGS), "cpu_tiny"), **{
         f"{R}.name": engine, "true_on_policy.deterministic": False,  # the row holds with the flag off too
         "actor_rollout_ref.model.override_config.rms_norm_eps": 0.001,
     })
     result = _contract(cfg)
-    mismatch = {m.field: m for m in contract.compare(result)}["model_config"]
+    mismatch = {m.field: m for m in consistency.compare(result)}["model_config"]
     assert ("hf_overrides" in mismatch.fix) == (engine == "vllm")
     assert ("json_model_override_args" in mismatch.fix) == (engine == "sglang")
     assert mismatch.rollout_source == (key or f"{R}.name=cpu loads the checkpoint's config.json")
     if key is None:
         return
     same = {"rms_norm_eps": 0.001} if engine == "vllm" else '{"rms_norm_eps": 0.001}'
-    assert "model_config" not in {m.field for m in contract.compare(_contract(_with(cfg, **{key: same})))}
+    assert "model_config" not in {m.field for m in consistency.compare(_contract(_with(cfg, **{key: same})))}
     other = {"rms_norm_eps": 0.002} if engine == "vllm" else '{"rms_norm_eps": 0.002}'
-    assert "model_config" in {m.field for m in contract.compare(_contract(_with(cfg, **{key: other})))}
+    assert "model_config" in {m.field for m in consistency.compare(_contract(_with(cfg, **{key: other})))}
 
 
 def test_the_contract_names_the_dtypes_the_kernels_compute_in():
     """The torch-free contract's KERNEL_DTYPES (its [kernel_dtype] row) and the kernels' DTYPES: one list."""
     from true_on_policy.kernels import ops
 
-    assert contract.KERNEL_DTYPES == tuple(ops.DTYPES)
+    assert consistency.KERNEL_DTYPES == tuple(ops.DTYPES)
 
 
 def test_every_row_can_fail(ascend_cfg, cuda_cfg):
@@ -299,36 +299,36 @@ def test_every_row_can_fail(ascend_cfg, cuda_cfg):
     for base in (ascend_cfg, cuda_cfg):
         result = _contract(base)
         for row in result.rows:
-            if row.kind == contract.INFO:
+            if row.kind == consistency.INFO:
                 continue
             dicts = isinstance(row.rollout.value, dict)
             broken = result.replace_row(
                 row.field, training={"X": "1"} if dicts else "__a__", rollout={"X": "2"} if dicts else "__b__", unverified=""
             )
-            assert row.field in {m.field for m in contract.compare(broken)}, row.field
+            assert row.field in {m.field for m in consistency.compare(broken)}, row.field
 
 
 def test_info_rows_never_mismatch(ascend_cfg):
     result = _contract(ascend_cfg)
     for row in result.rows:
-        if row.kind == contract.INFO:
+        if row.kind == consistency.INFO:
             broken = result.replace_row(row.field, rollout="__different__")
-            assert row.field not in {m.field for m in contract.compare(broken)}
+            assert row.field not in {m.field for m in consistency.compare(broken)}
 
 
 def test_determinism_rows_off_when_not_deterministic(ascend_cfg):
     cfg = _with(ascend_cfg, **{"true_on_policy.deterministic": False,
                                f"{MG}.override_transformer_config.attention_backend": "fused"})
     result = _contract(cfg)
-    assert contract.status(result, result.row("attention")) == "off"
-    assert contract.status(result, result.row("gemm")) == "off"
+    assert consistency.status(result, result.row("attention")) == "off"
+    assert consistency.status(result, result.row("gemm")) == "off"
     assert result.plan.worker_env == {}
 
 
 def test_release_vllm_ascend_attention_is_a_mismatch(ascend_cfg):
     cfg = _with(ascend_cfg, **{"true_on_policy.stack_versions.vllm-ascend": "0.25.1rc1"})
     result = _contract(cfg)
-    assert "attention" in {m.field for m in contract.compare(result)}  # no FA3 without rl_config
+    assert "attention" in {m.field for m in consistency.compare(result)}  # no FA3 without rl_config
 
 
 @pytest.mark.parametrize(
@@ -342,9 +342,9 @@ def test_release_vllm_ascend_attention_is_a_mismatch(ascend_cfg):
 def test_a_key_the_chosen_vllm_ascend_ignores_is_an_error(override, key):
     extra = [f"++{R}.engine_kwargs.vllm.additional_config.rl_config.enabled=true"] if key == "rl_config" else []
     code, _, err = run_check(_check_args(ASCEND, override, *extra))
-    assert code == check_cli.EXIT_REFUSED and key in err and "ignore" in err
+    assert code == check.EXIT_REFUSED and key in err and "ignore" in err
     # twin: the shipped config sets none of them
-    assert run_check(_check_args(ASCEND))[0] == check_cli.EXIT_UNVERIFIED
+    assert run_check(_check_args(ASCEND))[0] == check.EXIT_UNVERIFIED
 
 
 @pytest.mark.parametrize(
@@ -353,20 +353,20 @@ def test_a_key_the_chosen_vllm_ascend_ignores_is_an_error(override, key):
 def test_a_key_verl_always_carries_is_required_not_guessed(key):
     from true_on_policy.contract.config_views import read_sides
 
-    cfg = OmegaConf.to_container(check_cli.compose_config(str(CONFIGS), "cpu_tiny"), resolve=True)
+    cfg = OmegaConf.to_container(check.compose_config(str(CONFIGS), "cpu_tiny"), resolve=True)
     read_sides(cfg)  # the twin: the composed config has it
     parent, leaf = key.rsplit(".", 1)
     node = cfg
     for part in parent.split("."):
         node = node[part]
     del node[leaf]
-    with pytest.raises(determinism_env.ConfigError, match=f"{key}=None: required"):
+    with pytest.raises(determinism_plan.ConfigError, match=f"{key}=None: required"):
         read_sides(cfg)
 
 
 def test_format_table_is_side_by_side(ascend_cfg):
     bad = _contract(_with(ascend_cfg, **{f"{R}.dtype": "float16"}))
-    table = contract.format_table(bad, contract.compare(bad))
+    table = consistency.format_table(bad, consistency.compare(bad))
     header = next(line for line in table.splitlines() if line.startswith("field"))
     assert "training" in header and "rollout" in header and "status" in header
     row = next(line for line in table.splitlines() if line.startswith("compute dtype"))
@@ -389,28 +389,28 @@ def test_the_launch_applies_the_verdict_it_prints(ascend_cfg, caplog):
     refused for its unverified rows, accepted once they are named, and then applied to the config and
     the environment; on this machine (cpu) the launch refuses the same config, naming the platform."""
     from true_on_policy.config.platform import Machine, detect_machine
-    from true_on_policy.contract import verdict as verdict_mod
+    from true_on_policy.contract.verdict import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, decide
     from true_on_policy.verl_adapter import launch
 
     npu = Machine("ascend", "torch_npu is installed and sees 16 NPU(s)")
-    expected = {row.field for row, _ in contract.unverified(_contract(ascend_cfg))}
-    refused = verdict_mod.decide(_with(ascend_cfg), machine=npu, launching=True, detected={})
-    assert refused.code == verdict_mod.EXIT_UNVERIFIED and unverified_fields(refused.text) == expected
+    expected = {row.field for row, _ in consistency.unverified(_contract(ascend_cfg))}
+    refused = decide(_with(ascend_cfg), machine=npu, launching=True, detected={})
+    assert refused.code == EXIT_UNVERIFIED and unverified_fields(refused.text) == expected
     accepted_cfg = _with(ascend_cfg, **{"true_on_policy.accept_unverified": sorted(expected)})
-    accepted = verdict_mod.decide(accepted_cfg, machine=npu, launching=True, detected={})
-    assert accepted.code == verdict_mod.EXIT_OK, accepted.text
+    accepted = decide(accepted_cfg, machine=npu, launching=True, detected={})
+    assert accepted.code == EXIT_OK, accepted.text
     with caplog.at_level("INFO", logger="true_on_policy"):
         env = launch.apply_verdict(accepted_cfg, accepted)
     assert env["VLLM_BATCH_INVARIANT"] == "1" and os.environ["VLLM_BATCH_INVARIANT"] == "1"
-    assert OmegaConf.select(accepted_cfg, f"{determinism_env.ENV_PATH}.HCCL_DETERMINISTIC") == env["HCCL_DETERMINISTIC"]
+    assert OmegaConf.select(accepted_cfg, f"{determinism_plan.ENV_PATH}.HCCL_DETERMINISTIC") == env["HCCL_DETERMINISTIC"]
     assert Settings.from_json(env["TRUE_ON_POLICY_SETTINGS"]).platform == "ascend"
     plan_logs = [r for r in caplog.records if "determinism plan: platform=ascend" in r.getMessage()]
     assert len(plan_logs) == 1 and "not emitted:" in plan_logs[0].getMessage()
     # twin: launched on this CPU machine, the same config is refused by name; check only notes it
-    here = verdict_mod.decide(accepted_cfg, machine=detect_machine(), launching=True, detected={})
-    assert here.code == verdict_mod.EXIT_REFUSED and "true_on_policy.platform='ascend' but this machine is cpu" in here.text
-    checked = verdict_mod.decide(accepted_cfg, machine=detect_machine(), launching=False, detected={})
-    assert checked.code == verdict_mod.EXIT_OK and "evaluated as declared" in checked.text
+    here = decide(accepted_cfg, machine=detect_machine(), launching=True, detected={})
+    assert here.code == EXIT_REFUSED and "true_on_policy.platform='ascend' but this machine is cpu" in here.text
+    checked = decide(accepted_cfg, machine=detect_machine(), launching=False, detected={})
+    assert checked.code == EXIT_OK and "evaluated as declared" in checked.text
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,7 +418,7 @@ def test_the_launch_applies_the_verdict_it_prints(ascend_cfg, caplog):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("platform", determinism_env.PLATFORMS)
+@pytest.mark.parametrize("platform", determinism_plan.PLATFORMS)
 def test_flag_off_sets_nothing(platform):
     p = _plan(False, platform, versions={}, importer=no_vllm)
     assert p.worker_env == {} and p.rollout_config == {} and p.training_config == {} and p.in_process == ()
@@ -450,7 +450,7 @@ def test_ascend_plan_pins_training_gemms_and_attention():
 
 @pytest.mark.parametrize("mindspeed", [None, "0.12.1"])
 def test_ascend_plan_refuses_a_mindspeed_without_batch_invariant_ops(mindspeed):
-    with pytest.raises(determinism_env.ConfigError, match="stack_versions.mindspeed"):
+    with pytest.raises(determinism_plan.ConfigError, match="stack_versions.mindspeed"):
         _plan(True, "ascend", versions={**ASCEND_MAIN, "mindspeed": mindspeed}, training_strategy="megatron")
 
 
@@ -460,15 +460,15 @@ def test_ascend_plan_refuses_a_mindspeed_without_batch_invariant_ops(mindspeed):
      ("0.23.0", "release"), (None, None), ("", None)],
 )
 def test_vllm_ascend_line(version, line):
-    assert determinism_env.vllm_ascend_line(version) == line
+    assert determinism_plan.vllm_ascend_line(version) == line
 
 
 @pytest.mark.parametrize("version", ["main@182b75ea8", "0.26.0rc1", "0.23.0"])
 def test_rl_config_on_main_builds_flashcomm1_on_releases(version):
-    main = determinism_env.vllm_ascend_line(version) == "main"
+    main = determinism_plan.vllm_ascend_line(version) == "main"
     p = _plan(
         True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": version}, training_strategy="megatron",
-        row_parallel=determinism_env.ROW_PARALLEL_RS_AG,
+        row_parallel=determinism_plan.ROW_PARALLEL_RS_AG,
     )
     assert any(".rl_config." in key for key in p.rollout_config) is main
     assert ("VLLM_ASCEND_ENABLE_FLASHCOMM1" in p.worker_env) is (not main)
@@ -478,13 +478,13 @@ def test_rl_config_on_main_builds_flashcomm1_on_releases(version):
 
 @pytest.mark.parametrize("version", [None, "0.11.0"])
 def test_ascend_plan_refuses_an_unknown_or_too_old_vllm_ascend(version):
-    with pytest.raises(determinism_env.ConfigError, match="stack_versions.vllm-ascend"):
+    with pytest.raises(determinism_plan.ConfigError, match="stack_versions.vllm-ascend"):
         _plan(True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": version})
 
 
 def test_ascend_release_without_flashcomm_when_training_all_reduces():
     p = _plan(True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": "0.25.1rc1"},
-                             row_parallel=determinism_env.ROW_PARALLEL_ALL_REDUCE)
+                             row_parallel=determinism_plan.ROW_PARALLEL_ALL_REDUCE)
     assert "VLLM_ASCEND_ENABLE_FLASHCOMM1" not in p.worker_env
 
 
@@ -520,7 +520,7 @@ def _doc_disagreements(settings):
 
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
 def test_docs_cite_every_emitted_key_with_a_first_version(name, ascend_cfg, cuda_cfg):
-    p = determinism_env.plan_for_config(base := (ascend_cfg if name == ASCEND else cuda_cfg), _settings(base), detected={})
+    p = determinism_plan.plan_for_config(base := (ascend_cfg if name == ASCEND else cuda_cfg), _settings(base), detected={})
     for key in _emitted_names(p):
         row = _doc_row(key)
         assert len(row) >= 4 and row[2] and row[3], key  # upstream file, first version
@@ -538,26 +538,26 @@ def test_plan_logs_the_first_version_the_doc_cites():
     settings = ascend.settings + cuda.settings
     assert set(TRACED) <= {s.key for s in settings if s.first_version}
     assert _doc_disagreements(settings) == []
-    assert "(first: vLLM 0.13.0)" in determinism_env.describe(cuda)
-    for key in determinism_env.FIRST_VERSIONS:  # also the keys no plan above emits
+    assert "(first: vLLM 0.13.0)" in determinism_plan.describe(cuda)
+    for key in determinism_plan.FIRST_VERSIONS:  # also the keys no plan above emits
         row = _doc_row(key)
-        assert all(part in row[3] for part in determinism_env.FIRST_VERSIONS[key].split("; ")), key
+        assert all(part in row[3] for part in determinism_plan.FIRST_VERSIONS[key].split("; ")), key
     # twin: a plan that logged another first version than the doc is caught
-    wrong = determinism_env.Setting("VLLM_BATCH_INVARIANT", "1", "worker_env", "test")
-    determinism_env.FIRST_VERSIONS["VLLM_BATCH_INVARIANT"], saved = "vLLM 0.11.0", determinism_env.FIRST_VERSIONS["VLLM_BATCH_INVARIANT"]
+    wrong = determinism_plan.Setting("VLLM_BATCH_INVARIANT", "1", "worker_env", "test")
+    determinism_plan.FIRST_VERSIONS["VLLM_BATCH_INVARIANT"], saved = "vLLM 0.11.0", determinism_plan.FIRST_VERSIONS["VLLM_BATCH_INVARIANT"]
     try:
         assert _doc_disagreements([wrong]) == [("VLLM_BATCH_INVARIANT", "vLLM 0.11.0")]
     finally:
-        determinism_env.FIRST_VERSIONS["VLLM_BATCH_INVARIANT"] = saved
+        determinism_plan.FIRST_VERSIONS["VLLM_BATCH_INVARIANT"] = saved
 
 
 @pytest.mark.parametrize(("vllm", "missing"), [("0.11.0", "0.11.1"), ("0.12.0", "0.13.0")])
 def test_cuda_refuses_a_vllm_without_the_emitted_keys(vllm, missing):
-    with pytest.raises(determinism_env.ConfigError, match=f"stack_versions.vllm.*{missing}"):
+    with pytest.raises(determinism_plan.ConfigError, match=f"stack_versions.vllm.*{missing}"):
         _plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=no_vllm)
     # twin: the first version that has both keys plans
     p = _plan(True, "cuda", versions={**CUDA_STACK, "vllm": "0.13.0"}, importer=no_vllm)
-    assert p.rollout_config[f"{determinism_env.ROLLOUT_VLLM}.attention_backend"] == "FLASH_ATTN"
+    assert p.rollout_config[f"{determinism_plan.ROLLOUT_VLLM}.attention_backend"] == "FLASH_ATTN"
 
 
 @pytest.mark.parametrize(
@@ -578,9 +578,9 @@ def test_cuda_environment_from_table():
     assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert env["NCCL_ALGO"] == "allreduce:tree" and env["NCCL_PROTO"] == "Simple"
     assert env["NCCL_MIN_NCHANNELS"] == env["NCCL_MAX_NCHANNELS"] == "1"
-    assert p.rollout_config == {f"{determinism_env.ROLLOUT_VLLM}.attention_backend": "FLASH_ATTN"}
+    assert p.rollout_config == {f"{determinism_plan.ROLLOUT_VLLM}.attention_backend": "FLASH_ATTN"}
     assert any(s.startswith("NCCL_ALGO=Ring") for s in p.skipped)
-    for key in determinism_env.REDUCTION_ENV_KEYS["cuda"]:
+    for key in determinism_plan.REDUCTION_ENV_KEYS["cuda"]:
         assert p.worker_env.get(key) == p.rollout_process_env().get(key)
 
 
@@ -615,14 +615,14 @@ def test_cuda_mirrors_the_installed_vllm_and_restores_environ(monkeypatch):
 
 @pytest.mark.parametrize("vllm", ["0.33.0", "0.34.1", None])
 def test_cuda_refuses_the_stale_table_for_vllm_0_33_on(vllm):
-    with pytest.raises(determinism_env.ConfigError, match="stale"):
+    with pytest.raises(determinism_plan.ConfigError, match="stale"):
         _plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=no_vllm)
     # twin: an older vLLM keeps the table
     assert _plan(True, "cuda", versions=CUDA_STACK, importer=no_vllm).worker_env["NCCL_PROTO"] == "Simple"
 
 
 def test_cuda_refuses_a_megatron_core_without_batch_invariant_mode():
-    with pytest.raises(determinism_env.ConfigError, match="stack_versions.megatron-core"):
+    with pytest.raises(determinism_plan.ConfigError, match="stack_versions.megatron-core"):
         _plan(True, "cuda", versions={**CUDA_STACK, "megatron-core": "0.15.0"}, importer=no_vllm)
     p = _plan(True, "cuda", versions=CUDA_STACK, importer=no_vllm)
     assert p.training_config[f"{TC}.batch_invariant_mode"] is True
@@ -644,16 +644,16 @@ def test_version_detection_reads_metadata_without_importing():
             return installed[dist]
         raise __import__("importlib.metadata").metadata.PackageNotFoundError(dist)
 
-    found = determinism_env.detect_versions("ascend", metadata_version=metadata_version, cann_version=lambda: "9.0.0")
+    found = determinism_plan.detect_versions("ascend", metadata_version=metadata_version, cann_version=lambda: "9.0.0")
     assert found == {"vllm-ascend": "0.26.0rc1", "vllm": "0.24.0", "torch-npu": "2.10.0.post2", "cann": "9.0.0",
                      "mindspeed": None, "ops-batchinvariant": None}
-    assert determinism_env.detect_versions("cpu", metadata_version=metadata_version) == {}
-    cuda = determinism_env.detect_versions("cuda", metadata_version=metadata_version)
+    assert determinism_plan.detect_versions("cpu", metadata_version=metadata_version) == {}
+    cuda = determinism_plan.detect_versions("cuda", metadata_version=metadata_version)
     assert cuda["vllm"] == "0.24.0" and cuda["nccl"] is None and cuda["megatron-core"] is None
 
 
 def test_detected_version_wins_over_declared():
-    v = determinism_env.resolve_versions(
+    v = determinism_plan.resolve_versions(
         "ascend", declared={"vllm-ascend": "0.26.0rc1", "cann": "9.0.0"}, detected={"vllm-ascend": "0.24.0rc1"}
     )
     assert v.effective["vllm-ascend"] == "0.24.0rc1" and v.provenance["vllm-ascend"] == "detected"
@@ -662,17 +662,17 @@ def test_detected_version_wins_over_declared():
 
 
 def test_version_ordering():
-    pv = determinism_env.parse_version
+    pv = determinism_plan.parse_version
     assert pv("8.3.RC1") < pv("8.3.0") < pv("8.5.0") < pv("9.0.0")
     assert pv("0.25.1.dev3+gabc") < pv("0.26.0rc1") < pv("0.26.0")
-    assert determinism_env.version_at_least(None, "1.0") is None
+    assert determinism_plan.version_at_least(None, "1.0") is None
 
 
 def test_launch_overrides_compose_to_the_applied_plan(ascend_cfg):
-    p = determinism_env.plan_for_config(ascend_cfg, _settings(ascend_cfg), detected={})
-    composed = check_cli.compose_config(str(CONFIGS), ASCEND, determinism_env.hydra_overrides(p))
-    applied = determinism_env.apply_to_config(ascend_cfg, p)
-    for path, value in determinism_env.config_updates(p).items():
+    p = determinism_plan.plan_for_config(ascend_cfg, _settings(ascend_cfg), detected={})
+    composed = check.compose_config(str(CONFIGS), ASCEND, determinism_plan.hydra_overrides(p))
+    applied = determinism_plan.apply_to_config(ascend_cfg, p)
+    for path, value in determinism_plan.config_updates(p).items():
         assert OmegaConf.select(composed, path) == OmegaConf.select(applied, path) == value, path
     env = OmegaConf.to_container(composed.ray_kwargs.ray_init.runtime_env.env_vars)
     assert all(isinstance(v, str) for v in env.values())  # Ray wants string env values
@@ -682,7 +682,7 @@ def _apply_in_process(plan_):
     """What a worker does with the plan it received: its in-process calls, when the flag is on."""
     if not plan_.deterministic:
         return []
-    return determinism_env.run_in_process_calls(plan_.platform, plan_.in_process)
+    return determinism_plan.run_in_process_calls(plan_.platform, plan_.in_process)
 
 
 def test_apply_in_process_sets_torch_determinism():

@@ -7,9 +7,9 @@ import torch
 
 from true_on_policy import tiny_assets
 
-from true_on_policy.kernels import model as consistent_model
+from true_on_policy.kernels.model import forward_packed, patch_transformers
 
-from true_on_policy.kernels import ops as consistent_ops
+from true_on_policy.kernels import ops
 from true_on_policy.rollout.engine import RolloutEngine, SamplingParams, sampling_log_probs
 
 EOS = tiny_assets.SPECIAL_TOKENS.index("<|im_end|>")
@@ -24,8 +24,8 @@ def dense_model():
 def consistent(request):
     """Run a test with the consistent kernels on (param True) or the default kernels (False)."""
     enabled = getattr(request, "param", True)
-    with consistent_ops.consistent(enabled):
-        consistent_model.patch_transformers()
+    with ops.consistent(enabled):
+        patch_transformers()
         yield enabled
 
 
@@ -65,7 +65,7 @@ def test_returned_log_probs_are_those_of_the_sampling_distribution(dense_model, 
     completion = run_alone(dense_model, prompt(9), params)
     tokens = prompt(9) + completion.token_ids
     with torch.no_grad():
-        logits = consistent_model.forward_packed(
+        logits = forward_packed(
             dense_model, torch.tensor(tokens), torch.arange(len(tokens)), [len(tokens)], None
         )
     expected = sampling_log_probs(logits[8:-1], 0.7).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
@@ -81,7 +81,7 @@ def test_sampling_frequencies_follow_the_recorded_distribution(dense_model, cons
         engine.add_request(str(i), context, SamplingParams(max_new_tokens=1, temperature=1.0, seed=i))
     done = engine.run_until_done()
     with torch.no_grad():
-        logits = consistent_model.forward_packed(
+        logits = forward_packed(
             dense_model, torch.tensor(context), torch.arange(6), [6], None, logits_rows=torch.tensor([5])
         )
     probs = sampling_log_probs(logits, 1.0)[0].exp()

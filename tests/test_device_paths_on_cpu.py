@@ -20,7 +20,8 @@ import pytest
 from true_on_policy.cli.check import compose_config
 from true_on_policy.config.platform import Machine, detect_machine
 from true_on_policy.config.settings import ENV_VAR, Settings
-from true_on_policy.contract import verdict as verdict_mod
+from true_on_policy.contract import consistency
+from true_on_policy.contract.verdict import EXIT_OK, EXIT_UNVERIFIED, decide
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -47,12 +48,12 @@ print(json.dumps({
 def _accepted(config_name, machine, *overrides):
     """The launch's verdict for ``config_name`` on ``machine``, every unverified row accepted by name."""
     cfg = compose_config(str(CONFIGS), config_name, list(overrides))
-    first = verdict_mod.decide(cfg, machine=machine, launching=True, detected={"vllm": "0.28.0"} if machine is GPU else {})
-    assert first.code == verdict_mod.EXIT_UNVERIFIED, first.text  # nothing on a device is verified unrun
-    rows = sorted(row.field for row, _ in verdict_mod.consistency.unverified(first.contract))
+    first = decide(cfg, machine=machine, launching=True, detected={"vllm": "0.28.0"} if machine is GPU else {})
+    assert first.code == EXIT_UNVERIFIED, first.text  # nothing on a device is verified unrun
+    rows = sorted(row.field for row, _ in consistency.unverified(first.contract))
     cfg = compose_config(str(CONFIGS), config_name, [*overrides, f"true_on_policy.accept_unverified=[{','.join(rows)}]"])
-    verdict = verdict_mod.decide(cfg, machine=machine, launching=True, detected={"vllm": "0.28.0"} if machine is GPU else {})
-    assert verdict.code == verdict_mod.EXIT_OK, verdict.text
+    verdict = decide(cfg, machine=machine, launching=True, detected={"vllm": "0.28.0"} if machine is GPU else {})
+    assert verdict.code == EXIT_OK, verdict.text
     return cfg, verdict
 
 
@@ -79,7 +80,7 @@ def test_auto_resolves_to_the_machine_and_is_never_exported_unresolved():
     with pytest.raises(ValueError, match="resolved platform"):
         Settings().to_json()
     cfg = compose_config(str(CONFIGS), "cuda_tiny_moe_vllm_project", ["true_on_policy.platform=auto"])
-    verdict = verdict_mod.decide(cfg, machine=GPU, launching=True, detected={"vllm": "0.28.0"})
+    verdict = decide(cfg, machine=GPU, launching=True, detected={"vllm": "0.28.0"})
     assert verdict.settings.platform == "cuda" and "platform=auto detected cuda" in verdict.text
 
 

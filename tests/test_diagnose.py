@@ -16,9 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from true_on_policy.kernels import model as cm
 from true_on_policy.kernels import ops
-from true_on_policy import diagnose as dg
+from true_on_policy.diagnose import diagnose, inject_fault, make_router_ties
 from true_on_policy.diagnose import capture, compare
 from true_on_policy.tiny_assets import build_model
 from kernel_helpers import patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)
@@ -33,7 +32,7 @@ def pair(kind: str, dtype=torch.float32, ties_layer: int | None = None):
         _BASE[kind, dtype] = build_model(kind, seed=0).to(dtype)
     training = copy.deepcopy(_BASE[kind, dtype])
     if ties_layer is not None:
-        dg.make_router_ties(training, ties_layer)
+        make_router_ties(training, ties_layer)
     return training, copy.deepcopy(training)
 
 
@@ -46,7 +45,7 @@ def sequences():
 
 def run(training, rollout, deterministic=True):
     seqs, prompts = sequences()
-    return dg.diagnose(training, rollout, seqs, prompt_lengths=prompts, deterministic=deterministic)
+    return diagnose(training, rollout, seqs, prompt_lengths=prompts, deterministic=deterministic)
 
 
 def row(report, op):
@@ -113,7 +112,7 @@ def test_identical_bf16_models_with_default_kernels_show_an_operator_divergence(
 
 def test_rms_norm_eps_changed_in_one_layer_is_an_implementation_divergence_of_that_norm():
     training, rollout = pair("dense")
-    dg.inject_fault(rollout, "eps", layer=1)
+    inject_fault(rollout, "eps", layer=1)
     report = run(training, rollout)
     d = report.first_divergence
     assert (d.layer, d.op, d.category) == (1, "model.layers.1.post_attention_layernorm", "implementation")
@@ -126,7 +125,7 @@ def test_rms_norm_eps_changed_in_one_layer_is_an_implementation_divergence_of_th
 
 def test_one_perturbed_weight_is_a_weights_divergence_of_that_module_moe():
     training, rollout = pair("moe")
-    dg.inject_fault(rollout, "weight", layer=0)
+    inject_fault(rollout, "weight", layer=0)
     report = run(training, rollout)
     d = report.first_divergence
     assert (d.layer, d.op, d.category) == (0, "model.layers.0.self_attn.v_proj", "weights")
@@ -142,7 +141,7 @@ def test_softmax_accumulated_in_bf16_in_one_layer_is_an_implementation_divergenc
     ``implementation`` (it would be ``operator`` only if no configuration/op difference were
     visible, e.g. the same attention name bound to another kernel inside the engine)."""
     training, rollout = pair("dense")
-    dg.inject_fault(rollout, "bf16-softmax", layer=1)
+    inject_fault(rollout, "bf16-softmax", layer=1)
     report = run(training, rollout)
     d = report.first_divergence
     assert (d.layer, d.op, d.category) == (1, "model.layers.1.self_attn.attention", "implementation")
@@ -159,7 +158,7 @@ def test_additive_mask_instead_of_selection_is_named_at_the_attention_and_garbag
     the consistent kernel with the mask added and values not selected over such a cache: NaN leaks.
     The control keeps the garbage and the selection: no divergence at all (rule 1 at work)."""
     training, rollout = pair("dense")
-    dg.inject_fault(rollout, "additive-mask", layer=0)
+    inject_fault(rollout, "additive-mask", layer=0)
     report = run(training, rollout)
     d = report.first_divergence
     assert (d.layer, d.op, d.category) == (0, "model.layers.0.self_attn.attention", "implementation")
@@ -167,7 +166,7 @@ def test_additive_mask_instead_of_selection_is_named_at_the_attention_and_garbag
     assert report.logprobs["max_abs"] == float("inf")
 
     training, rollout = pair("dense")
-    dg.inject_fault(rollout, "kv-garbage", layer=0)
+    inject_fault(rollout, "kv-garbage", layer=0)
     assert run(training, rollout).first_divergence is None
 
 
@@ -178,7 +177,7 @@ def test_router_tie_break_reversed_is_an_operator_divergence_of_the_top_k():
     higher index (as a different serving kernel would): equal inputs (the router logits), equal
     parameters and configuration, different outputs -> ``operator``."""
     training, rollout = pair("moe", ties_layer=1)
-    dg.inject_fault(rollout, "router-tiebreak", layer=1)
+    inject_fault(rollout, "router-tiebreak", layer=1)
     report = run(training, rollout)
     d = report.first_divergence
     assert (d.layer, d.op, d.category) == (1, "model.layers.1.mlp.gate.topk", "operator")
@@ -223,11 +222,11 @@ def test_classifier_priority_parallel_weights_implementation_operator():
 
 
 def test_cli_writes_json_and_plot_and_rejects_bad_input(tmp_path, capsys):
-    from true_on_policy.cli import diagnose as diagnose_cli
+    from true_on_policy.cli.diagnose import main
 
     out_json, out_png = tmp_path / "report.json", tmp_path / "report.png"
     argv = ["--inject", "eps", "--prompts", "2", "--new-tokens", "3", "--json", str(out_json), "--plot", str(out_png)]
-    assert diagnose_cli.main(argv) == 0
+    assert main(argv) == 0
     text = capsys.readouterr().out
     assert "FIRST DIVERGENCE: layer 1, op model.layers.1.post_attention_layernorm, category implementation" in text
     data = json.loads(out_json.read_text())
@@ -245,6 +244,6 @@ def test_cli_writes_json_and_plot_and_rejects_bad_input(tmp_path, capsys):
         ["--layer", "7"],
         ["--dtype", "float16"],
     ):
-        assert diagnose_cli.main(bad) == 2, bad
+        assert main(bad) == 2, bad
     err = capsys.readouterr().err
     assert "no MoE router" in err and "not a directory" in err

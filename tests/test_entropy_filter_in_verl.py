@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from true_on_policy.config import settings as settings_module
+from true_on_policy.config.settings import ENV_VAR, Settings
 from true_on_policy.loss.flashreinforce import (
     entropy_filter,
     flashreinforce_loss,
@@ -83,8 +83,8 @@ def filter_carrier(batch, rows=None):
 
 @pytest.fixture
 def filter_settings(monkeypatch):
-    settings = settings_module.Settings(platform="cpu", delta=DELTA, negative_token_fraction=FRACTION)
-    monkeypatch.setenv(settings_module.ENV_VAR, settings.to_json())
+    settings = Settings(platform="cpu", delta=DELTA, negative_token_fraction=FRACTION)
+    monkeypatch.setenv(ENV_VAR, settings.to_json())
 
 
 def call_policy_loss(batch, *, rows=None, weight=None, **overrides):
@@ -314,7 +314,7 @@ def test_a_failed_row_keeping_too_many_tokens_is_refused():
 
 
 def test_without_the_filter_importance_weights_are_still_refused(monkeypatch):
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu", delta=DELTA).to_json())
+    monkeypatch.setenv(ENV_VAR, Settings(platform="cpu", delta=DELTA).to_json())
     batch = make_batch()
     with pytest.raises(ValueError, match="rollout_is=null"):
         call_policy_loss(batch, rollout_is_weights=torch.ones(ROWS, RESPONSE_LENGTH))

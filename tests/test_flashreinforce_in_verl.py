@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from support.ports import free_port
-from true_on_policy.config import settings as settings_module
+from true_on_policy.config.settings import ENV_VAR, Settings, SettingsNotExported
 from true_on_policy.loss.flashreinforce import flashreinforce_loss
 from verl_actor import (
     current_log_probs,
@@ -71,7 +71,7 @@ def relative_error(actual, expected):
 
 @pytest.fixture
 def flashreinforce_settings(monkeypatch):
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu", delta=DELTA).to_json())
+    monkeypatch.setenv(ENV_VAR, Settings(platform="cpu", delta=DELTA).to_json())
 
 
 # --- (a) the entry point: started first, checked last ---------------------------------------------------
@@ -175,7 +175,7 @@ def test_micro_batches_through_verls_ppo_loss_match_the_whole_batch(flashreinfor
 def _data_parallel_worker(rank, world_size, port, settings_json, micro_batches_per_rank, result_path):
     """One FSDP-like data-parallel rank: its own rows, verl's global_batch_info, gradient averaging."""
     os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"  # load only what this worker needs
-    os.environ[settings_module.ENV_VAR] = settings_json
+    os.environ[ENV_VAR] = settings_json
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -224,7 +224,7 @@ def test_two_data_parallel_ranks_match_the_whole_batch(flashreinforce_settings, 
     result_path = tmp_path / "gradient.pt"
     mp.spawn(
         _data_parallel_worker,
-        args=(2, free_port(), os.environ[settings_module.ENV_VAR], micro_batches_per_rank, str(result_path)),
+        args=(2, free_port(), os.environ[ENV_VAR], micro_batches_per_rank, str(result_path)),
         nprocs=2,
         join=True,
     )
@@ -264,15 +264,15 @@ def call_policy_loss(batch, *, rows=None, global_batch_size=ROWS, dp_size=1, **o
 
 def test_without_exported_settings_the_loss_and_the_advantage_refuse(monkeypatch):
     batch = make_batch()
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu").to_json())
+    monkeypatch.setenv(ENV_VAR, Settings(platform="cpu").to_json())
     advantages = verl_advantages(batch)
     _, metrics = call_policy_loss(batch, advantages=advantages)  # the twin: with the launch's settings it runs
     assert metrics["actor/flashreinforce/acceptance_rate"] > 0
 
-    monkeypatch.delenv(settings_module.ENV_VAR)  # no launch hook ran in this process
-    with pytest.raises(settings_module.SettingsNotExported, match="adv_estimator=flashreinforce needs"):
+    monkeypatch.delenv(ENV_VAR)  # no launch hook ran in this process
+    with pytest.raises(SettingsNotExported, match="adv_estimator=flashreinforce needs"):
         verl_advantages(batch)
-    with pytest.raises(settings_module.SettingsNotExported, match="loss_mode=flashreinforce needs"):
+    with pytest.raises(SettingsNotExported, match="loss_mode=flashreinforce needs"):
         call_policy_loss(batch, advantages=advantages)
 
 
@@ -343,9 +343,9 @@ def test_the_driver_refuses_a_batch_the_loss_cannot_honour(flashreinforce_settin
 
 def test_the_gate_uses_the_exported_delta(monkeypatch):
     batch = make_batch()
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu", delta=math.inf).to_json())
+    monkeypatch.setenv(ENV_VAR, Settings(platform="cpu", delta=math.inf).to_json())
     _, open_gate = call_policy_loss(batch)
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu", delta=0.0).to_json())
+    monkeypatch.setenv(ENV_VAR, Settings(platform="cpu", delta=0.0).to_json())
     _, closed_gate = call_policy_loss(batch)
     assert open_gate["actor/flashreinforce/acceptance_rate"] == 1.0
     # only row 0 has behaviour == current exactly (no drift), so only it passes delta = 0

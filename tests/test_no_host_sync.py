@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from true_on_policy.config import settings as settings_module
+from true_on_policy.config.settings import ENV_VAR, Settings
 from true_on_policy.loss.flashreinforce import flashreinforce_loss_from_advantages
 from verl_actor import flashreinforce_actor_config
 
@@ -39,8 +39,8 @@ def test_the_registered_loss_reads_nothing_on_the_host(monkeypatch, fraction):
 
     from true_on_policy.verl_adapter import flashreinforce_registration  # noqa: F401 (registers)
 
-    settings = settings_module.Settings(platform="cpu", negative_token_fraction=fraction)
-    monkeypatch.setenv(settings_module.ENV_VAR, settings.to_json())
+    settings = Settings(platform="cpu", negative_token_fraction=fraction)
+    monkeypatch.setenv(ENV_VAR, settings.to_json())
     inputs = meta_inputs()
     carrier = torch.empty(ROWS, LENGTH, dtype=torch.float32, device="meta") if fraction < 1.0 else None
     config = flashreinforce_actor_config(ROWS, dp_size=2, global_batch_size=ROWS)
@@ -58,7 +58,7 @@ def test_the_registered_advantage_reads_nothing_on_the_host(monkeypatch):
 
     from true_on_policy.verl_adapter import flashreinforce_registration  # noqa: F401 (registers)
 
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu").to_json())
+    monkeypatch.setenv(ENV_VAR, Settings(platform="cpu").to_json())
     rewards = torch.empty(ROWS, LENGTH, dtype=torch.float32, device="meta")
     mask = torch.empty(ROWS, LENGTH, dtype=torch.int64, device="meta")
     advantages, returns = get_adv_estimator_fn("flashreinforce")(token_level_rewards=rewards, response_mask=mask)

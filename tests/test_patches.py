@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from true_on_policy import patching
-from true_on_policy.config import settings as settings_module
+from true_on_policy.config.settings import ENV_VAR, Settings, SettingsNotExported
 from true_on_policy.patching import Patch, PatchTargetChanged, Target
 from true_on_policy.verl_adapter import launch, patches
 
@@ -184,16 +184,16 @@ def test_the_trainer_start_check_refuses_a_recipe_config_without_exported_settin
     from omegaconf import OmegaConf
 
     config = OmegaConf.create({"true_on_policy": {"delta": 0.01}, "algorithm": {"adv_estimator": "gae"}})
-    monkeypatch.delenv(settings_module.ENV_VAR, raising=False)
-    with pytest.raises(settings_module.SettingsNotExported, match="launch hook did not run"):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(SettingsNotExported, match="launch hook did not run"):
         launch.trainer_start_check(config)
     # a loss named without the section is the recipe too
     named = OmegaConf.create({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "flashreinforce"}}}})
-    with pytest.raises(settings_module.SettingsNotExported):
+    with pytest.raises(SettingsNotExported):
         launch.trainer_start_check(named)
     # the twins: a plain verl config is none of our business; exported settings pass
     launch.trainer_start_check(OmegaConf.create({"algorithm": {"adv_estimator": "gae"}}))
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu").to_json())
+    monkeypatch.setenv(ENV_VAR, Settings(platform="cpu").to_json())
     launch.trainer_start_check(config)
 
 
@@ -209,7 +209,7 @@ def test_the_plugin_arms_the_start_check_without_importing_the_trainer():
         "assert patching.is_replacement(verl.utils.device.auto_set_device)\n"
         "print('armed')\n"
     )
-    env = {key: value for key, value in os.environ.items() if key != settings_module.ENV_VAR}
+    env = {key: value for key, value in os.environ.items() if key != ENV_VAR}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "armed" in result.stdout, result.stderr[-3000:]
 
@@ -228,7 +228,7 @@ def test_a_run_whose_launch_hook_did_not_run_fails_at_trainer_start():
         "            'trainer.total_training_steps=1']\n"
         "main_ppo.main()\n"
     )
-    env = {key: value for key, value in os.environ.items() if key != settings_module.ENV_VAR}
+    env = {key: value for key, value in os.environ.items() if key != ENV_VAR}
     env.update(PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     log = result.stdout + result.stderr

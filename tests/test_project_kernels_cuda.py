@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from support.check_runs import no_vllm, run_check, unverified_fields
-from true_on_policy.cli import check as check_cli
+from true_on_policy.cli.check import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED
 from true_on_policy.config.settings import ConfigError, Settings
-from true_on_policy.contract import determinism_plan as denv
+from true_on_policy.contract import determinism_plan
 from true_on_policy.patching import PatchTargetChanged
 from true_on_policy.vllm_adapter import plugin
 
@@ -154,12 +154,12 @@ def test_device_attention_refuses_uncovered_features_by_name():
 
 
 def test_plan_pins_the_project_attention_and_no_vendor_environment():
-    p = denv.plan(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
+    p = determinism_plan.plan(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
     assert p.worker_env == {} and p.rollout_forced_env == {}
-    assert p.rollout_config == {f"{denv.ROLLOUT_VLLM}.attention_backend": "CUSTOM"}
+    assert p.rollout_config == {f"{determinism_plan.ROLLOUT_VLLM}.attention_backend": "CUSTOM"}
     assert any("written, not run on a device" in op for op in p.ops)
     # twin: the engine family on the same stack emits vLLM's batch-invariant mode instead
-    e = denv.plan(True, "cuda", versions={"vllm": "0.28.0", "megatron-core": "0.16.1"}, importer=no_vllm,
+    e = determinism_plan.plan(True, "cuda", versions={"vllm": "0.28.0", "megatron-core": "0.16.1"}, importer=no_vllm,
                   training_strategy="megatron", rollout_name="vllm")
     assert e.worker_env["VLLM_BATCH_INVARIANT"] == "1"
 
@@ -167,19 +167,19 @@ def test_plan_pins_the_project_attention_and_no_vendor_environment():
 @pytest.mark.parametrize("vllm", ["0.24.0", "0.33.0", None])
 def test_plan_refuses_a_vllm_the_adapter_is_not_written_for(vllm):
     # the installed vLLM wins over a declared one, so this is checked on the plan itself
-    with pytest.raises(denv.ConfigError, match=f"stack_versions.vllm={vllm!r}.*vLLM 0.28.0"):
-        denv.plan(True, "cuda", versions={"vllm": vllm}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
+    with pytest.raises(determinism_plan.ConfigError, match=f"stack_versions.vllm={vllm!r}.*vLLM 0.28.0"):
+        determinism_plan.plan(True, "cuda", versions={"vllm": vllm}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
 
 
 def test_check_exits_3_naming_the_kernel_family_rows_written_not_run():
     code, out, err = _check()
-    assert code == check_cli.EXIT_UNVERIFIED, err
+    assert code == EXIT_UNVERIFIED, err
     assert unverified_fields(err) == KERNEL_ROWS
     assert all("written, not run on a device (cuda)" in line for line in err.splitlines() if line.startswith("UNVERIFIED "))
     assert "MISMATCH" not in out
     # accepting exactly those rows is the only way to exit 0
     flags = [part for row in sorted(KERNEL_ROWS) for part in ("--accept-unverified", row)]
-    assert _check(*flags)[0] == check_cli.EXIT_OK
+    assert _check(*flags)[0] == EXIT_OK
 
 
 @pytest.mark.parametrize(
@@ -194,13 +194,13 @@ def test_check_exits_3_naming_the_kernel_family_rows_written_not_run():
 )
 def test_check_refuses_what_cannot_run_the_project_kernels(override, named):
     code, out, err = _check(override)
-    assert code == check_cli.EXIT_REFUSED, (out, err)
+    assert code == EXIT_REFUSED, (out, err)
     assert named in err
 
 
 def test_the_doc_cites_the_key_the_project_plan_emits():
     doc = (CONFIGS.parent / "docs" / "parallelism_and_determinism.md").read_text()
-    p = denv.plan(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
+    p = determinism_plan.plan(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
     for path, value in p.rollout_config.items():
         key = path.rsplit(".", 1)[1]
         rows = [line for line in doc.splitlines() if line.startswith(f"| `{key}` |")]

@@ -15,7 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from true_on_policy.cli.check import compose_config
-from true_on_policy.config import settings as settings_module
+from true_on_policy.config import settings
 from true_on_policy.config.settings import ConfigError, Settings, SettingsNotExported
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,21 +51,21 @@ def test_the_shipped_configs_are_found():
 
 def test_the_defaults_yaml_is_the_dataclass():
     section = yaml.safe_load(DEFAULTS_YAML.read_text())["true_on_policy"]
-    assert list(section) == list(settings_module.defaults())  # every key, in the dataclass's order
+    assert list(section) == list(settings.defaults())  # every key, in the dataclass's order
     assert Settings.from_mapping(section) == Settings()  # each at its default (stack_versions: null = {})
     assert {key: value for key, value in section.items() if key != "stack_versions"} == {
-        key: value for key, value in settings_module.defaults().items() if key != "stack_versions"
+        key: value for key, value in settings.defaults().items() if key != "stack_versions"
     }
 
 
 def test_every_key_has_an_override_value_here():
-    assert set(OVERRIDES) == set(settings_module.defaults())
+    assert set(OVERRIDES) == set(settings.defaults())
 
 
 @pytest.mark.parametrize("config_name", SHIPPED)
 def test_every_shipped_config_carries_every_key(config_name):
     section = OmegaConf.to_container(compose_config(str(CONFIGS), config_name).true_on_policy)
-    assert set(section) == set(settings_module.defaults())
+    assert set(section) == set(settings.defaults())
     Settings.from_mapping(section)  # and it validates
 
 
@@ -119,12 +119,12 @@ def test_a_bad_value_is_a_config_error_naming_key_and_value(key, value):
 
 
 def test_without_exported_settings_nothing_runs_on_defaults(monkeypatch):
-    monkeypatch.delenv(settings_module.ENV_VAR, raising=False)
-    assert settings_module.current() is None
+    monkeypatch.delenv(settings.ENV_VAR, raising=False)
+    assert settings.current() is None
     with pytest.raises(SettingsNotExported, match="launch hook"):
-        settings_module.require("the test")
-    monkeypatch.setenv(settings_module.ENV_VAR, Settings(platform="cpu", delta=0.5).to_json())
-    assert settings_module.require("the test").delta == 0.5
+        settings.require("the test")
+    monkeypatch.setenv(settings.ENV_VAR, Settings(platform="cpu", delta=0.5).to_json())
+    assert settings.require("the test").delta == 0.5
 
 
 # --------------------------------------------------------------- through the real launch (no Ray)
@@ -178,11 +178,11 @@ def test_a_config_error_in_the_hook_exits_2(capsys):
 
 
 def test_a_process_parses_the_exported_settings_once(monkeypatch):
-    monkeypatch.setenv(settings_module.ENV_VAR, Settings(platform="cpu", delta=0.25).to_json())
-    first = settings_module.current()
-    assert settings_module.current() is first  # per step / per micro-batch: the cached object
-    monkeypatch.setenv(settings_module.ENV_VAR, Settings(platform="cpu", delta=0.5).to_json())
-    assert settings_module.current().delta == 0.5  # the twin: another export is parsed again
+    monkeypatch.setenv(settings.ENV_VAR, Settings(platform="cpu", delta=0.25).to_json())
+    first = settings.current()
+    assert settings.current() is first  # per step / per micro-batch: the cached object
+    monkeypatch.setenv(settings.ENV_VAR, Settings(platform="cpu", delta=0.5).to_json())
+    assert settings.current().delta == 0.5  # the twin: another export is parsed again
 
 
 def test_exported_settings_carry_a_resolved_platform():

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from kernel_helpers import spawn_ranks
 from support.check_runs import run_check
-from true_on_policy.cli import check as check_cli
-from true_on_policy.contract import consistency as contract_mod
-from true_on_policy.kernels import tensor_parallel as tp
+from true_on_policy.cli import check
+from true_on_policy.contract import consistency
+from true_on_policy.kernels import tensor_parallel
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = 2
@@ -44,11 +44,11 @@ def _rollout(model, prompts, generate, seed):
     """Continuous batching: request i is admitted (prefilled) at step i while the earlier ones
     decode; tokens are sampled per request from the fp32 distribution. Returns per request the
     tokens and the log-probs of tokens 1..L-1 (prompt tokens from the prefill rows)."""
-    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels.model import KVCache, forward_packed
     from true_on_policy.kernels import ops
 
     n = len(prompts)
-    caches = [cm.KVCache() for _ in range(n)]
+    caches = [KVCache() for _ in range(n)]
     gens = [torch.Generator().manual_seed(seed + i) for i in range(n)]
     tokens = [list(p) for p in prompts]
     log_probs = [[] for _ in range(n)]
@@ -62,7 +62,7 @@ def _rollout(model, prompts, generate, seed):
             ids += new
             pos += range(caches[i].length, caches[i].length + len(new))
             lens.append(len(new))
-        logits = cm.forward_packed(model, torch.tensor(ids), torch.tensor(pos), lens, caches=caches_of(caches, active))
+        logits = forward_packed(model, torch.tensor(ids), torch.tensor(pos), lens, caches=caches_of(caches, active))
         start = 0
         for i, count in zip(active, lens):
             rows = logits[start : start + count]
@@ -84,14 +84,14 @@ def caches_of(caches, active):
 
 def _train(model, sequences, groups):
     """Packed training forwards, one per micro-batch; log-probs of tokens 1..L-1 per sequence."""
-    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels.model import forward_packed
     from true_on_policy.kernels import ops
 
     out = [None] * len(sequences)
     for group in groups:
         seqs = [torch.tensor(sequences[i]) for i in group]
         lens = [len(s) for s in seqs]
-        logits = cm.forward_packed(model, torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), lens)
+        logits = forward_packed(model, torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), lens)
         start = 0
         for i, seq in zip(group, seqs):
             rows = logits[start : start + len(seq)]
@@ -101,13 +101,13 @@ def _train(model, sequences, groups):
 
 
 def _model(kind, dtype, tp_size=1, ep_size=1):
-    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels.model import ATTN_IMPLEMENTATION
     from true_on_policy.tiny_assets import build_model
 
     model = build_model(kind, seed=0).to(dtype)
-    model.set_attn_implementation(cm.ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if tp_size > 1 or ep_size > 1:
-        tp.shard_model(model, tp_size=tp_size, ep_size=ep_size)
+        tensor_parallel.shard_model(model, tp_size=tp_size, ep_size=ep_size)
     return model
 
 
@@ -157,7 +157,7 @@ def _collective_check():
     partial = torch.randn(1 << 16, generator=g) * torch.exp(torch.randn(1 << 16, generator=g) * 4)
     parts = [torch.empty_like(partial) for _ in range(WORLD)]
     dist.all_gather(parts, partial)
-    folded = tp.tree_all_reduce(partial)
+    folded = tensor_parallel.tree_all_reduce(partial)
     plain = partial.clone()
     dist.all_reduce(plain)
     return dict(
@@ -183,10 +183,10 @@ def _previous_reduction_order():
 
 
 def _worker(rank: int) -> dict:
-    from true_on_policy.kernels import model as cm
+    from true_on_policy.kernels.model import patch_transformers
     from true_on_policy.kernels import ops
 
-    cm.patch_transformers()
+    patch_transformers()
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n, _ in REQUESTS]
     generate = [k for _, k in REQUESTS]
@@ -314,25 +314,25 @@ def _check(*overrides: str, config: str = "cpu_tiny") -> tuple[int, str]:
 
 
 def test_contract_accepts_another_tp_or_ep_with_the_invariant_kernels_and_says_why():
-    assert tp.ROW_PARALLEL_REDUCTION == contract_mod.CPU_ROW_PARALLEL
-    assert tp.MOE_DISPATCH == contract_mod.CPU_MOE_DISPATCH
+    assert tensor_parallel.ROW_PARALLEL_REDUCTION == consistency.CPU_ROW_PARALLEL
+    assert tensor_parallel.MOE_DISPATCH == consistency.CPU_MOE_DISPATCH
     for config, overrides in [
         ("cpu_tiny_vllm_tp2", ()),  # training TP 1 on 2 FSDP ranks, vLLM rollout TP 2
         ("cpu_tiny_moe_vllm_ep2", ()),  # ... rollout TP 2 with expert parallelism
     ]:
         code, err = _check(*overrides, config=config)
-        assert code == check_cli.EXIT_OK, (config, err)
+        assert code == check.EXIT_OK, (config, err)
         assert "TP-invariant kernels (CPU, flag on): training and rollout TP / EP may differ" in err, err
 
 
 def test_twin_with_the_flag_off_another_tp_or_ep_is_a_mismatch():
     """Where the kernels cannot absorb a difference (flag off: stock kernels, an all-reduce) TP must match."""
     code, err = _check("true_on_policy.deterministic=false", config="cpu_tiny_vllm_tp2")
-    assert code == check_cli.EXIT_REFUSED
+    assert code == check.EXIT_REFUSED
     assert "[tp]: training=1" in err and "rollout=2" in err and "[row_parallel]" in err
     code, err = _check("true_on_policy.deterministic=false", "actor_rollout_ref.rollout.expert_parallel_size=2",
                        config="cpu_tiny_moe")
-    assert code == check_cli.EXIT_REFUSED and "[ep]" in err and "[moe_dispatcher]" in err
+    assert code == check.EXIT_REFUSED and "[ep]" in err and "[moe_dispatcher]" in err
 
 
 @pytest.mark.parametrize(
@@ -345,12 +345,12 @@ def test_twin_with_the_flag_off_another_tp_or_ep_is_a_mismatch():
 )
 def test_contract_refuses_a_tp_the_kernels_or_the_model_cannot_take(overrides, message):
     code, err = _check(*overrides, config="cpu_tiny_vllm_tp2")
-    assert code == check_cli.EXIT_REFUSED and message in err, err
+    assert code == check.EXIT_REFUSED and message in err, err
 
 
 def test_the_cpu_engine_does_not_shard_so_its_tp_or_ep_must_match():
     """The Ray-served cpu rollout engine runs the unsharded model: a rollout TP / EP there is a mismatch."""
     code, err = _check("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
-    assert code == check_cli.EXIT_REFUSED and "[tp]: training=1" in err and "rollout=2" in err
+    assert code == check.EXIT_REFUSED and "[tp]: training=1" in err and "rollout=2" in err
     code, err = _check("actor_rollout_ref.rollout.expert_parallel_size=2", config="cpu_tiny_moe")
-    assert code == check_cli.EXIT_REFUSED and "[ep]" in err and "[moe_dispatcher]" in err
+    assert code == check.EXIT_REFUSED and "[ep]" in err and "[moe_dispatcher]" in err

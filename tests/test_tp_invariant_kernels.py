@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from kernel_helpers import spawn_ranks
 from true_on_policy.kernels import ops
-from true_on_policy.kernels import tensor_parallel as tp
+from true_on_policy.kernels import tensor_parallel
 
 PATHS = {"native": contextlib.nullcontext, "torch": functools.partial(ops.switched, native=False)}
 SHAPES = [  # (rows, K, N): decode and training rows, K with and without chunked leaves, narrow N
@@ -110,8 +110,8 @@ def test_unsupported_splits_are_refused_by_name():
     from true_on_policy.tiny_assets import tiny_model_config
 
     dense, moe = tiny_model_config("dense"), tiny_model_config("moe")
-    tp.check_sharding(dense, 2)
-    tp.check_sharding(moe, 2, 2)
+    tensor_parallel.check_sharding(dense, 2)
+    tensor_parallel.check_sharding(moe, 2, 2)
     for config, tp_size, ep_size, message in [
         (dense, 16, 1, "tensor_parallel_size=16 is not supported.*MAX_TP=8"),
         (dense, 3, 1, "tensor_parallel_size=3 is not supported"),
@@ -120,7 +120,7 @@ def test_unsupported_splits_are_refused_by_name():
         (dense, 2, 2, "expert_parallel_size=2 for a model without experts"),
     ]:
         with pytest.raises(ValueError, match=message):
-            tp.check_sharding(config, tp_size, ep_size)
+            tensor_parallel.check_sharding(config, tp_size, ep_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def _worker(rank: int) -> dict:
             r = dist.get_rank(group)
             shard = slice(r * k // t, (r + 1) * k // t)
             partial = ops.linear(x[:, shard], w[:, shard], None, torch.float32, k_parts=t)
-            results[i, t] = ops.linear_epilogue(tp.tree_all_reduce(partial, group), b, torch.float32)
+            results[i, t] = ops.linear_epilogue(tensor_parallel.tree_all_reduce(partial, group), b, torch.float32)
         # the twin: the previous per-rank chunk order, then gloo's all_reduce of the partials
         shard = slice(rank * k // WORLD, (rank + 1) * k // WORLD)
         plain = ops.matmul_tiles(x[None, :, shard].float(), w[:, shard].float().t()[None])[0]

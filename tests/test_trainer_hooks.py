@@ -53,7 +53,7 @@ from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-from true_on_policy.config import settings as settings_module
+from true_on_policy.config.settings import ENV_VAR, Settings, SettingsNotExported
 from true_on_policy.cli.check import compose_config
 from true_on_policy.loss.flashreinforce import entropy_filter
 from true_on_policy.verl_adapter import flashreinforce_registration, trainer_hooks
@@ -413,21 +413,21 @@ def hooked_trainer(tq, config):
     ("settings", "writes_mask"),
     [
         (None, False),
-        (settings_module.Settings(platform="cpu"), False),
-        (settings_module.Settings(platform="cpu", negative_token_fraction=0.5), True),
+        (Settings(platform="cpu"), False),
+        (Settings(platform="cpu", negative_token_fraction=0.5), True),
     ],
 )
 def test_the_wrapped_advantage_step(tq, config, monkeypatch, settings, writes_mask):
     if settings is None:
-        monkeypatch.delenv(settings_module.ENV_VAR, raising=False)
+        monkeypatch.delenv(ENV_VAR, raising=False)
     else:
-        monkeypatch.setenv(settings_module.ENV_VAR, settings.to_json())
+        monkeypatch.setenv(ENV_VAR, settings.to_json())
     batch = step_batch(tq)
     trainer_hooks.use_rollout_log_probs_as_old(batch, tq)
     trainer = hooked_trainer(tq, config)
     metrics = {}
     if settings is None:  # no launch exported settings: the hook refuses instead of assuming defaults
-        with pytest.raises(settings_module.SettingsNotExported, match="the entropy filter needs"):
+        with pytest.raises(SettingsNotExported, match="the entropy filter needs"):
             trainer._compute_advantage(batch, metrics)
         return
     result = trainer._compute_advantage(batch, metrics)
@@ -450,7 +450,7 @@ def test_the_wrapped_advantage_step(tq, config, monkeypatch, settings, writes_ma
 
 
 def test_the_wrapped_step_refuses_the_weights_verl_computed(tq, config, monkeypatch):
-    monkeypatch.setenv(settings_module.ENV_VAR, settings_module.Settings(platform="cpu", negative_token_fraction=0.5).to_json())
+    monkeypatch.setenv(ENV_VAR, Settings(platform="cpu", negative_token_fraction=0.5).to_json())
     config = copy.deepcopy(config)
     config.algorithm.rollout_correction.rollout_is = "token"  # verl computes importance weights
     batch = step_batch(tq)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from true_on_policy.kernels import model as cm
+from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, ROPE_CARRIER, UnsupportedFeatureError, convert_model
 from true_on_policy.kernels import ops
 from true_on_policy.tiny_assets import build_model, tiny_model_config
 from kernel_helpers import patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)
@@ -44,8 +44,8 @@ def flag_on():
 
 def _model(kind: str) -> nn.Module:
     model = build_model(kind, seed=0)
-    model.set_attn_implementation(cm.ATTN_IMPLEMENTATION)
-    return cm.convert_model(model)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return convert_model(model)
 
 
 def _log_probs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ def test_twin_the_policy_rounds_float_layer_arguments_and_rounded_rope_rows_rota
     rounded = ops.apply_rope(q, recorder.seen.float()[None], sin.to(torch.bfloat16).float()[None])
     assert not torch.equal(rounded, ops.apply_rope(q, cos[None], sin[None]))
     # the fix: the rows travel as int32 bit patterns, which the policy leaves alone
-    recorder(x, cos.view(cm.ROPE_CARRIER))
+    recorder(x, cos.view(ROPE_CARRIER))
     assert torch.equal(recorder.seen.view(torch.float32), cos)
 
 
@@ -92,5 +92,5 @@ def test_float_position_embeddings_are_refused():
 
     cos, sin = ops.rope_table(tiny_model_config("dense"))
     q = torch.randn(1, 4, 3, cos.shape[1])
-    with pytest.raises(cm.UnsupportedFeatureError, match="position embeddings of dtype torch.float32"):
+    with pytest.raises(UnsupportedFeatureError, match="position embeddings of dtype torch.float32"):
         modeling_qwen3.apply_rotary_pos_emb(q, q, cos[:3][None], sin[:3][None])

@@ -38,9 +38,9 @@ def _build_native(argv: list[str]) -> int:
 
 
 def _check(argv: list[str]) -> int:
-    from true_on_policy.cli import check as check_cli
+    from true_on_policy.cli.check import main
 
-    return check_cli.main(argv)
+    return main(argv)
 
 
 def _logdiff(argv: list[str]) -> int:
@@ -50,9 +50,9 @@ def _logdiff(argv: list[str]) -> int:
 
 
 def _diagnose(argv: list[str]) -> int:
-    from true_on_policy.cli import diagnose as diagnose_cli
+    from true_on_policy.cli.diagnose import main
 
-    return diagnose_cli.main(argv)
+    return main(argv)
 
 
 def _plot_metrics(argv: list[str]) -> int:

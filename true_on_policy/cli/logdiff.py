@@ -19,8 +19,8 @@ import torch
 
 from true_on_policy import tiny_assets
 from true_on_policy.cli.json_output import stdout_to_stderr
-from true_on_policy.kernels import model as consistent_model
-from true_on_policy.kernels import ops as consistent_ops
+from true_on_policy.kernels.model import forward_packed, patch_transformers
+from true_on_policy.kernels import ops
 from true_on_policy.rollout.engine import RolloutEngine, SamplingParams
 
 
@@ -55,20 +55,20 @@ def score(model, sequences: list[list[int]], prompt_lens: list[int], micro_batch
         group = order[start : start + micro_batch]
         ids = torch.tensor([token for i in group for token in sequences[i]])
         positions = torch.cat([torch.arange(len(sequences[i])) for i in group])
-        logits = consistent_model.forward_packed(model, ids, positions, [len(sequences[i]) for i in group], None)
+        logits = forward_packed(model, ids, positions, [len(sequences[i]) for i in group], None)
         offset = 0
         for i in group:
             n, p = len(sequences[i]), prompt_lens[i]
             rows = logits[offset + p - 1 : offset + n - 1]
             labels = torch.tensor(sequences[i][p:])
-            scores[i] = consistent_ops.token_log_probs(rows, labels)
+            scores[i] = ops.token_log_probs(rows, labels)
             offset += n
     return [scores[i] for i in range(len(sequences))]
 
 
 def measure(kind: str, dtype: str, deterministic: bool, prompts: int, new_tokens: int, micro_batch: int) -> dict:
-    with consistent_ops.consistent(deterministic):
-        model = tiny_assets.build_model(kind).to(consistent_ops.DTYPES[dtype])
+    with ops.consistent(deterministic):
+        model = tiny_assets.build_model(kind).to(ops.DTYPES[dtype])
         prompt_ids = make_prompts(prompts, model.config.vocab_size)
         outputs = rollout(model, prompt_ids, new_tokens)
         sequences = [p + out for p, (out, _) in zip(prompt_ids, outputs)]
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("cpu", "vllm"), default="cpu", help="the rollout engine")
     parser.add_argument("--model", action="append", help=f"one of {', '.join(tiny_assets.MODEL_KINDS)} or a local "
                         "checkpoint dir of a covered architecture (repeatable; overrides --models)")
-    parser.add_argument("--dtype", action="append", choices=tuple(consistent_ops.DTYPES), help="repeatable; default: both")
+    parser.add_argument("--dtype", action="append", choices=tuple(ops.DTYPES), help="repeatable; default: both")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (--engine vllm)")
     parser.add_argument("--tp", type=int, action="append", help="vLLM tensor-parallel size (repeatable; default 1)")
     parser.add_argument("--ep", action="store_true", help="vLLM expert parallelism over the TP ranks (TP > 1)")
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompts, --new-tokens and --micro-batch must be >= 1")
     if args.engine != "vllm" and (args.tp or args.ep):
         parser.error("--tp and --ep are for --engine vllm")
-    dtypes = args.dtype or list(consistent_ops.DTYPES)
+    dtypes = args.dtype or list(ops.DTYPES)
     kinds = args.model or args.models
     if args.engine == "cpu":
         unknown = [k for k in kinds if k not in tiny_assets.MODEL_KINDS]
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--engine cpu serves the tiny models only, got --model {unknown}")
     # --json: vLLM's logger and its engine-core process write to stdout; only the JSON goes there.
     with stdout_to_stderr(args.json):
-        consistent_model.patch_transformers()
+        patch_transformers()
         if args.engine == "vllm":
             targets = [_model_path(m) for m in kinds]
             tps = args.tp or [1]

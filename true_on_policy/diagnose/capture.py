@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from true_on_policy import patching
-from true_on_policy.kernels import model as cm
-from true_on_policy.transformers_adapter import patches as transformers_patches
+from true_on_policy.kernels.model import ROLLOUT_KWARG
+from true_on_policy.transformers_adapter import patches
 
 
 # inputs that describe the layout, not the data (rule 1: a mask is a selection, compared via outputs)
@@ -31,7 +31,7 @@ _SKIP_INPUTS = {
     "output_hidden_states",
     "logits_to_keep",
     "labels",
-    cm.ROLLOUT_KWARG,
+    ROLLOUT_KWARG,
 }
 
 
@@ -269,7 +269,7 @@ class _Side:
         try:
             wrappers = [
                 patching.Patch(MOE_COMBINE, make=self._combine_wrapper),
-                *transformers_patches.rotary_patches(modeling, self._rope_wrapper),
+                *patches.rotary_patches(modeling, self._rope_wrapper),
             ]
             with patching.apply(wrappers):
                 yield self

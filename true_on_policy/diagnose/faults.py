@@ -11,7 +11,7 @@ import copy
 import torch
 from torch import nn
 
-from true_on_policy.kernels import model as cm
+from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, attention_function
 from true_on_policy.kernels import ops
 
 
@@ -46,13 +46,13 @@ def _install_attention_variant(model: nn.Module, layer: int, variant: str, fault
 
     def interface(module, query, key, value, attention_mask, **kwargs):
         with ops.switched(fault=fault):  # the real kernel, with the fault's switches on for this call only
-            return cm.attention_function(module, query, key, value, attention_mask, **kwargs)
+            return attention_function(module, query, key, value, attention_mask, **kwargs)
 
-    name = f"{cm.ATTN_IMPLEMENTATION}+{variant}"
+    name = f"{ATTN_IMPLEMENTATION}+{variant}"
     interface.__name__ = interface.__qualname__ = f"attention_{variant.replace('-', '_')}"
     AttentionInterface.register(name, interface)
-    if getattr(model.config, "_attn_implementation", None) != cm.ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(cm.ATTN_IMPLEMENTATION)
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
     attn = _layer_module(model, layer).self_attn
     config = copy.copy(attn.config)
     config._attn_implementation_internal = name

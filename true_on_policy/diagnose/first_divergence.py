@@ -335,7 +335,7 @@ def diagnose(
     be transformers Qwen3 / Qwen3-MoE causal LMs (or of the same structure) with the same
     architecture; they may be the same object. Side effects: ``patch_transformers()`` is called,
     both models are switched to ``attn_implementation="consistent"`` and, when
-    ``deterministic``, their linears are converted (:func:`consistent_model.convert_model`).
+    ``deterministic``, their linears are converted (:func:`true_on_policy.kernels.model.convert_model`).
     Captures are held on the CPU: memory is about one padded training batch of activations for
     every op (keep sequences few and short for a large model).
     """

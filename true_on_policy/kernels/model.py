@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from true_on_policy.kernels import architectures, ops
+from true_on_policy.kernels import architectures, moe, ops
 from true_on_policy.kernels.architectures import UnsupportedFeatureError
+from true_on_policy.transformers_adapter import patches
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -53,7 +54,7 @@ def attn_implementation() -> str:
 
 
 class ConsistentLinear(nn.Linear):
-    """``nn.Linear`` whose forward is :func:`consistent_ops.linear` while the flag is on."""
+    """``nn.Linear`` whose forward is :func:`ops.linear` while the flag is on."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if ops.enabled():
@@ -176,7 +177,7 @@ def make_apply_rotary(original):
     return apply_rotary_pos_emb
 
 
-def _require_silu(module) -> None:
+def require_silu(module) -> None:
     act = getattr(module.config, "hidden_act", None)
     if act != "silu":
         raise UnsupportedFeatureError(f"true_on_policy: activation {act!r} is not supported (only 'silu')")
@@ -187,7 +188,7 @@ def make_mlp_forward(original):
     def forward(self, x):
         if not ops.enabled():
             return original(self, x)
-        _require_silu(self)
+        require_silu(self)
         _require_consistent_linears(self, ("gate_proj", "up_proj", "down_proj"))
         return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
@@ -199,10 +200,7 @@ def make_router_forward(original):
     def forward(self, hidden_states):
         if not ops.enabled():
             return original(self, hidden_states)
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = ops.linear(hidden_states, self.weight, out_dtype=torch.float32)
-        weights, experts = ops.moe_route(router_logits, self.top_k, self.norm_topk_prob)
-        return router_logits, weights, experts
+        return moe.route(hidden_states.reshape(-1, self.hidden_dim), self.weight, self.top_k, self.norm_topk_prob)
 
     return forward
 
@@ -212,13 +210,9 @@ def make_experts_forward(original):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if not ops.enabled():
             return original(self, hidden_states, top_k_index, top_k_weights)
-        _require_silu(self)
-        layout = (("has_bias", False), ("is_transposed", False), ("has_gate", True), ("is_concatenated", True))
-        for flag, wanted in layout:
-            if getattr(self, flag, wanted) != wanted:
-                raise UnsupportedFeatureError(f"true_on_policy: experts with {flag}={not wanted} are not supported")
-        per_slot = ops.moe_experts(hidden_states, top_k_index, self.gate_up_proj, self.down_proj)
-        return ops.moe_combine(per_slot, top_k_weights).to(hidden_states.dtype)
+        require_silu(self)
+        moe.check_expert_layout(self)
+        return moe.experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
     return forward
 
@@ -259,8 +253,6 @@ _CHECKED = "_true_on_policy_checked"
 
 def built_features(model: nn.Module) -> dict[str, bool]:
     """What the transformers model built, in the terms of :class:`architectures.Features`."""
-    from true_on_policy.transformers_adapter import patches
-
     attention = next(m for m in model.modules() if isinstance(m, patches.covered("attention")))
     built = {
         "qkv_bias": getattr(attention.q_proj, "bias", None) is not None,
@@ -304,8 +296,6 @@ def mask_function(
 
 
 def _check_attention_call(module, attention_mask, dropout, sliding_window, kwargs) -> None:
-    from true_on_policy.transformers_adapter import patches
-
     if not isinstance(module, patches.covered("attention")):
         architectures.check_config(module.config)  # names the architecture
         raise UnsupportedFeatureError(
@@ -464,9 +454,21 @@ def attention_function(
 # ----------------------------------------------------------------------------------------------
 
 
-def is_patched() -> bool:
-    from true_on_policy.transformers_adapter import patches
+# role of transformers_adapter.patches -> the factory of its replacement (the patched forwards above)
+_REPLACEMENTS = {
+    "rms_norm": make_rms_norm_forward,
+    "rotary": make_rotary_forward,
+    "apply_rotary": make_apply_rotary,
+    "mlp": make_mlp_forward,
+    "decoder_layer": make_decoder_layer_init,
+    "causal_lm": make_causal_lm_init,
+    "causal_lm_forward": make_causal_lm_forward,
+    "router": make_router_forward,
+    "experts": make_experts_forward,
+}
 
+
+def is_patched() -> bool:
     return patches.applied()
 
 
@@ -478,9 +480,7 @@ def patch_transformers() -> None:
     Idempotent; class-level, so it covers every model built afterwards in this process (call it in
     each worker process before the model is built). Behaviour changes only while the flag is on.
     """
-    from true_on_policy.transformers_adapter import patches
-
-    patches.apply()
+    patches.apply(_REPLACEMENTS, ATTN_IMPLEMENTATION, (attention_function, mask_function))
 
 
 def unpatch_transformers() -> None:
@@ -488,9 +488,7 @@ def unpatch_transformers() -> None:
 
     Modules already converted keep their ConsistentLinear class; with the flag off it is F.linear.
     """
-    from true_on_policy.transformers_adapter import patches
-
-    patches.revert()
+    patches.revert(ATTN_IMPLEMENTATION)
 
 
 def convert_model(model: nn.Module) -> nn.Module:
@@ -498,8 +496,6 @@ def convert_model(model: nn.Module) -> nn.Module:
     ``nn.Linear`` of its decoder layers become :class:`ConsistentLinear`, the causal LM's
     ``lm_head`` a :class:`ConsistentLMHead`. The causal LM's forward does this by itself on its
     first call with the flag on."""
-    from true_on_policy.transformers_adapter import patches
-
     for module in model.modules():
         if isinstance(module, patches.covered("decoder_layer")):
             _swap_linears(module)

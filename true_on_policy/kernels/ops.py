@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from true_on_policy.kernels import architectures, native
+from true_on_policy.kernels.scope import KERNEL_DTYPES, MAX_TP
 
 __all__ = [
     "TILE_ROWS",
@@ -80,8 +81,7 @@ TILE_ROWS = 64  # rows of one linear-layer tile: a row never sees how many rows 
 ATTN_TILE_ROWS = 32  # query rows (heads x positions) of one attention tile
 K_CHUNK = 128  # the reduced dimension of every bmm is split into chunks of at most this size
 KV_BLOCK = 64  # attention's KV block, aligned at absolute positions [j*KV_BLOCK, (j+1)*KV_BLOCK)
-# The dtypes the kernels compute in, by name (the torch-free contract's KERNEL_DTYPES: the same names)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in KERNEL_DTYPES}  # the dtypes the kernels compute in, by name
 
 # ----------------------------------------------------------------------------------------------
 # The one switch
@@ -405,8 +405,6 @@ def matmul_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Linear: a fixed reduction tree over K, the same bits at every tensor-parallel size
 # ----------------------------------------------------------------------------------------------
-
-MAX_TP = 8  # the largest tensor-parallel size a row-parallel linear keeps its bits at (any power of two up to it)
 
 
 def k_leaves(k: int) -> int:

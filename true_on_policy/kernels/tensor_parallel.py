@@ -7,7 +7,8 @@ The sharded model is the same module tree, so it serves the training forward and
 
 With the flag on, every supported size gives the unsharded bits: a row-parallel shard is a
 complete subtree of :func:`ops.linear`'s fixed tree, and :func:`tree_all_reduce` all-gathers the
-fp32 subtrees and folds the top levels in rank order (never an ``all_reduce``). Gradients are
+fp32 subtrees and folds the top levels in rank order (never an ``all_reduce``): the one reduction of
+:mod:`.row_parallel`; the experts run the one MoE forward of :mod:`.moe`. Gradients are
 correct, not bitwise. :func:`check_sharding` refuses an unsupported TP / EP by name. With the flag
 off: ``F.linear`` and a plain ``dist.all_reduce``. Pure torch + torch.distributed (+ the
 transformers classes it shards); no verl import. Details: docs/parallelism_and_determinism.md.
@@ -16,15 +17,17 @@ transformers classes it shards); no verl import. Details: docs/parallelism_and_d
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from true_on_policy.kernels import architectures
-from true_on_policy.kernels import model as cm
-from true_on_policy.kernels import ops
+from true_on_policy.kernels import architectures, moe, ops, row_parallel
+from true_on_policy.kernels.architectures import UnsupportedFeatureError
+from true_on_policy.kernels.model import ConsistentLinear, ConsistentLMHead, convert_model, is_patched, require_silu
+from true_on_policy.kernels.scope import MOE_DISPATCH, ROW_PARALLEL_REDUCTION
 
 __all__ = [
     "ROW_PARALLEL_REDUCTION",
@@ -33,7 +36,6 @@ __all__ = [
     "all_gather_list",
     "tree_all_reduce",
     "all_gather_last_dim",
-    "select_owned",
     "check_sharding",
     "ColumnParallelLinear",
     "RowParallelLinear",
@@ -41,11 +43,6 @@ __all__ = [
     "shard_model",
     "layout_of",
 ]
-
-# How the contract names this backend's collectives (true_on_policy.contract.consistency reads the same strings).
-ROW_PARALLEL_REDUCTION = "all_gather+tree_top"
-MOE_DISPATCH = "replicated"  # EP on CPU: tokens are already on every rank; no dispatch, slot rows selected by owner
-
 
 # ----------------------------------------------------------------------------------------------
 # Collectives
@@ -66,17 +63,14 @@ def all_gather_list(x: torch.Tensor, group=None) -> list[torch.Tensor]:
     return parts
 
 
-def tree_all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
-    """The sum over ranks of ``x`` as fp32, the same bits on every rank and at every group size.
+def _gather(group):
+    return functools.partial(all_gather_list, group=group)
 
-    ``all_gather`` of the fp32 partials (a copy: no arithmetic, so the collective's algorithm
-    cannot change a bit), then :func:`ops.tree_combine` over the ranks 0, 1, ..., n-1: the top
-    levels of the reduction tree whose lower levels each rank computed (:func:`ops.linear`'s ``k_parts``).
-    """
-    x32 = x.to(torch.float32)
-    if _world(group) == 1:
-        return x32.clone()
-    return ops.tree_combine(all_gather_list(x32, group))
+
+def tree_all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum over ranks of ``x`` as fp32, the same bits on every rank and at every group size:
+    :func:`row_parallel.tree_reduce` over this group's :func:`all_gather_list`."""
+    return row_parallel.tree_reduce(x, _gather(group))
 
 
 def _plain_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -105,19 +99,6 @@ class _CopyToRegion(torch.autograd.Function):
         return tree_all_reduce(grad, ctx.group).to(grad.dtype), None
 
 
-class _ReduceFromRegion(torch.autograd.Function):
-    """Forward: combine the ranks' partials (the tree's top levels, or a plain all-reduce with the flag
-    off); backward: the (replicated) gradient goes to every rank's partial unchanged."""
-
-    @staticmethod
-    def forward(ctx, partial, group, ordered):
-        return tree_all_reduce(partial, group) if ordered else _plain_all_reduce(partial, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
 class _GatherFromRegion(torch.autograd.Function):
     """Forward: all-gather along the last dim; backward: this rank's slice of the gradient."""
 
@@ -140,10 +121,9 @@ def copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToRegion.apply(x, group) if _tracks_grad(x) else x
 
 
-def reduce_from_region(partial: torch.Tensor, group, ordered: bool = True) -> torch.Tensor:
-    if _tracks_grad(partial):
-        return _ReduceFromRegion.apply(partial, group, ordered)
-    return tree_all_reduce(partial, group) if ordered else _plain_all_reduce(partial, group)
+def plain_reduce_from_region(partial: torch.Tensor, group) -> torch.Tensor:
+    """Flag off: the ranks' partials summed by a plain ``dist.all_reduce`` (its own order)."""
+    return row_parallel.reduce_partials(partial, functools.partial(_plain_all_reduce, group=group))
 
 
 def gather_from_region(x: torch.Tensor, group) -> torch.Tensor:
@@ -173,7 +153,7 @@ def layout_of(model: nn.Module) -> ParallelLayout | None:
     return getattr(model, "true_on_policy_parallel", None)
 
 
-class ColumnParallelLinear(cm.ConsistentLinear):
+class ColumnParallelLinear(ConsistentLinear):
     """Output features split across ranks; the (replicated) input enters the sharded region."""
 
     tp_group = None
@@ -182,24 +162,21 @@ class ColumnParallelLinear(cm.ConsistentLinear):
         return super().forward(copy_to_region(x, self.tp_group))
 
 
-class RowParallelLinear(cm.ConsistentLinear):
-    """Input features split across ranks. Flag on: each rank's fp32 subtree of the reduction tree
-    (:func:`ops.linear` with ``k_parts``), the tree's top levels over the all-gathered subtrees, the
-    bias and the cast of :func:`ops.linear_epilogue` -- bitwise the unsharded linear. Flag off: a plain
-    all-reduce of the partial products."""
+class RowParallelLinear(ConsistentLinear):
+    """Input features split across ranks. Flag on: :func:`row_parallel.row_parallel_linear` over this
+    group's all-gather -- bitwise the unsharded linear. Flag off: a plain all-reduce of the partial products."""
 
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if ops.enabled():
-            partial = ops.linear(x, self.weight, None, torch.float32, k_parts=_world(self.tp_group))
-            out = reduce_from_region(partial, self.tp_group, ordered=True)
-            return ops.linear_epilogue(out, self.bias, x.dtype)
-        out = reduce_from_region(F.linear(x, self.weight), self.tp_group, ordered=False)
+            return row_parallel.row_parallel_linear(x, self.weight, self.bias, _world(self.tp_group),
+                                                    _gather(self.tp_group))
+        out = plain_reduce_from_region(F.linear(x, self.weight), self.tp_group)
         return out if self.bias is None else out + self.bias
 
 
-class VocabParallelLMHead(cm.ConsistentLMHead):
+class VocabParallelLMHead(ConsistentLMHead):
     """Vocabulary rows split across ranks; the logit slices are all-gathered in rank order."""
 
     tp_group = None
@@ -209,44 +186,21 @@ class VocabParallelLMHead(cm.ConsistentLMHead):
         return gather_from_region(local, self.tp_group)
 
 
-class _SelectOwned(torch.autograd.Function):
-    """Forward: every rank's per-slot expert rows, gathered, each slot taken from the rank that holds its
-    expert (:func:`ops.moe_select`); backward: this rank's rows get the gradient of the slots it owns
-    (every rank computes the same replicated loss from the selected rows)."""
-
-    @staticmethod
-    def forward(ctx, per_slot, owner, group):
-        ctx.save_for_backward(owner)
-        ctx.rank = dist.get_rank(group)
-        return ops.moe_select(all_gather_list(per_slot, group), owner)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (owner,) = ctx.saved_tensors
-        return torch.where((owner == ctx.rank)[..., None], grad, torch.zeros((), dtype=grad.dtype)), None, None
-
-
-def select_owned(per_slot: torch.Tensor, owner: torch.Tensor, group) -> torch.Tensor:
-    if _tracks_grad(per_slot):
-        return _SelectOwned.apply(per_slot, owner, group)
-    return ops.moe_select(all_gather_list(per_slot, group), owner)
-
-
 def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
-    """The experts of all ranks for all tokens (see module doc): flag on, each slot's row from the rank
-    holding its expert, combined in slot order; flag off, local weighted sums and a plain all-reduce."""
+    """The experts of all ranks for all tokens (see module doc): flag on, :func:`moe.experts_forward` with
+    each slot's row from the rank holding its expert; flag off, local weighted sums and a plain all-reduce."""
     group, lo, n_local = self.ep_group, self.expert_offset, self.num_local_experts
     x = copy_to_region(hidden_states, group)  # a rank's experts see only their pairs: input grads are summed
     if ops.enabled():  # the same checks as the unsharded experts' consistent forward
-        cm._require_silu(self)  # noqa: SLF001
-        layout = (("has_bias", False), ("is_transposed", False), ("has_gate", True), ("is_concatenated", True))
-        for flag, wanted in layout:
-            if getattr(self, flag, wanted) != wanted:
-                raise cm.UnsupportedFeatureError(f"true_on_policy: experts with {flag}={not wanted} are not supported")
-        experts = range(lo, lo + n_local)
-        per_slot = ops.moe_experts(x, top_k_index, self.gate_up_proj, self.down_proj, experts=experts)
-        per_slot = select_owned(per_slot, top_k_index // n_local, group)  # experts in contiguous ranges
-        return ops.moe_combine(per_slot, top_k_weights).to(hidden_states.dtype)
+        require_silu(self)
+        moe.check_expert_layout(self)
+        owner = top_k_index // n_local  # experts in contiguous ranges
+
+        def select(per_slot):
+            return moe.select_owned(per_slot, owner, _gather(group), dist.get_rank(group))
+
+        return moe.experts_forward(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                   experts=range(lo, lo + n_local), select=select)
     weights = copy_to_region(top_k_weights, group)  # each rank's sum holds only its slots' weights
     tokens, top_k = top_k_index.shape
     out = x.new_zeros(tokens, x.shape[-1])
@@ -256,7 +210,7 @@ def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
             gate, up = F.linear(x[token], self.gate_up_proj[expert - lo]).chunk(2, dim=-1)
             rows = F.linear(self.act_fn(gate) * up, self.down_proj[expert - lo])
             out = out.index_add(0, token, rows * weights[token, slot, None].to(rows.dtype))
-    return reduce_from_region(out, group, ordered=False).to(hidden_states.dtype)
+    return plain_reduce_from_region(out, group).to(hidden_states.dtype)
 
 
 _EP_CLASSES: dict[type, type] = {}
@@ -350,7 +304,7 @@ def shard_model(model: nn.Module, *, tp_size: int, ep_size: int = 1, group=None)
     (``num_attention_heads``, ``num_key_value_heads``), which is what sizes the rollout's
     KV caches; the full counts are kept in :func:`layout_of`. Returns the model.
     """
-    if not cm.is_patched():
+    if not is_patched():
         raise RuntimeError("shard_model: call consistent_model.patch_transformers() first")
     if layout_of(model) is not None:
         raise RuntimeError(f"shard_model: the model is already sharded ({layout_of(model)})")
@@ -363,11 +317,11 @@ def shard_model(model: nn.Module, *, tp_size: int, ep_size: int = 1, group=None)
     check_sharding(model.config, tp_size, ep_size)
     attention_classes, mlp_classes, expert_classes, lm_classes = _classes()
     if not isinstance(model, lm_classes):
-        raise cm.UnsupportedFeatureError(f"shard_model: {type(model).__name__} is not a Qwen3 / Qwen3-MoE causal LM")
+        raise UnsupportedFeatureError(f"shard_model: {type(model).__name__} is not a Qwen3 / Qwen3-MoE causal LM")
     config = model.config
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
-    cm.convert_model(model)  # plain nn.Linear -> ConsistentLinear (idempotent)
+    convert_model(model)  # plain nn.Linear -> ConsistentLinear (idempotent)
     for module in list(model.modules()):
         if tp_size > 1 and isinstance(module, attention_classes):
             # column blocks of q/k/v are whole heads: rank r owns heads [r*H/tp, (r+1)*H/tp)
@@ -386,8 +340,8 @@ def shard_model(model: nn.Module, *, tp_size: int, ep_size: int = 1, group=None)
             module.ep_group, module.expert_offset, module.num_local_experts = group, rank * n_local, n_local
     if tp_size > 1:
         head = model.lm_head
-        if not isinstance(head, cm.ConsistentLMHead):
-            raise cm.UnsupportedFeatureError(f"shard_model: lm_head is a {type(head).__name__}")
+        if not isinstance(head, ConsistentLMHead):
+            raise UnsupportedFeatureError(f"shard_model: lm_head is a {type(head).__name__}")
         head.weight = _slice_param(head.weight, 0, rank, tp_size)  # unties a tied head: the embedding stays whole
         if head.bias is not None:
             head.bias = _slice_param(head.bias, 0, rank, tp_size)

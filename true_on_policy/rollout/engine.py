@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from true_on_policy.kernels import model as consistent_model
+from true_on_policy.kernels.model import KVCache, forward_packed
 
-from true_on_policy.kernels import ops as consistent_ops
+from true_on_policy.kernels import ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator
-    cache: consistent_model.KVCache | None = None
+    cache: KVCache | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_log_probs: list[float] = dataclasses.field(default_factory=list)
 
@@ -86,7 +86,7 @@ def sampling_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor
     """
     if temperature != 1.0:
         logits = logits / torch.tensor(temperature, dtype=torch.float32).clamp(min=1e-8).to(logits.dtype)
-    return consistent_ops.log_softmax(logits)
+    return ops.log_softmax(logits)
 
 
 _PER_EXPERT_WEIGHT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -134,7 +134,7 @@ class RolloutEngine:
         max_num_seqs: int = 64,
         max_model_len: int = 1024,
         seed: int = 0,
-        forward: Callable = consistent_model.forward_packed,
+        forward: Callable = forward_packed,
     ):
         self.model = model.eval()
         if eos_token_id is None:
@@ -215,7 +215,7 @@ class RolloutEngine:
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_num_seqs:
             request = self._waiting.popleft()
-            request.cache = consistent_model.KVCache()
+            request.cache = KVCache()
             self._running[request.request_id] = request
 
     def _retire(self, request: _Request, reason: str) -> Completion:

@@ -32,8 +32,7 @@ names it (the mechanism is :mod:`true_on_policy.patching`'s).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from true_on_policy import patching
@@ -127,52 +126,35 @@ def covered(role: str) -> tuple[type, ...]:
     return _COVERED[role]
 
 
-def _replacement(role: str, owner, original) -> Callable:
-    from true_on_policy.kernels import model
-
-    factories = {
-        "rms_norm": model.make_rms_norm_forward,
-        "rotary": model.make_rotary_forward,
-        "apply_rotary": model.make_apply_rotary,
-        "mlp": model.make_mlp_forward,
-        "decoder_layer": model.make_decoder_layer_init,
-        "causal_lm": model.make_causal_lm_init,
-        "causal_lm_forward": model.make_causal_lm_forward,
-        "router": model.make_router_forward,
-        "experts": model.make_experts_forward,
-    }
-    return factories[role](original)
-
-
-def apply() -> None:
-    """Patch every target (idempotent) and register the ``"consistent"`` attention; all checked first."""
+def apply(replacements: Mapping[str, Callable[[Callable], Callable]], attention_name: str,
+          registrations: tuple[Callable, Callable]) -> None:
+    """Patch every target (idempotent) and register ``registrations`` (the attention function, the mask
+    function) under ``attention_name``; all checked first. ``replacements``: role -> the factory that
+    takes the original and returns its replacement (the module code: :mod:`true_on_policy.kernels.model`)."""
     global _APPLIED
-    from true_on_policy.kernels import model
-
     registries = _registries()
     checked = targets()
     patching.check(target for _, target in checked)
-    for registry, function in zip(registries, (model.attention_function, model.mask_function)):
-        registry.register(model.ATTN_IMPLEMENTATION, function)
+    missing = {role for role, _ in checked if role not in READ_ONLY_ROLES} - set(replacements)
+    if missing:
+        raise ValueError(f"apply: no replacement for the roles {sorted(missing)}")
+    for registry, function in zip(registries, registrations):
+        registry.register(attention_name, function)
     if _APPLIED is not None:
         return
     _APPLIED = patching.apply(
-        patching.Patch(target, make=functools.partial(_replacement, role, target.owner()))
-        for role, target in checked
-        if role not in READ_ONLY_ROLES
+        patching.Patch(target, make=replacements[role]) for role, target in checked if role not in READ_ONLY_ROLES
     )
 
 
-def revert() -> None:
-    """Undo :func:`apply`: originals restored, the ``"consistent"`` registrations removed."""
+def revert(attention_name: str) -> None:
+    """Undo :func:`apply`: originals restored, the ``attention_name`` registrations removed."""
     global _APPLIED
-    from true_on_policy.kernels import model
-
     if _APPLIED is not None:
         _APPLIED.revert()
         _APPLIED = None
     for registry in _registries():
-        registry._global_mapping.pop(model.ATTN_IMPLEMENTATION, None)
+        registry._global_mapping.pop(attention_name, None)
 
 
 def rotary_patches(modules, make_wrapper: Callable[[Callable], Callable]) -> list[patching.Patch]:

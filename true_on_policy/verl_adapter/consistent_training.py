@@ -25,9 +25,9 @@ ROLLOUT_VOCAB_ENV = "TRUE_ON_POLICY_ROLLOUT_VOCAB"
 
 def consistent_logprobs_from_logits(logits, labels, inplace_backward=True):
     """verl's ``logprobs_from_logits`` signature on the consistent log-softmax."""
-    from true_on_policy.kernels import ops as consistent_ops
+    from true_on_policy.kernels import ops
 
-    return consistent_ops.token_log_probs(logits, labels)
+    return ops.token_log_probs(logits, labels)
 
 
 def mask_out_of_vocabulary(logprobs_from_logits, vocab: int):
@@ -52,14 +52,14 @@ def activate(settings) -> None:
 
 @functools.cache
 def _activate(consistent: bool) -> None:
-    from true_on_policy.kernels import model as consistent_model
-    from true_on_policy.kernels import ops as consistent_ops
+    from true_on_policy.kernels.model import patch_transformers
+    from true_on_policy.kernels import ops
     from true_on_policy.verl_adapter import patches
 
-    consistent_model.patch_transformers()
+    patch_transformers()
     replacement = None
     if consistent:
-        consistent_ops.set_switches(consistent=True)
+        ops.set_switches(consistent=True)
         replacement = consistent_logprobs_from_logits
     vocab = os.environ.get(ROLLOUT_VOCAB_ENV)
     if vocab:  # flag on or off: the mask is part of what the rollout samples from

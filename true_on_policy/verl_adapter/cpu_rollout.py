@@ -44,14 +44,14 @@ def load_serving_model(model_path: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
     from true_on_policy.contract.sides import canonical_dtype
-    from true_on_policy.kernels import model as consistent_model
+    from true_on_policy.kernels.model import attn_implementation
     from true_on_policy.kernels.ops import DTYPES
 
     name = canonical_dtype(dtype)  # the spellings the contract reads (bf16, torch.float32, ...)
     if name not in DTYPES:
         raise ValueError(f"rollout.dtype={dtype!r} is not supported by the CPU rollout; use one of {sorted(DTYPES)}")
     model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=DTYPES[name], attn_implementation=consistent_model.attn_implementation()
+        model_path, dtype=DTYPES[name], attn_implementation=attn_implementation()
     )
     return model.eval()
 

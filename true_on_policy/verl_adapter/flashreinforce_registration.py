@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from verl.trainer.ppo.core_algos import register_adv_est, register_policy_loss
 
-from true_on_policy.config import settings as settings_module
+from true_on_policy.config.settings import require
 from true_on_policy.loss.flashreinforce import loss_core, masked_sequence_advantages
 
 NAME = "flashreinforce"
@@ -58,7 +58,7 @@ def compute_flashreinforce_advantage(
             f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask {tuple(response_mask.shape)} "
             "must both be [bs, response_length]"
         )
-    settings_module.require("adv_estimator=flashreinforce")
+    require("adv_estimator=flashreinforce")
     with torch.no_grad():
         mask = response_mask.bool()
         # As verl's outcome estimators do: the sequence reward is the sum over the response.
@@ -93,7 +93,7 @@ def compute_flashreinforce_policy_loss(
         )
     if config is None or not hasattr(config, "global_batch_info"):
         raise ValueError("loss_mode=flashreinforce needs verl's actor config (with global_batch_info) as `config`")
-    settings = settings_module.require("loss_mode=flashreinforce")
+    settings = require("loss_mode=flashreinforce")
     fraction = settings.negative_token_fraction
     if fraction >= 1.0 and rollout_is_weights is not None:
         raise ValueError(

@@ -31,8 +31,7 @@ import logging
 import os
 import sys
 
-from true_on_policy.config import settings as settings_module
-from true_on_policy.config.settings import Settings
+from true_on_policy.config.settings import Settings, SettingsNotExported, current, export
 
 logger = logging.getLogger("true_on_policy")
 
@@ -63,14 +62,14 @@ def apply_verdict(config, verdict) -> dict[str, str]:
     this process's ``os.environ``)."""
     from omegaconf import OmegaConf, open_dict
 
-    from true_on_policy.contract import determinism_plan as determinism_env
+    from true_on_policy.contract import determinism_plan
 
     recipe, plan = verdict.settings, verdict.plan
     # The plan's provenance (versions detected or declared, what was not emitted and why) goes to the log.
-    logger.info("true_on_policy: %s", determinism_env.describe(plan))
+    logger.info("true_on_policy: %s", determinism_plan.describe(plan))
     for note in plan.notes:
         logger.warning("true_on_policy: determinism plan note: %s", note)
-    env = settings_module.export(recipe, {})
+    env = export(recipe, {})
     env.update(plan.worker_env)
     if plan.deterministic and plan.in_process:
         env[IN_PROCESS_ENV] = json.dumps([[name, kwargs] for name, kwargs in plan.in_process])
@@ -81,8 +80,8 @@ def apply_verdict(config, verdict) -> dict[str, str]:
             env.update(_vllm_cpu_env(config))
     elif recipe.consistent_kernels and rollout_name == "vllm":
         env.update(_rollout_vocab_env(config))  # kernels=project on a device: written, not run on a device
-    updates = determinism_env.config_updates(plan)
-    updates.update({f"{determinism_env.ENV_PATH}.{key}": value for key, value in env.items()})
+    updates = determinism_plan.config_updates(plan)
+    updates.update({f"{determinism_plan.ENV_PATH}.{key}": value for key, value in env.items()})
     with open_dict(config):
         for path, value in updates.items():
             OmegaConf.update(config, path, value, force_add=True)
@@ -171,7 +170,7 @@ def uses_recipe(config) -> bool:
 
 def trainer_start_check(config) -> None:
     """At verl's trainer start: a config that uses the recipe needs the settings the launch exported."""
-    if settings_module.current() is not None or not uses_recipe(config):
+    if current() is not None or not uses_recipe(config):
         return
     reason = (
         f"The hook could not be installed: {launch_hook_error}"
@@ -179,7 +178,7 @@ def trainer_start_check(config) -> None:
         else "Was the run started by an entry point that does not call verl.utils.device.auto_set_device(config) "
         "before ray.init (as python -m verl.trainer.main_ppo does), or did verl stop calling it?"
     )
-    raise settings_module.SettingsNotExported(
+    raise SettingsNotExported(
         "true_on_policy: the true_on_policy launch hook did not run, so the true_on_policy: section was never "
         "validated and no invariants, determinism plan or consistency contract were applied; refusing to start "
         f"the trainer. {reason}"
@@ -199,14 +198,14 @@ def _select_cpu_platform() -> None:
 
 def activate_from_environment() -> Settings | None:
     """In any process: switch on what the exported settings ask for. Returns them (or None)."""
-    recipe = settings_module.current()
+    recipe = current()
     if recipe is None:
         return None
-    from true_on_policy.contract import determinism_plan as determinism_env
+    from true_on_policy.contract import determinism_plan
     from true_on_policy.verl_adapter import resume, trainer_hooks
 
     if os.environ.get(IN_PROCESS_ENV):
-        determinism_env.run_in_process_calls(recipe.platform, json.loads(os.environ[IN_PROCESS_ENV]))
+        determinism_plan.run_in_process_calls(recipe.platform, json.loads(os.environ[IN_PROCESS_ENV]))
     trainer_hooks.install()
     resume.install()
     if recipe.platform == "cpu":

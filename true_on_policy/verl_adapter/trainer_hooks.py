@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from true_on_policy.config import settings as settings_module
+from true_on_policy.config.settings import require
 from true_on_policy.config.invariants import FLASHREINFORCE, LOSS_MODE_KEY, lookup
 from true_on_policy.loss.flashreinforce import entropy_filter, kept_token_count
 from true_on_policy.verl_adapter.flashreinforce_registration import FILTER_MASK_FIELD, METRIC_PREFIX
@@ -213,7 +213,7 @@ def install_on(trainer_cls, tq) -> None:
         def balance_canonical_batch(self, batch, *args, **kwargs):
             # verl 0.9.1 balances only the training batch, right after sampling it.
             require_full_batch(batch, self.config.data.train_batch_size // self.parameter_sync_step)
-            if settings_module.require("the canonical batch order").deterministic:
+            if require("the canonical batch order").deterministic:
                 batch.reorder(canonical_order(batch, tq))
             return balance_batch(self, batch, *args, **kwargs)
 
@@ -230,7 +230,7 @@ def install_on(trainer_cls, tq) -> None:
 
     def advantage(compute_advantage):
         def compute_advantage_and_filter_mask(self, batch, metrics):
-            recipe = settings_module.require("the entropy filter")
+            recipe = require("the entropy filter")
             batch = compute_advantage(self, batch, metrics)
             if uses_flashreinforce_loss(self.config):
                 if recipe.negative_token_fraction < 1.0:

@@ -126,9 +126,9 @@ def load_training_model(path: str, dtype: str):
     """The training side: transformers' model from ``path`` on the project's model code."""
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.kernels import model as consistent_model
+    from true_on_policy.kernels.model import patch_transformers
 
-    consistent_model.patch_transformers()
+    patch_transformers()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="consistent")
     return model.eval()
 
@@ -142,7 +142,7 @@ def score(model, prompts, samples, deterministic: bool, vocab_limit: int | None,
     logits beyond ``vocab_limit`` are set to -inf (verl's vLLM rollout masks them), then divided by
     ``temperature`` and scored as verl's trainer does.
     """
-    from true_on_policy.kernels import model as consistent_model
+    from true_on_policy.kernels.model import forward_packed
     from true_on_policy.kernels import ops
 
     flat = [(p, ids) for p, per_prompt in zip(prompts, samples) for ids, _ in per_prompt]
@@ -154,7 +154,7 @@ def score(model, prompts, samples, deterministic: bool, vocab_limit: int | None,
             seqs = [flat[i][0] + flat[i][1] for i in group]
             ids = torch.tensor([t for s in seqs for t in s])
             positions = torch.cat([torch.arange(len(s)) for s in seqs])
-            logits = consistent_model.forward_packed(model, ids, positions, [len(s) for s in seqs], None).float()
+            logits = forward_packed(model, ids, positions, [len(s) for s in seqs], None).float()
             if vocab_limit is not None and vocab_limit < logits.shape[-1]:
                 logits[..., vocab_limit:] = float("-inf")
             logits = logits / temperature

@@ -12,8 +12,8 @@ what the training forward (:mod:`true_on_policy.kernels.model`) computes for the
   weight, so each projection's bits are those of the training model's separate ``nn.Linear``; each
   projection's weight laid out once for its native path (:func:`linear_packs`, rebuilt after every
   weight load), which decode's few rows read.
-* MoE: :func:`ops.moe_experts` on the experts' weights as loaded, each laid out once for its native
-  call (:func:`expert_weights`, rebuilt after every weight load).
+* MoE: the training side's one MoE forward (:mod:`true_on_policy.kernels.moe`) on the experts' weights
+  as loaded, each laid out once for its native call (:func:`expert_weights`, rebuilt after every weight load).
 * attention: keys/values stored unpacked in vLLM's paged cache and read there by
   :func:`ops.paged_attention` -- :func:`ops.attention` (absolute-position KV blocks, the same
   rescale cadence) on the cache in place.
@@ -21,8 +21,8 @@ what the training forward (:mod:`true_on_policy.kernels.model`) computes for the
 Tensor / expert parallelism (vLLM's own sharding, any TP a power of two <= ``ops.MAX_TP``): a
 column-parallel shard (qkv, gate_up, the vocabulary-parallel LM head) computes its features' bits
 and vLLM gathers them (the logits: all-gather, never a reduction); a row-parallel layer
-(:func:`row_parallel_forward`: o_proj, down_proj) all-gathers the ranks' fp32 subtrees of the
-reduction tree and folds its top levels; the vocabulary-parallel embedding's all-reduce adds
+(:func:`row_parallel_forward`: o_proj, down_proj) runs the one row-parallel reduction of
+:mod:`true_on_policy.kernels.row_parallel` over vLLM's all-gather; the vocabulary-parallel embedding's all-reduce adds
 exact ``-0.0`` (:func:`vocab_parallel_embedding_forward`); the MoE block splits experts by TP
 (intermediate dim, fp32 subtrees gathered) or by EP (each slot's row from its expert's rank). So
 every TP / EP size computes the unsharded model's bits.
@@ -30,12 +30,12 @@ every TP / EP size computes the unsharded model's bits.
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 
-from true_on_policy.kernels import ops
-from true_on_policy.kernels.model import UnsupportedFeatureError
+from true_on_policy.kernels import moe, ops, row_parallel
+from true_on_policy.kernels.architectures import UnsupportedFeatureError
 
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -204,10 +204,15 @@ def _gather_list(group, x: torch.Tensor) -> list[torch.Tensor]:
     return list(group.all_gather(x.unsqueeze(0).contiguous(), dim=0).unbind(0))
 
 
+def _gather(get_group):
+    """The all-gather the shared forwards take (:mod:`true_on_policy.kernels.row_parallel`, :mod:`...moe`),
+    over the group ``get_group()`` returns when it runs."""
+    return lambda x: _gather_list(get_group(), x)
+
+
 def row_parallel_forward(layer, input_: torch.Tensor):
-    """vLLM's ``RowParallelLinear.forward`` on the reduction tree: each rank's fp32 subtree over its
-    input shard (:func:`ops.linear` with ``k_parts`` = TP), all-gathered, the tree's top levels
-    (:func:`ops.tree_combine`), the bias once and one cast (:func:`ops.linear_epilogue`)."""
+    """vLLM's ``RowParallelLinear.forward`` on the reduction tree: :func:`row_parallel.row_parallel_linear`
+    over this rank's input shard and vLLM's TP all-gather."""
     tp = layer.tp_size
     if tp > 1 and not layer.reduce_results:
         raise UnsupportedFeatureError(
@@ -218,12 +223,7 @@ def row_parallel_forward(layer, input_: torch.Tensor):
     else:
         x = input_.chunk(tp, dim=-1)[layer.tp_rank].contiguous()
     bias = None if layer.skip_bias_add else layer.bias
-    pack = weight_pack(layer)
-    if tp == 1:
-        out = ops.linear(x, layer.weight, bias, pack=pack)
-    else:
-        partial = ops.linear(x, layer.weight, None, torch.float32, k_parts=tp, pack=pack)
-        out = ops.linear_epilogue(ops.tree_combine(_gather_list(_tp_group(), partial)), bias, x.dtype)
+    out = row_parallel.row_parallel_linear(x, layer.weight, bias, tp, _gather(_tp_group), pack=weight_pack(layer))
     if not layer.return_bias:
         return out
     return out, (layer.bias if layer.skip_bias_add else None)
@@ -316,53 +316,59 @@ def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     (:func:`ops.moe_experts` with ``k_parts``). Either way: the unsharded experts' bits.
     """
     top_k, renormalize, num_experts = block.true_on_policy_moe
+    holder = _experts_holder(block)
+    gate_up, down, packs = expert_weights(holder)
+    parallel = holder.moe_config.moe_parallel_config
+    shape = hidden_states.shape
+    h = hidden_states.reshape(-1, shape[-1])
+    _, weights, chosen = moe.route(h, block.gate.weight, top_k, renormalize, pack=weight_pack(block.gate))
+    sharding = {}
+    if parallel.use_ep and parallel.ep_size > 1:
+        local, owner = _expert_parallel_layout(holder, num_experts)
+        sharding = dict(experts=local, select=functools.partial(_select_owned, owner=owner[chosen]))
+    elif parallel.tp_size > 1:
+        sharding = dict(k_parts=parallel.tp_size, gather=_gather(_tp_group))
+    elif len(gate_up) != num_experts:
+        raise UnsupportedFeatureError(f"true_on_policy (vLLM): {len(gate_up)} local experts of {num_experts}")
+    return moe.experts_forward(h, chosen, weights, gate_up, down, packs=packs, **sharding).view(shape)
+
+
+def _experts_holder(block):
+    """The MoE block's one module holding the experts' weights (``w13_weight``), found once."""
     holder = block.__dict__.get(_HOLDER)
     if holder is None:
         holders = [m for m in block.experts.modules() if hasattr(m, "w13_weight")]
         if len(holders) != 1:
             raise UnsupportedFeatureError(f"true_on_policy (vLLM): {len(holders)} expert weight holders in one MoE block")
         holder = block.__dict__[_HOLDER] = holders[0]
-    experts = w13, w2, packs = expert_weights(holder)
-    parallel = holder.moe_config.moe_parallel_config
-    shape = hidden_states.shape
-    h = hidden_states.reshape(-1, shape[-1])
-    router_logits = ops.linear(h, block.gate.weight, out_dtype=torch.float32, pack=weight_pack(block.gate))
-    weights, chosen = ops.moe_route(router_logits, top_k, renormalize)
-    if parallel.use_ep and parallel.ep_size > 1:
-        per_slot = _expert_parallel_slots(holder, experts, h, chosen, num_experts)
-    elif parallel.tp_size > 1:
-        group = _tp_group()
-        per_slot = ops.moe_experts(h, chosen, w13, w2, k_parts=parallel.tp_size,
-                                   gather=lambda partial: _gather_list(group, partial), packs=packs)
-    else:
-        if len(w13) != num_experts:
-            raise UnsupportedFeatureError(f"true_on_policy (vLLM): {len(w13)} local experts of {num_experts}")
-        per_slot = ops.moe_experts(h, chosen, w13, w2, packs=packs)
-    return ops.moe_combine(per_slot, weights).to(hidden_states.dtype).view(shape)
+    return holder
 
 
-def _expert_parallel_slots(holder, experts: tuple, h: torch.Tensor, chosen: torch.Tensor,
-                           num_experts: int) -> torch.Tensor:
-    """[T, k, H]: every slot's expert row, from the EP rank holding that expert (vLLM's ``expert_map``);
-    ``experts``: this rank's :func:`expert_weights`."""
+def _ep_group():
     from vllm.distributed import get_ep_group
 
-    group = get_ep_group()
+    return get_ep_group()
+
+
+def _select_owned(per_slot: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    return moe.select_owned(per_slot, owner, _gather(_ep_group), _ep_group().rank_in_group)
+
+
+def _expert_parallel_layout(holder, num_experts: int) -> tuple[list[int], torch.Tensor]:
+    """(the global ids of this rank's experts in the order of its weights, the EP rank holding each expert),
+    from vLLM's ``expert_map``."""
     expert_map = holder.expert_map  # global id -> local index, -1 where another rank holds it
     if expert_map is None or expert_map.numel() != num_experts:
         raise UnsupportedFeatureError(f"true_on_policy (vLLM): an expert map of {expert_map} for {num_experts} experts")
     owner = holder.__dict__.get("_true_on_policy_owner")
     if owner is None:  # which rank holds each expert: the ranks' maps, gathered once
-        maps = torch.stack(_gather_list(group, expert_map.to(torch.long)))
+        maps = torch.stack(_gather_list(_ep_group(), expert_map.to(torch.long)))
         if not bool(((maps >= 0).sum(0) == 1).all()):
             raise UnsupportedFeatureError("true_on_policy (vLLM): an expert held by no or several EP ranks (EPLB)")
         owner = (maps >= 0).to(torch.long).argmax(0)
         holder.__dict__["_true_on_policy_owner"] = owner
     local = torch.nonzero(expert_map >= 0).flatten()
-    local = local[torch.argsort(expert_map[local])].tolist()  # global ids in the order of the local weights
-    gate_up, down, packs = experts
-    per_slot = ops.moe_experts(h, chosen, gate_up, down, experts=local, packs=packs)
-    return ops.moe_select(_gather_list(group, per_slot), owner[chosen])
+    return local[torch.argsort(expert_map[local])].tolist(), owner
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""The one MoE forward of every engine: fp32 router, stable top-k, per-expert consistent linears, slot-order combine.
+
+The training model's patched router and experts (:mod:`.model`), expert parallelism on CPU
+(:mod:`.tensor_parallel`) and vLLM's MoE block (:mod:`true_on_policy.vllm_adapter.layers`) call these
+functions; an adapter passes in only its collectives: ``gather`` (every rank's tensor in rank order,
+a copy) and its rank. So the expert arithmetic, the expert layout read and the sharded selection
+cannot drift between the engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from true_on_policy.kernels import ops
+from true_on_policy.kernels.architectures import UnsupportedFeatureError
+from true_on_policy.kernels.row_parallel import Gather
+
+__all__ = ["EXPERT_LAYOUT", "check_expert_layout", "route", "select_owned", "experts_forward"]
+
+# The transformers experts' layout the consistent experts read: gate_up_proj [E, 2I, H] (gate rows
+# first), down_proj [E, H, I], no bias. (attribute, the value read; a module without it has that value)
+EXPERT_LAYOUT = (("has_bias", False), ("is_transposed", False), ("has_gate", True), ("is_concatenated", True))
+
+
+def check_expert_layout(experts) -> None:
+    """Refuse, naming the attribute, a transformers experts module laid out otherwise than :data:`EXPERT_LAYOUT`."""
+    for flag, wanted in EXPERT_LAYOUT:
+        if getattr(experts, flag, wanted) != wanted:
+            raise UnsupportedFeatureError(f"true_on_policy: experts with {flag}={not wanted} are not supported")
+
+
+def route(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, pack=None):
+    """fp32 router logits (:func:`ops.linear`) and their stable top-k (:func:`ops.moe_route`):
+    ``(logits [T, E], weights fp32 [T, k], expert ids [T, k])``. ``pack``: the router weight's
+    :func:`ops.pack_weight` (an inference engine's), the same bits."""
+    logits = ops.linear(hidden, router_weight, out_dtype=torch.float32, pack=pack)
+    weights, experts = ops.moe_route(logits, top_k, renormalize)
+    return logits, weights, experts
+
+
+class _SelectOwned(torch.autograd.Function):
+    """Forward: :func:`ops.moe_select` over every rank's per-slot rows; backward: this rank's rows get the
+    gradient of the slots it owns (every rank computes the same replicated loss from the selected rows)."""
+
+    @staticmethod
+    def forward(ctx, per_slot, owner, gather, rank):
+        ctx.save_for_backward(owner)
+        ctx.rank = rank
+        return ops.moe_select(gather(per_slot), owner)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (owner,) = ctx.saved_tensors
+        kept = torch.where((owner == ctx.rank)[..., None], grad, torch.zeros((), dtype=grad.dtype))
+        return kept, None, None, None
+
+
+def select_owned(per_slot: torch.Tensor, owner: torch.Tensor, gather: Gather, rank: int) -> torch.Tensor:
+    """Expert parallelism: slot (t, s) taken from rank ``owner[t, s]``'s rows, gathered (a selection, no
+    arithmetic: the unsharded experts' bits)."""
+    if torch.is_grad_enabled() and per_slot.requires_grad:
+        return _SelectOwned.apply(per_slot, owner, gather, rank)
+    return ops.moe_select(gather(per_slot), owner)
+
+
+def experts_forward(hidden, top_k_index, top_k_weights, gate_up, down, *, packs=None, experts=None,
+                    select: Callable[[torch.Tensor], torch.Tensor] | None = None, k_parts: int = 1,
+                    gather: Gather | None = None) -> torch.Tensor:
+    """Every token through its top-k experts (:func:`ops.moe_experts`), combined in slot order
+    (:func:`ops.moe_combine`), cast to ``hidden``'s dtype: [T, H].
+
+    Unsharded: ``gate_up``/``down`` hold every expert. Expert parallelism: ``experts`` the global ids
+    they hold and ``select(per_slot)`` the adapter's :func:`select_owned`. Expert tensor parallelism:
+    ``k_parts`` shards of every expert's intermediate dim and ``gather`` the adapter's all-gather.
+    ``packs``: :func:`ops.pack_experts` of the weights (an inference engine's), the same bits.
+    """
+    per_slot = ops.moe_experts(hidden, top_k_index, gate_up, down, experts=experts, k_parts=k_parts, gather=gather,
+                               packs=packs)
+    if select is not None:
+        per_slot = select(per_slot)
+    return ops.moe_combine(per_slot, top_k_weights).to(hidden.dtype)
