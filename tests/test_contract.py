@@ -25,6 +25,8 @@ from true_on_policy.contract import consistency as contract
 from true_on_policy.contract import determinism_plan as determinism_env
 from true_on_policy.contract import kernel_families
 
+from contract_helpers import apply_in_process, contract_for_config, plan_for_config, plan_of
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 ASCEND = "qwen3_30b_a3b_ascend"
@@ -57,14 +59,14 @@ def _settings(cfg):
 
 def _contract(cfg, detected=None):
     # detected={} : nothing installed here, the config's stack_versions stand in
-    return contract.contract_for_config(cfg, _settings(cfg), detected={} if detected is None else detected)
+    return contract_for_config(cfg, _settings(cfg), detected={} if detected is None else detected)
 
 
 def _plan(deterministic, platform, **kwargs):
     """The plan for the engines of the shipped configs of ``platform`` unless told otherwise."""
     kwargs.setdefault("training_strategy", "fsdp" if platform == "cpu" else "megatron")
     kwargs.setdefault("rollout_name", "cpu" if platform == "cpu" else "vllm")
-    return determinism_env.plan(deterministic, platform, **kwargs)
+    return plan_of(deterministic, platform, **kwargs)
 
 
 def _run_check(argv):
@@ -200,7 +202,7 @@ def test_router_dtype_compares_training_with_the_vllm_gate(name, ascend_cfg, cud
     served = contract.canonical_dtype(OmegaConf.select(base, f"{R}.dtype"))
     shipped = _contract(base).row("moe_router_dtype")
     assert shipped.rollout.value == served  # vLLM's Qwen3-MoE gate runs in the served dtype
-    assert contract.status(_contract(base), shipped) == "ok"
+    assert shipped.status == "ok"
     # twin: the project's fp32 pin reaches Megatron, and vLLM has no fp32 gate -> a mismatch
     fp32 = _contract(_with(base, **{"true_on_policy.moe_router_dtype": "fp32"}))
     row = fp32.row("moe_router_dtype")
@@ -220,29 +222,29 @@ def test_kernel_rows_name_an_implementation_per_side(name, ascend_cfg, cuda_cfg)
     for field in (*kernel_families.OPS, "attention"):
         row = result.row(field)
         assert row.training.show() and row.rollout.show() and row.training.source and row.rollout.source
-        state, reason = contract._check(result, row)
+        state, reason = row.status, row.reason
         assert state == "unverified" and reason, field  # nothing on a device stack is "ok" unrun
 
 
 def _without_training_keys(cfg, *keys):
-    p = determinism_env.plan_for_config(cfg, _settings(cfg), detected={})
+    p = plan_for_config(cfg, _settings(cfg), detected={})
     kept = {k: v for k, v in p.training_config.items() if k.rsplit(".", 1)[1] not in keys}
     assert len(kept) < len(p.training_config)
-    return contract.contract_for_config(cfg, _settings(cfg), plan=dataclasses.replace(p, training_config=kept))
+    return contract_for_config(cfg, _settings(cfg), plan=dataclasses.replace(p, training_config=kept))
 
 
 def test_ascend_gemm_same_op_is_unverified_and_unpinned_training_is_a_mismatch(ascend_cfg):
     cfg = _with(ascend_cfg, **{"true_on_policy.stack_versions.ops-batchinvariant": "1.0.0"})
     row = _contract(cfg).row("gemm")
     assert row.training.value == row.rollout.value  # both: batch_invariant_ops.npu_mm_batch_invariant
-    assert contract.status(_contract(cfg), row) == "unverified"
+    assert row.status == "unverified"
     broken = _without_training_keys(cfg, "use_batch_invariant_ops", "batch_invariant_mode")
     assert "gemm" in {m.field for m in contract.compare(broken)}
 
 
 def test_cuda_gemm_without_megatron_batch_invariant_mode_is_a_mismatch(cuda_cfg):
     shipped = _contract(cuda_cfg)
-    assert contract.status(shipped, shipped.row("gemm")) == "unverified"
+    assert shipped.row("gemm").status == "unverified"
     broken = _without_training_keys(cuda_cfg, "batch_invariant_mode")
     assert "gemm" in {m.field for m in contract.compare(broken)}
 
@@ -251,10 +253,10 @@ def test_cpu_kernel_rows_hold_and_an_engine_without_the_project_kernels_does_not
     cfg = check_cli.compose_config(str(CONFIGS), "cpu_tiny_moe")
     result = _contract(cfg)
     for field in kernel_families.OPS:
-        assert contract.status(result, result.row(field)) == "ok"
+        assert result.row(field).status == "ok"
     other = _contract(_with(cfg, **{f"{R}.name": "sglang"}))  # no kernel setting known: never "ok"
     for field in kernel_families.OPS:
-        assert contract.status(other, other.row(field)) != "ok", field
+        assert other.row(field).status != "ok", field
 
 
 def test_vllm_on_cpu_runs_the_project_kernels_but_only_eager_and_without_sleep_mode():
@@ -330,8 +332,8 @@ def test_determinism_rows_off_when_not_deterministic(ascend_cfg):
     cfg = _with(ascend_cfg, **{"true_on_policy.deterministic": False,
                                f"{MG}.override_transformer_config.attention_backend": "fused"})
     result = _contract(cfg)
-    assert contract.status(result, result.row("attention")) == "off"
-    assert contract.status(result, result.row("gemm")) == "off"
+    assert result.row("attention").status == "off"
+    assert result.row("gemm").status == "off"
     assert result.plan.worker_env == {}
 
 
@@ -361,7 +363,7 @@ def test_a_key_the_chosen_vllm_ascend_ignores_is_an_error(override, key):
     "key", ["actor_rollout_ref.actor.strategy", f"{R}.name", f"{R}.tensor_model_parallel_size", "trainer.nnodes"]
 )
 def test_a_key_verl_always_carries_is_required_not_guessed(key):
-    from true_on_policy.contract.config_views import read_sides
+    from true_on_policy.config.launch import read_sides
 
     cfg = OmegaConf.to_container(check_cli.compose_config(str(CONFIGS), "cpu_tiny"), resolve=True)
     read_sides(cfg)  # the twin: the composed config has it
@@ -385,9 +387,9 @@ def test_format_table_is_side_by_side(ascend_cfg):
 
 @pytest.mark.subprocess
 def test_contract_module_does_not_import_verl():
-    code = "import sys, true_on_policy.contract.consistency, true_on_policy.contract.determinism_plan as d; " \
+    code = "import sys; sys.path.insert(0, 'tests'); import true_on_policy.contract.consistency; from contract_helpers import plan_of; " \
            "v = {'vllm-ascend': 'main', 'mindspeed': '0.16.0', 'vllm': '0.24.0', 'megatron-core': '0.16.0'}; " \
-           "d.plan(True, 'ascend', versions=v, training_strategy='megatron', rollout_name='vllm'); d.plan(True, 'cuda', versions=v, importer=lambda n: 1/0, training_strategy='megatron', rollout_name='vllm'); " \
+           "plan_of(True, 'ascend', versions=v, training_strategy='megatron', rollout_name='vllm'); plan_of(True, 'cuda', versions=v, importer=lambda n: 1/0, training_strategy='megatron', rollout_name='vllm'); " \
            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('verl','torch','torch_npu','vllm','vllm_ascend')))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -534,7 +536,7 @@ def _doc_disagreements(settings):
 
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
 def test_docs_cite_every_emitted_key_with_a_first_version(name, ascend_cfg, cuda_cfg):
-    p = determinism_env.plan_for_config(base := (ascend_cfg if name == ASCEND else cuda_cfg), _settings(base), detected={})
+    p = plan_for_config(base := (ascend_cfg if name == ASCEND else cuda_cfg), _settings(base), detected={})
     for key in _emitted_names(p):
         row = _doc_row(key)
         assert len(row) >= 4 and row[2] and row[3], key  # upstream file, first version
@@ -683,7 +685,7 @@ def test_version_ordering():
 
 
 def test_launch_overrides_compose_to_the_applied_plan(ascend_cfg):
-    p = determinism_env.plan_for_config(ascend_cfg, _settings(ascend_cfg), detected={})
+    p = plan_for_config(ascend_cfg, _settings(ascend_cfg), detected={})
     composed = check_cli.compose_config(str(CONFIGS), ASCEND, determinism_env.hydra_overrides(p))
     applied = determinism_env.apply_to_config(ascend_cfg, p)
     for path, value in determinism_env.config_updates(p).items():
@@ -697,12 +699,12 @@ def test_apply_in_process_sets_torch_determinism():
 
     p = _plan(True, "cuda", versions=CUDA_STACK, importer=_no_vllm)
     try:
-        assert determinism_env.apply_in_process(p) == ["torch.use_deterministic_algorithms(True)"]
+        assert apply_in_process(p) == ["torch.use_deterministic_algorithms(True)"]
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.is_deterministic_algorithms_warn_only_enabled()  # a nondeterministic op raises
     finally:
         torch.use_deterministic_algorithms(False)
-    assert determinism_env.apply_in_process(_plan(True, "cpu", versions={})) == []
+    assert apply_in_process(_plan(True, "cpu", versions={})) == []
 
 
 # --------------------------------------------------------------------------------------------

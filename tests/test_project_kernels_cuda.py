@@ -17,6 +17,8 @@ import torch
 from true_on_policy.cli import check as check_cli
 from true_on_policy.config.settings import ConfigError, Settings
 from true_on_policy.contract import determinism_plan as denv
+
+from contract_helpers import plan_of
 from true_on_policy.vllm_adapter import plugin
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -158,12 +160,12 @@ def test_device_attention_refuses_uncovered_features_by_name():
 
 
 def test_plan_pins_the_project_attention_and_no_vendor_environment():
-    p = denv.plan(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
+    p = plan_of(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
     assert p.worker_env == {} and p.rollout_forced_env == {}
     assert p.rollout_config == {f"{denv.ROLLOUT_VLLM}.attention_backend": "CUSTOM"}
     assert any("written, not run on a device" in op for op in p.ops)
     # twin: the engine family on the same stack emits vLLM's batch-invariant mode instead
-    e = denv.plan(True, "cuda", versions={"vllm": "0.28.0", "megatron-core": "0.16.1"}, importer=_no_vllm,
+    e = plan_of(True, "cuda", versions={"vllm": "0.28.0", "megatron-core": "0.16.1"}, importer=_no_vllm,
                   training_strategy="megatron", rollout_name="vllm")
     assert e.worker_env["VLLM_BATCH_INVARIANT"] == "1"
 
@@ -172,7 +174,7 @@ def test_plan_pins_the_project_attention_and_no_vendor_environment():
 def test_plan_refuses_a_vllm_the_adapter_is_not_written_for(vllm):
     # the installed vLLM wins over a declared one, so this is checked on the plan itself
     with pytest.raises(denv.ConfigError, match=f"stack_versions.vllm={vllm!r}.*vLLM 0.28.0"):
-        denv.plan(True, "cuda", versions={"vllm": vllm}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
+        plan_of(True, "cuda", versions={"vllm": vllm}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
 
 
 def _no_vllm(name):
@@ -208,7 +210,7 @@ def test_check_refuses_what_cannot_run_the_project_kernels(override, named):
 
 def test_the_doc_cites_the_key_the_project_plan_emits():
     doc = (CONFIGS.parent / "docs" / "parallelism_and_determinism.md").read_text()
-    p = denv.plan(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
+    p = plan_of(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
     for path, value in p.rollout_config.items():
         key = path.rsplit(".", 1)[1]
         rows = [line for line in doc.splitlines() if line.startswith(f"| `{key}` |")]

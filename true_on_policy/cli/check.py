@@ -56,7 +56,7 @@ def compose_config(config_path: str, config_name: str, overrides: Sequence[str] 
         key, raw = _unresolvable(cfg)
         if key is None:
             raise
-        from true_on_policy.contract.config_reader import ConfigError
+        from true_on_policy.config.settings import ConfigError
 
         raise ConfigError(key, raw, f"does not resolve ({type(exc).__name__}: {exc})") from exc
     return cfg
@@ -185,7 +185,7 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> tuple[int, str, st
     from true_on_policy.contract import consistency as contract_mod
     from true_on_policy.contract import determinism_plan as determinism_env
     from true_on_policy.contract import verdict as verdict_mod
-    from true_on_policy.contract.config_reader import ConfigError
+    from true_on_policy.config.settings import ConfigError
 
     try:
         cfg = compose_config(args.config_path, args.config_name, overrides)

@@ -39,8 +39,20 @@ PLATFORM_CHOICES = (AUTO_PLATFORM, *PLATFORMS)
 KERNELS = (None, "engine", "project")
 
 
+_NO_VALUE = object()
+
+
 class ConfigError(ValueError):
-    """A bad value in the user's config (key and value named in the message), not a bug of ours."""
+    """A bad value in the user's config, not a bug of ours: ``ConfigError(key, value, expected)`` names
+    the key and the value; ``ConfigError(message)`` where the message names them itself."""
+
+    def __init__(self, key: str, value: Any = _NO_VALUE, expected: str = ""):
+        if value is _NO_VALUE:
+            self.key, self.value, self.expected = None, None, ""
+            super().__init__(key)
+        else:
+            self.key, self.value, self.expected = key, value, expected
+            super().__init__(f"{key}={value!r}: {expected}")
 
 
 class SettingsNotExported(RuntimeError):

@@ -25,8 +25,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from true_on_policy.contract.config_reader import ConfigError
-from true_on_policy.contract.config_views import ENV_PATH, MEGATRON_TC, ROLLOUT_VLLM, RolloutView, Sides, TrainingView, read_sides
+from true_on_policy.config.settings import PLATFORMS, ConfigError, Settings
+from true_on_policy.config.launch import ENV_PATH, MEGATRON_TC, ROLLOUT_VLLM, RolloutView, Sides, TrainingView
 from true_on_policy.contract.stack_versions import (  # noqa: F401 - re-exported: the plan's vocabulary
     DISTRIBUTIONS,
     PLATFORM_PACKAGES,
@@ -42,8 +42,6 @@ from true_on_policy.contract.stack_versions import (  # noqa: F401 - re-exported
     version_at_least,
     vllm_ascend_line,
 )
-
-PLATFORMS = ("cpu", "ascend", "cuda")
 
 ROW_PARALLEL_ALL_REDUCE = "all_reduce"
 ROW_PARALLEL_RS_AG = "reduce_scatter+all_gather"
@@ -220,18 +218,6 @@ class Plan:
             "skipped": list(self.skipped),
             "notes": list(self.notes),
         }
-
-def project_kernels(platform: str, kernels: str | None) -> bool:
-    """The flag switches on the project's kernels (``true_on_policy.kernels``): always on cpu, on
-    ascend / cuda only with ``kernels: project``."""
-    return platform == "cpu" or kernels == "project"
-
-
-def project_rollout(rollout_name: str, platform: str, kernels: str | None = None) -> bool:
-    """The rollout runs the project's consistent kernels: its CPU engine, or vLLM through
-    ``true_on_policy.vllm_adapter`` (vLLM-CPU; vLLM on CUDA with ``kernels: project``)."""
-    return rollout_name == "cpu" or (rollout_name == "vllm" and project_kernels(platform, kernels))
-
 
 # Why kernels=project is refused on Ascend: what the vLLM adapter would need there and does not have.
 PROJECT_KERNELS_ASCEND_MISSING = (
@@ -564,37 +550,30 @@ MEGATRON_ROUTER_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp64": "fp64", "fl
 
 
 def plan(
-    deterministic: bool,
-    platform: str,
+    settings: Settings,
+    sides: Sides,
+    versions: Versions,
     *,
-    training_strategy: str,
-    rollout_name: str,
-    versions: Versions | Mapping[str, str | None] | None = None,
-    row_parallel: str | None = None,
-    moe_router_dtype: str | None = None,
-    moe_dispatcher: str | None = None,
-    kernels: str | None = None,
     importer: Callable[[str], Any] = importlib.import_module,
 ) -> Plan:
-    """Compute the determinism settings for one launch.
-
-    ``training_strategy`` / ``rollout_name`` are verl's ``actor.strategy`` / ``rollout.name`` (required:
-    no default could be right on every platform). ``row_parallel`` is the training side's row-parallel reduction (``ROW_PARALLEL_*``); on an Ascend
-    release build a reduce-scatter + all-gather training layout switches FlashComm1 on in the rollout.
-    ``moe_router_dtype`` / ``moe_dispatcher`` are the project pins from ``true_on_policy``; they go
-    into the Megatron transformer config. ``kernels`` is ``true_on_policy.kernels`` ("project" on a
-    device platform: :func:`_plan_project_kernels`). Raises :class:`ConfigError` when the stack versions
-    do not have the keys the flag needs.
+    """The determinism settings for one launch: ``settings`` (platform resolved), the views of the two
+    sides (their engines, the training side's row-parallel reduction) and the stack ``versions``
+    (:func:`~true_on_policy.contract.stack_versions.resolve_versions`). On an Ascend release build a
+    reduce-scatter + all-gather training layout switches FlashComm1 on in the rollout; the project pins
+    ``moe_router_dtype`` / ``moe_dispatcher`` go into the Megatron transformer config; ``kernels:
+    project`` on a device platform: :func:`_plan_project_kernels`. ``importer`` finds vLLM's module.
+    Raises :class:`ConfigError` when the stack versions do not have the keys the flag needs.
     """
+    platform, deterministic = settings.platform, settings.deterministic
     if platform not in PLATFORMS:
         raise ConfigError("true_on_policy.platform", platform, f"one of {PLATFORMS}")
-    if not isinstance(versions, Versions):
-        versions = resolve_versions(platform, detected=dict(versions) if versions is not None else None)
+    if deterministic and platform == "ascend" and sides.rollout.name == "vllm":
+        refuse_ignored_keys(sides.rollout, versions)
     d = _Draft(
         versions=versions,
-        strategy=training_strategy,
-        rollout_name=rollout_name,
-        row_parallel=row_parallel or ROW_PARALLEL_NONE,
+        strategy=sides.training.strategy,
+        rollout_name=sides.rollout.name,
+        row_parallel=training_row_parallel(sides.training),
         importer=importer,
         notes=list(versions.conflicts),
     )
@@ -602,12 +581,12 @@ def plan(
         d.ops.append("engine defaults (true_on_policy.deterministic=false): no determinism settings emitted")
     elif platform == "cpu":
         d.ops.append("true_on_policy consistent kernels on both engines (selected by true_on_policy.deterministic=true)")
-    elif kernels == "project":
+    elif settings.resolved_kernels == "project":
         _plan_project_kernels(d, platform)
     else:
         (_plan_ascend if platform == "ascend" else _plan_cuda)(d)
         if d.strategy == "megatron":
-            _plan_megatron_pins(d, moe_router_dtype, moe_dispatcher)
+            _plan_megatron_pins(d, settings.moe_router_dtype, settings.moe_dispatcher)
     return Plan(
         platform=platform,
         deterministic=deterministic,
@@ -655,37 +634,6 @@ def refuse_ignored_keys(rollout: RolloutView, versions: Versions) -> None:
         ):
             if value is not None:
                 raise ConfigError(key, value, f"vllm-ascend {va} (a main build) ignores FlashComm1 (removed by PR #13946)")
-
-
-def plan_for(
-    settings: Any,
-    sides: Sides,
-    *,
-    detected: Mapping[str, str | None] | None = None,
-    importer: Callable[[str], Any] = importlib.import_module,
-) -> Plan:
-    """The plan for the views of a resolved verl config and its parsed ``true_on_policy:`` section
-    (:class:`true_on_policy.config.settings.Settings`, platform resolved). No verl import."""
-    versions = resolve_versions(settings.platform, declared=dict(settings.stack_versions), detected=detected)
-    if settings.deterministic and settings.platform == "ascend" and sides.rollout.name == "vllm":
-        refuse_ignored_keys(sides.rollout, versions)
-    return plan(
-        settings.deterministic,
-        settings.platform,
-        versions=versions,
-        training_strategy=sides.training.strategy,
-        rollout_name=sides.rollout.name,
-        row_parallel=training_row_parallel(sides.training),
-        moe_router_dtype=settings.moe_router_dtype,
-        moe_dispatcher=settings.moe_dispatcher,
-        kernels=settings.resolved_kernels,
-        importer=importer,
-    )
-
-
-def plan_for_config(config: Any, settings: Any, **kwargs: Any) -> Plan:
-    """:func:`plan_for` on a resolved config read into its views (:func:`~.config_views.read_sides`)."""
-    return plan_for(settings, read_sides(config), **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
