@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 
 from true_on_policy.config.invariants import check_invariants
-from true_on_policy.config.launch import read_algorithm, read_sides
+from true_on_policy.config.launch import ROW_PARALLEL_NONE, ROW_PARALLEL_RS_AG, read_algorithm, read_sides
 from true_on_policy.config.settings import Settings
 from true_on_policy.contract import consistency, determinism_plan
 from true_on_policy.contract.stack_versions import resolve_versions
@@ -36,9 +36,9 @@ def plan_of(deterministic, platform, *, training_strategy, rollout_name, version
     settings = Settings(deterministic=deterministic, platform=platform, kernels=kernels,
                         moe_router_dtype=moe_router_dtype, moe_dispatcher=moe_dispatcher)
     actor = {"strategy": training_strategy}
-    if row_parallel not in (None, determinism_plan.ROW_PARALLEL_NONE):
+    if row_parallel not in (None, ROW_PARALLEL_NONE):
         assert training_strategy == "megatron", "a row-parallel reduction needs a TP>1 Megatron training side"
-        sequence_parallel = row_parallel == determinism_plan.ROW_PARALLEL_RS_AG
+        sequence_parallel = row_parallel == ROW_PARALLEL_RS_AG
         actor["megatron"] = {"tensor_model_parallel_size": 2, "sequence_parallel": sequence_parallel}
     config = {
         "actor_rollout_ref": {"actor": actor, "rollout": {"name": rollout_name, "tensor_model_parallel_size": 1},

@@ -135,6 +135,11 @@ ENV_PATH = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 REQUIRED = object()  # a key verl always carries: missing is an error, not a default
 
+# A row-parallel layer's reduction: none (TP=1), an all-reduce, or a reduce-scatter + all-gather.
+ROW_PARALLEL_ALL_REDUCE = "all_reduce"
+ROW_PARALLEL_RS_AG = "reduce_scatter+all_gather"
+ROW_PARALLEL_NONE = "none"
+
 
 def _key(path: str, kind: str, default: Any = None, **options: Any) -> Any:
     """A view field read from ``path`` with the converter ``kind`` (see :func:`_convert`)."""
@@ -174,6 +179,8 @@ def _overlay(view, updates: Mapping[str, Any]):
         return None
     changes = {}
     for f in dataclasses.fields(view):
+        if not f.init:  # derived: computed again by the view
+            continue
         if "path" not in f.metadata:
             changes[f.name] = _overlay(getattr(view, f.name), updates)
             continue
@@ -258,14 +265,26 @@ class TrainingView(_TrainingKeys):
     torchtitan: TorchtitanView | None = None
     veomni: VeomniView | None = None
     fsdp: FsdpView | None = None
+    # derived from the keys above when the view is built (and again after an overlay)
+    world: int = dataclasses.field(init=False)
+    is_fsdp: bool = dataclasses.field(init=False)
+    row_parallel: str = dataclasses.field(init=False)  # the row-parallel reduction (ROW_PARALLEL_*)
 
-    @property
-    def world(self) -> int:
-        return self.nnodes * self.gpus_per_node
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "world", self.nnodes * self.gpus_per_node)
+        object.__setattr__(self, "is_fsdp", self.strategy not in ("megatron", "torchtitan", "veomni"))
+        object.__setattr__(self, "row_parallel", _row_parallel(self.megatron, self.torchtitan))
 
-    @property
-    def is_fsdp(self) -> bool:
-        return self.strategy not in ("megatron", "torchtitan", "veomni")
+
+def _row_parallel(megatron: MegatronView | None, torchtitan: TorchtitanView | None) -> str:
+    """The training side's row-parallel reduction, from the engine the config selects."""
+    if megatron is not None:
+        if megatron.tp <= 1:
+            return ROW_PARALLEL_NONE
+        return ROW_PARALLEL_RS_AG if megatron.sequence_parallel else ROW_PARALLEL_ALL_REDUCE
+    if torchtitan is not None:
+        return ROW_PARALLEL_NONE if torchtitan.tp <= 1 else ROW_PARALLEL_RS_AG
+    return ROW_PARALLEL_NONE
 
 
 def read_training(config: Any) -> TrainingView:
@@ -427,12 +446,17 @@ class Launch:
 
 def read_launch(config: Any) -> Launch:
     """The launch ``config`` describes (a resolved DictConfig or nested mappings); a bad value is a
-    :class:`ConfigError` naming key and value."""
+    :class:`ConfigError` naming key and value (one in the ``true_on_policy:`` section first)."""
     from true_on_policy.kernels.architectures import read_checkpoint
 
-    settings = Settings.from_config(config)
     algorithm = read_algorithm(config)
-    if settings is None:
+    if lookup(config, "true_on_policy") in (None, MISSING):
         return Launch(None, None, algorithm, None)
-    sides = read_sides(config)
+    try:
+        sides, error = read_sides(config), None
+    except ConfigError as raised:
+        sides, error = None, raised
+    settings = Settings.from_config(config)
+    if error is not None:
+        raise error
     return Launch(settings, sides, algorithm, read_checkpoint(sides.training.model_path))

@@ -22,19 +22,23 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from true_on_policy.config.launch import A, M, MEGATRON, MEGATRON_TC, R, RolloutView, Sides, TrainingView, parse_bool
-from true_on_policy.config.settings import Settings
-from true_on_policy.contract import kernel_families
-from true_on_policy.contract.determinism_plan import (
-    REDUCTION_ENV_KEYS,
+from true_on_policy.config.launch import (
     ROW_PARALLEL_ALL_REDUCE,
     ROW_PARALLEL_NONE,
     ROW_PARALLEL_RS_AG,
-    SOURCES,
-    Plan,
-    config_updates,
-    training_row_parallel,
+    A,
+    M,
+    MEGATRON,
+    MEGATRON_TC,
+    R,
+    RolloutView,
+    Sides,
+    TrainingView,
+    parse_bool,
 )
+from true_on_policy.config.settings import Settings
+from true_on_policy.contract import kernel_families
+from true_on_policy.contract.determinism_plan import REDUCTION_ENV_KEYS, SOURCES, Plan, config_updates
 from true_on_policy.contract.names import (
     AUTO,
     CPU_EP_KEY,
@@ -685,7 +689,7 @@ def _rollout_row_parallel(r: RolloutView, platform: str) -> Side:
 
 
 def _row_parallel_row(c: _Ctx) -> Row:
-    t_rp = Side(training_row_parallel(c.t), f"{A}.megatron.sequence_parallel (TP>1: true = reduce-scatter + all-gather)")
+    t_rp = Side(c.t.row_parallel, f"{A}.megatron.sequence_parallel (TP>1: true = reduce-scatter + all-gather)")
     if c.platform == "cpu" and c.t.megatron is None and c.t.torchtitan is None and _int(c.tl.tp.value) > 1:
         t_rp = Side(CPU_ROW_PARALLEL, f"{CPU_TP_KEY}={c.tl.tp.value} (true_on_policy.kernels.tensor_parallel)")
     r_rp = _rollout_row_parallel(c.r, c.platform)

@@ -26,7 +26,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from true_on_policy.config.settings import PLATFORMS, ConfigError, Settings
-from true_on_policy.config.launch import ENV_PATH, MEGATRON_TC, ROLLOUT_VLLM, RolloutView, Sides, TrainingView
+from true_on_policy.config.launch import (
+    ENV_PATH,
+    MEGATRON_TC,
+    ROLLOUT_VLLM,
+    ROW_PARALLEL_ALL_REDUCE,
+    ROW_PARALLEL_RS_AG,
+    RolloutView,
+    Sides,
+)
 from true_on_policy.contract.stack_versions import (  # noqa: F401 - re-exported: the plan's vocabulary
     DISTRIBUTIONS,
     PLATFORM_PACKAGES,
@@ -43,9 +51,6 @@ from true_on_policy.contract.stack_versions import (  # noqa: F401 - re-exported
     vllm_ascend_line,
 )
 
-ROW_PARALLEL_ALL_REDUCE = "all_reduce"
-ROW_PARALLEL_RS_AG = "reduce_scatter+all_gather"
-ROW_PARALLEL_NONE = "none"
 
 
 
@@ -573,7 +578,7 @@ def plan(
         versions=versions,
         strategy=sides.training.strategy,
         rollout_name=sides.rollout.name,
-        row_parallel=training_row_parallel(sides.training),
+        row_parallel=sides.training.row_parallel,
         importer=importer,
         notes=list(versions.conflicts),
     )
@@ -601,17 +606,6 @@ def plan(
         skipped=tuple(d.skipped),
         notes=tuple(d.notes),
     )
-
-
-def training_row_parallel(training: TrainingView) -> str:
-    """The training side's row-parallel reduction mode, from the engine the config selects."""
-    if training.megatron is not None:
-        if training.megatron.tp <= 1:
-            return ROW_PARALLEL_NONE
-        return ROW_PARALLEL_RS_AG if training.megatron.sequence_parallel else ROW_PARALLEL_ALL_REDUCE
-    if training.torchtitan is not None:
-        return ROW_PARALLEL_NONE if training.torchtitan.tp <= 1 else ROW_PARALLEL_RS_AG
-    return ROW_PARALLEL_NONE
 
 
 def refuse_ignored_keys(rollout: RolloutView, versions: Versions) -> None:

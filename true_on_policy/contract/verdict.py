@@ -32,7 +32,7 @@ from typing import Any
 from true_on_policy.config import invariants
 from true_on_policy.config.launch import Algorithm, Launch, read_launch
 from true_on_policy.config.platform import Machine
-from true_on_policy.config.settings import AUTO_PLATFORM, ConfigError, Settings
+from true_on_policy.config.settings import ConfigError, Settings, resolve_platform
 from true_on_policy.contract import consistency, determinism_plan
 from true_on_policy.contract.stack_versions import resolve_versions
 from true_on_policy.kernels import architectures
@@ -95,12 +95,13 @@ def decide(
 
     refusals: list[str] = []
     notes: list[str] = []
-    settings = _resolve_platform(launch.settings, machine, launching, refusals, notes)
+    settings = resolve_platform(launch.settings, machine, launching, refusals, notes)
     if settings is None:
         return _refused(refusals)
+    consistent_kernels = settings.consistent_kernels
     refusals += _algorithm_refusals(launch.algorithm, settings, notes)
     refusals += _platform_limits(settings)
-    refusals += _architecture_refusals(launch, settings)
+    refusals += _architecture_refusals(launch, consistent_kernels)
 
     plan = contract = None
     try:
@@ -112,7 +113,7 @@ def decide(
     if contract is None:
         return _refused(refusals, notes, settings, plan)
 
-    mismatches = consistency.compare(contract)
+    mismatches, unverified = consistency.compare(contract), consistency.unverified(contract)
     if mismatches and not settings.allow_contract_mismatch:
         refusals += [m.line() for m in mismatches]
         refusals.append(
@@ -121,7 +122,7 @@ def decide(
         )
     else:
         notes += [f"contract mismatch allowed by true_on_policy.allow_contract_mismatch: {m.line()}" for m in mismatches]
-    open_rows, accepted_lines = _unverified(contract, settings, refusals)
+    open_rows, accepted_lines = _unverified(contract, unverified, settings, refusals)
     notes += accepted_lines
     if refusals:
         return _refused(refusals, notes, settings, plan, contract)
@@ -148,35 +149,6 @@ def decide(
 def _refused(refusals, notes=(), settings=None, plan=None, contract=None) -> Verdict:
     lines = (PREFIX + "refused (nothing was started):", *refusals, *notes)
     return Verdict(EXIT_REFUSED, lines, settings, plan, contract)
-
-
-def _resolve_platform(settings: Settings, machine: Machine, launching: bool, refusals: list[str], notes: list[str]):
-    """The settings with the platform resolved (None when that itself is a bad value)."""
-    declared = settings.platform
-    if declared == AUTO_PLATFORM:
-        notes.append(f"platform: true_on_policy.platform=auto detected {machine.platform} ({machine.reason})")
-        platform = machine.platform
-    else:
-        platform = declared
-        if declared != machine.platform:
-            if launching:
-                refusals.append(
-                    f"bad config value: true_on_policy.platform={declared!r} but this machine is {machine.platform} "
-                    f"({machine.reason}); set true_on_policy.platform={machine.platform} (or auto), or launch on a "
-                    f"{declared} machine"
-                )
-            else:
-                notes.append(
-                    f"platform: evaluated as declared, true_on_policy.platform={declared!r}; this machine is "
-                    f"{machine.platform} ({machine.reason}), so a launch here is refused"
-                )
-        else:
-            notes.append(f"platform: true_on_policy.platform={declared!r} is this machine ({machine.reason})")
-    try:
-        return settings.on_platform(platform)
-    except ConfigError as error:
-        refusals.append(f"bad config value: {error}")
-        return None
 
 
 def _algorithm_refusals(algorithm: Algorithm, settings: Settings, notes: list[str]) -> list[str]:
@@ -213,10 +185,10 @@ def _platform_limits(settings: Settings) -> list[str]:
     return []
 
 
-def _architecture_refusals(launch: Launch, settings: Settings) -> list[str]:
+def _architecture_refusals(launch: Launch, consistent_kernels: bool) -> list[str]:
     """The project's kernels refuse, by name, an architecture or feature they do not cover (a hub name:
     the engines check it at load)."""
-    if not settings.consistent_kernels or launch.checkpoint is None:
+    if not consistent_kernels or launch.checkpoint is None:
         return []
     try:
         architectures.check_config(launch.checkpoint)
@@ -225,12 +197,11 @@ def _architecture_refusals(launch: Launch, settings: Settings) -> list[str]:
     return []
 
 
-def _unverified(contract, settings: Settings, refusals: list[str]):
-    """(rows still open, lines for the accepted ones); an accepted name that is no row is refused."""
+def _unverified(contract, rows, settings: Settings, refusals: list[str]):
+    """(``rows`` still open, lines for the accepted ones); an accepted name that is no row is refused."""
     fields = [row.field for row in contract.rows]
     unknown = sorted(set(settings.accept_unverified) - set(fields))
     if unknown:
         refusals.append(f"bad config value: true_on_policy.accept_unverified={unknown}: not contract rows; rows are {fields}")
-    rows = consistency.unverified(contract)
     accepted = [f"accepted unverified: {row.field}: {reason}" for row, reason in rows if row.field in settings.accept_unverified]
     return [(row, reason) for row, reason in rows if row.field not in settings.accept_unverified], accepted
