@@ -18,6 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from true_on_policy.cli import check as check_cli
+from true_on_policy.config.launch import ROW_PARALLEL_ALL_REDUCE, ROW_PARALLEL_RS_AG
 from true_on_policy.config.settings import Settings
 
 from true_on_policy.contract import consistency as contract
@@ -484,7 +485,7 @@ def test_rl_config_on_main_builds_flashcomm1_on_releases(version):
     main = determinism_env.vllm_ascend_line(version) == "main"
     p = _plan(
         True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": version}, training_strategy="megatron",
-        row_parallel=determinism_env.ROW_PARALLEL_RS_AG,
+        row_parallel=ROW_PARALLEL_RS_AG,
     )
     assert any(".rl_config." in key for key in p.rollout_config) is main
     assert ("VLLM_ASCEND_ENABLE_FLASHCOMM1" in p.worker_env) is (not main)
@@ -500,7 +501,7 @@ def test_ascend_plan_refuses_an_unknown_or_too_old_vllm_ascend(version):
 
 def test_ascend_release_without_flashcomm_when_training_all_reduces():
     p = _plan(True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": "0.25.1rc1"},
-                             row_parallel=determinism_env.ROW_PARALLEL_ALL_REDUCE)
+                             row_parallel=ROW_PARALLEL_ALL_REDUCE)
     assert "VLLM_ASCEND_ENABLE_FLASHCOMM1" not in p.worker_env
 
 

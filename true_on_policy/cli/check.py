@@ -127,7 +127,7 @@ _FLAGS = ("--json", "--plan", "--show-config", "--show-command", "--command-args
 
 def launch_command(config_path: str, config_name: str, overrides: Sequence[str], plan: Any, python: str = "python") -> list[str]:
     """The verl launch: the user's overrides, then the determinism plan's ``++`` overrides (which win)."""
-    from true_on_policy.contract import determinism_plan as determinism_env
+    from true_on_policy.contract.determinism_plan import hydra_overrides
 
     return [
         python,
@@ -136,7 +136,7 @@ def launch_command(config_path: str, config_name: str, overrides: Sequence[str],
         f"--config-path={os.path.abspath(config_path)}",
         f"--config-name={config_name}",
         *overrides,
-        *determinism_env.hydra_overrides(plan),
+        *hydra_overrides(plan),
     ]
 
 
@@ -182,10 +182,10 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> tuple[int, str, st
     from omegaconf.errors import OmegaConfBaseException
 
     from true_on_policy.config.platform import detect_machine
-    from true_on_policy.contract import consistency as contract_mod
-    from true_on_policy.contract import determinism_plan as determinism_env
-    from true_on_policy.contract import verdict as verdict_mod
     from true_on_policy.config.settings import ConfigError
+    from true_on_policy.contract import determinism_plan
+    from true_on_policy.contract.consistency import format_table
+    from true_on_policy.contract.verdict import decide
 
     try:
         cfg = compose_config(args.config_path, args.config_name, overrides)
@@ -198,7 +198,7 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> tuple[int, str, st
     except Exception as exc:  # noqa: BLE001 - one readable line, the exit code says the rest
         return EXIT_ERROR, "", f"true_on_policy check: cannot compose the config: {_describe(exc)}"
     try:
-        verdict = verdict_mod.decide(cfg, machine=detect_machine(), launching=False)
+        verdict = decide(cfg, machine=detect_machine(), launching=False)
     except Exception as exc:  # noqa: BLE001 - a bug here, not a config problem: say so
         return EXIT_ERROR, "", f"true_on_policy check: internal error: {_describe(exc)}"
     plan = verdict.plan
@@ -214,11 +214,11 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> tuple[int, str, st
         if args.show_config and plan is not None:
             from omegaconf import OmegaConf
 
-            out += ["# resolved config (determinism plan applied)", OmegaConf.to_yaml(determinism_env.apply_to_config(cfg, plan))]
+            out += ["# resolved config (determinism plan applied)", OmegaConf.to_yaml(determinism_plan.apply_to_config(cfg, plan))]
         if verdict.contract is not None:
-            out.append(contract_mod.format_table(verdict.contract))
+            out.append(format_table(verdict.contract))
         if args.plan and plan is not None:
-            out.append(determinism_env.describe(plan))
+            out.append(determinism_plan.describe(plan))
         if args.show_command and command is not None:
             import shlex
 

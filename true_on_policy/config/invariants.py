@@ -1,6 +1,6 @@
 """FlashREINFORCE's config invariants, checked on the resolved Hydra config before Ray starts.
 
-They apply when the config trains with FlashREINFORCE (:func:`uses_flashreinforce`: its loss or its
+They apply when the config trains with FlashREINFORCE (``Algorithm.flashreinforce``: its loss or its
 advantage estimator is ``flashreinforce``); a GRPO, GSPO or DAPO config with the true-on-policy flag
 is not held to them.
 

@@ -28,10 +28,9 @@ from true_on_policy.config.settings import ConfigError, Settings
 
 
 def lookup(config: Any, dotted: str) -> Any:
-    """``config[dotted]``; :data:`MISSING` when a key on the way is absent (or a node is null).
-
-    A key that is present but cannot be read (a broken interpolation, a ``???`` value) is a
-    :class:`ConfigError` naming the key."""
+    """``config[dotted]``; :data:`MISSING` when a key on the way is absent, a node is null, or the value
+    is OmegaConf's ``???`` (no value given). A key that is present but cannot be read (an
+    interpolation that does not resolve) is a :class:`ConfigError` naming the key."""
     node = config
     for part in dotted.split("."):
         if node is None or node is MISSING:
@@ -46,9 +45,6 @@ def lookup(config: Any, dotted: str) -> Any:
 def _present(value: Any) -> Any:
     """A looked-up value with absence read as null (the views' defaults apply to both)."""
     return None if value is MISSING else value
-
-
-
 
 
 def integer(key: str, value: Any, default: int | None, minimum: int | None = 1) -> int | None:
@@ -422,15 +418,8 @@ class Algorithm:
 
 
 def read_algorithm(config: Any) -> Algorithm:
-    """The invariants' keys of a composed config; a ``???`` value reads as missing (a violation naming it)."""
-    found = {}
-    for key in INVARIANT_KEYS:
-        try:
-            found[key] = lookup(config, key)
-        except ConfigError as error:
-            if type(error.__cause__).__name__ != "MissingMandatoryValue":
-                raise
-            found[key] = MISSING
+    """The invariants' keys of a composed config (an absent one: a violation naming it)."""
+    found = {key: lookup(config, key) for key in INVARIANT_KEYS}
     return Algorithm(found, FLASHREINFORCE in (found[LOSS_MODE_KEY], found[ADV_ESTIMATOR_KEY]))
 
 

@@ -69,6 +69,8 @@ class Status(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Side:
+    """One side of a row: the value and the key (or upstream file) it comes from; ``display`` how to show it."""
+
     value: Any
     source: str
     display: str | None = None
@@ -90,6 +92,9 @@ def _int(value: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
+    """One contract field, its two sides and how they must relate; ``status`` and ``reason`` are decided
+    once (:func:`_judged`), when the contract is built or a row replaced."""
+
     field: str
     title: str
     training: Side

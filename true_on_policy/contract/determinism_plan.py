@@ -22,7 +22,7 @@ import dataclasses
 import importlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from true_on_policy.config.settings import PLATFORMS, ConfigError, Settings
@@ -30,7 +30,6 @@ from true_on_policy.config.launch import (
     ENV_PATH,
     MEGATRON_TC,
     ROLLOUT_VLLM,
-    ROW_PARALLEL_ALL_REDUCE,
     ROW_PARALLEL_RS_AG,
     RolloutView,
     Sides,
