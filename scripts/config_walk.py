@@ -6,7 +6,8 @@ does, then run ``verdict.decide(config, machine=detect_machine(), launching=Fals
 itself included) whose code lives in the ``true_on_policy`` package is a step of the walk when one of
 its arguments is *the config or an object derived from it*: an OmegaConf node, or an instance of a
 class defined in ``true_on_policy`` (the settings, the views of the two sides, the launch, the plan,
-the contract, a row, ...). Calls on plain values only (a string, a number, a dict) are not steps.
+the contract, a row, ...), and that is called from the package (import hooks called by importlib are
+not). Calls on plain values only (a string, a number, a dict) are not steps.
 
 The steps, in the order they are entered, are labelled with their module. A *stay* is a maximal run
 of consecutive steps in one module; a *return* is a stay in a module the walk had already left
@@ -46,6 +47,9 @@ def walk(config, decide) -> list[tuple[str, str]]:
         code = frame.f_code
         if not code.co_filename.startswith(PACKAGE):
             return
+        caller = frame.f_back
+        if steps and (caller is None or not caller.f_code.co_filename.startswith(PACKAGE)):
+            return  # entered from outside the package (an import hook), not along the config's path
         names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
         if any(_derived(frame.f_locals.get(name), node_types) for name in names):
             module = os.path.relpath(code.co_filename, ROOT)[: -len(".py")].replace(os.sep, ".")

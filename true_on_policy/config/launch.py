@@ -368,10 +368,10 @@ class RolloutView(_RolloutKeys):
 
     vllm: VllmView | None = None
     sglang: SglangView | None = None
+    engine_kwargs: VllmView | SglangView | None = dataclasses.field(init=False)  # the selected engine's view
 
-    @property
-    def engine_kwargs(self) -> VllmView | SglangView | None:
-        return self.sglang if self.name == "sglang" else self.vllm
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine_kwargs", self.sglang if self.name == "sglang" else self.vllm)
 
 
 def read_rollout(config: Any) -> RolloutView:

@@ -148,6 +148,8 @@ class Settings:
                 f"true_on_policy.allow_contract_mismatch must be a bool, got {self.allow_contract_mismatch!r}"
             )
 
+    # resolved_kernels / consistent_kernels: computed once per object (the frozen dataclass keeps the
+    # value in its __dict__, outside the fields that asdict and to_json write)
     @functools.cached_property
     def resolved_kernels(self) -> str:
         """The kernel family the flag switches on: "project" (the project's kernels on both engines) or
@@ -160,9 +162,6 @@ class Settings:
     def consistent_kernels(self) -> bool:
         """The one switch of both engines' kernels: the project's consistent kernels run in this process."""
         return self.deterministic and self.resolved_kernels == "project"
-
-    # resolved_kernels / consistent_kernels: computed once per object (a frozen dataclass keeps the
-    # cached value in its __dict__, outside the fields that asdict and to_json write)
 
     def on_platform(self, platform: str) -> Settings:
         """These settings with ``platform`` resolved (validated again: e.g. kernels=engine on cpu)."""

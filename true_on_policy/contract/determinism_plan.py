@@ -1,4 +1,4 @@
-"""Determinism plan: (deterministic flag, platform, stack versions) -> what every process must run with.
+"""Determinism plan: ``plan(settings, sides, versions)`` -> what every process must run with.
 
 Pure module: no device library is imported at module level. ``torch_npu`` is imported only by
 :func:`detect_cann_version` / :func:`run_in_process_calls` on ``platform="ascend"``; ``vllm`` only by
@@ -25,15 +25,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from true_on_policy.config.launch import ENV_PATH, MEGATRON_TC, ROLLOUT_VLLM, ROW_PARALLEL_RS_AG, RolloutView, Sides
 from true_on_policy.config.settings import PLATFORMS, ConfigError, Settings
-from true_on_policy.config.launch import (
-    ENV_PATH,
-    MEGATRON_TC,
-    ROLLOUT_VLLM,
-    ROW_PARALLEL_RS_AG,
-    RolloutView,
-    Sides,
-)
 from true_on_policy.contract.stack_versions import (  # noqa: F401 - re-exported: the plan's vocabulary
     DISTRIBUTIONS,
     PLATFORM_PACKAGES,
@@ -271,11 +264,11 @@ def rollout_forced_env(
             continue
     if override is None:
         gate = VERSION_GATES["vllm.determinism_module"]
-        moved = version_at_least(versions.get("vllm"), gate.min_version)
+        moved = version_at_least(versions.effective.get("vllm"), gate.min_version)
         if moved is not False:
             raise ConfigError(
                 "true_on_policy.stack_versions.vllm",
-                versions.get("vllm"),
+                versions.effective.get("vllm"),
                 f"vLLM is not importable here and {'its version is unknown' if moved is None else 'it is >= ' + gate.min_version}: "
                 f"the mirrored table ({SOURCES['vllm_bi']}) is stale from vLLM {gate.min_version} on ({gate.evidence}); "
                 "run the check where vLLM is installed, or declare a vLLM version < 0.33",
@@ -283,7 +276,7 @@ def rollout_forced_env(
         forced = dict(VLLM_BATCH_INVARIANT_FORCED_ENV)
         if gate_open("nccl.algo_per_collective_reenable", versions.effective):
             forced["NCCL_ALGO"] = NCCL_ALGO_FROM_2_31
-        return forced, f"table from {SOURCES['vllm_bi']} (vLLM {versions.get('vllm')} < 0.33; + {SOURCES['vllm_58179']} for NCCL >= 2.31)"
+        return forced, f"table from {SOURCES['vllm_bi']} (vLLM {versions.effective.get('vllm')} < 0.33; + {SOURCES['vllm_58179']} for NCCL >= 2.31)"
     saved = dict(os.environ)
     try:
         override()
@@ -327,7 +320,7 @@ class _Draft:
 
 def _plan_ascend(d: _Draft) -> None:
     """vllm-ascend + MindSpeed: keys chosen by the vllm-ascend line and the MindSpeed version."""
-    cann = d.versions.get("cann")
+    cann = d.versions.effective.get("cann")
     strict_ok = version_at_least(cann, VERSION_GATES["cann.hccl_strict"].min_version)
     d.env(
         "HCCL_DETERMINISTIC",
@@ -356,7 +349,7 @@ def _plan_ascend(d: _Draft) -> None:
 
 
 def _plan_vllm_ascend(d: _Draft) -> None:
-    va = d.versions.get("vllm-ascend")
+    va = d.versions.effective.get("vllm-ascend")
     line = vllm_ascend_line(va)
     if line is None:
         raise ConfigError(
@@ -417,7 +410,7 @@ def _plan_vllm_ascend(d: _Draft) -> None:
 
 
 def _plan_mindspeed(d: _Draft) -> None:
-    ms = d.versions.get("mindspeed")
+    ms = d.versions.effective.get("mindspeed")
     gate = VERSION_GATES["mindspeed.batch_invariant"]
     if version_at_least(ms, gate.min_version) is not True:
         raise ConfigError(
@@ -438,10 +431,10 @@ def _plan_mindspeed(d: _Draft) -> None:
 def _require_vllm(d: _Draft, gate_name: str) -> None:
     """A vLLM rollout whose version lacks the key would ignore or reject it: refuse, naming the version."""
     gate = VERSION_GATES[gate_name]
-    if version_at_least(d.versions.get("vllm"), gate.min_version) is not True:
+    if version_at_least(d.versions.effective.get("vllm"), gate.min_version) is not True:
         raise ConfigError(
             "true_on_policy.stack_versions.vllm",
-            d.versions.get("vllm"),
+            d.versions.effective.get("vllm"),
             f"needs vLLM >= {gate.min_version} ({gate.upstream}: {gate.evidence})",
         )
 
@@ -478,7 +471,7 @@ def _plan_cuda(d: _Draft) -> None:
                 "TP=1 or Megatron sequence_parallel=false"
             )
     if d.strategy == "megatron":
-        mc = d.versions.get("megatron-core")
+        mc = d.versions.effective.get("megatron-core")
         gate = VERSION_GATES["megatron.batch_invariant_mode"]
         if version_at_least(mc, gate.min_version) is not True:
             raise ConfigError(
@@ -513,7 +506,7 @@ def _plan_project_kernels(d: _Draft, platform: str) -> None:
             "true_on_policy.kernels=project on a device runs the project's kernels inside vLLM "
             "(true_on_policy.vllm_adapter): use rollout.name=vllm",
         )
-    vllm = d.versions.get("vllm")
+    vllm = d.versions.effective.get("vllm")
     if vllm is None or vllm.split("+")[0] != VLLM_ADAPTER_VERSION:
         raise ConfigError(
             "true_on_policy.stack_versions.vllm",
@@ -609,7 +602,7 @@ def plan(
 
 def refuse_ignored_keys(rollout: RolloutView, versions: Versions) -> None:
     """Under the flag on Ascend, a vllm-ascend key the chosen build ignores is an error, not a no-op."""
-    va = versions.get("vllm-ascend")
+    va = versions.effective.get("vllm-ascend")
     line = vllm_ascend_line(va)
     vllm = rollout.vllm
     if vllm is None:
@@ -667,13 +660,6 @@ def apply_to_config(config: Any, plan_: Plan) -> Any:
         for path, value in config_updates(plan_).items():
             OmegaConf.update(merged, path, value, force_add=True)
     return merged
-
-
-def apply_in_process(plan_: Plan) -> list[str]:
-    """Run the plan's in-process calls in this worker; returns what was done. Call once, early."""
-    if not plan_.deterministic:
-        return []
-    return run_in_process_calls(plan_.platform, plan_.in_process)
 
 
 def run_in_process_calls(platform: str, calls) -> list[str]:
