@@ -9,7 +9,7 @@ from true_on_policy.config.invariants import check_invariants
 from true_on_policy.config.launch import ROW_PARALLEL_NONE, ROW_PARALLEL_RS_AG, read_algorithm, read_sides
 from true_on_policy.config.settings import Settings
 from true_on_policy.contract import consistency, determinism_plan
-from true_on_policy.contract.stack_versions import resolve_versions
+from true_on_policy.contract.stack_versions import Versions, resolve_versions
 from true_on_policy.kernels.architectures import read_checkpoint
 
 
@@ -45,7 +45,7 @@ def plan_of(deterministic, platform, *, training_strategy, rollout_name, version
                               "model": {"path": "model"}},
         "trainer": {"nnodes": 1, "n_gpus_per_node": 1},
     }
-    if not isinstance(versions, determinism_plan.Versions):
+    if not isinstance(versions, Versions):
         versions = resolve_versions(platform, detected=dict(versions) if versions is not None else None)
     return determinism_plan.plan(settings, read_sides(config), versions, importer=importer)
 

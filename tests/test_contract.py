@@ -24,7 +24,7 @@ from true_on_policy.config.settings import Settings
 from true_on_policy.contract import consistency as contract
 
 from true_on_policy.contract import determinism_plan as determinism_env
-from true_on_policy.contract import kernel_families
+from true_on_policy.contract import kernel_families, stack_versions
 
 from contract_helpers import apply_in_process, contract_for_config, plan_for_config, plan_of
 
@@ -477,12 +477,12 @@ def test_ascend_plan_refuses_a_mindspeed_without_batch_invariant_ops(mindspeed):
      ("0.23.0", "release"), (None, None), ("", None)],
 )
 def test_vllm_ascend_line(version, line):
-    assert determinism_env.vllm_ascend_line(version) == line
+    assert stack_versions.vllm_ascend_line(version) == line
 
 
 @pytest.mark.parametrize("version", ["main@182b75ea8", "0.26.0rc1", "0.23.0"])
 def test_rl_config_on_main_builds_flashcomm1_on_releases(version):
-    main = determinism_env.vllm_ascend_line(version) == "main"
+    main = stack_versions.vllm_ascend_line(version) == "main"
     p = _plan(
         True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": version}, training_strategy="megatron",
         row_parallel=ROW_PARALLEL_RS_AG,
@@ -661,16 +661,16 @@ def test_version_detection_reads_metadata_without_importing():
             return installed[dist]
         raise __import__("importlib.metadata").metadata.PackageNotFoundError(dist)
 
-    found = determinism_env.detect_versions("ascend", metadata_version=metadata_version, cann_version=lambda: "9.0.0")
+    found = stack_versions.detect_versions("ascend", metadata_version=metadata_version, cann_version=lambda: "9.0.0")
     assert found == {"vllm-ascend": "0.26.0rc1", "vllm": "0.24.0", "torch-npu": "2.10.0.post2", "cann": "9.0.0",
                      "mindspeed": None, "ops-batchinvariant": None}
-    assert determinism_env.detect_versions("cpu", metadata_version=metadata_version) == {}
-    cuda = determinism_env.detect_versions("cuda", metadata_version=metadata_version)
+    assert stack_versions.detect_versions("cpu", metadata_version=metadata_version) == {}
+    cuda = stack_versions.detect_versions("cuda", metadata_version=metadata_version)
     assert cuda["vllm"] == "0.24.0" and cuda["nccl"] is None and cuda["megatron-core"] is None
 
 
 def test_detected_version_wins_over_declared():
-    v = determinism_env.resolve_versions(
+    v = stack_versions.resolve_versions(
         "ascend", declared={"vllm-ascend": "0.26.0rc1", "cann": "9.0.0"}, detected={"vllm-ascend": "0.24.0rc1"}
     )
     assert v.effective["vllm-ascend"] == "0.24.0rc1" and v.provenance["vllm-ascend"] == "detected"
@@ -679,10 +679,10 @@ def test_detected_version_wins_over_declared():
 
 
 def test_version_ordering():
-    pv = determinism_env.parse_version
+    pv = stack_versions.parse_version
     assert pv("8.3.RC1") < pv("8.3.0") < pv("8.5.0") < pv("9.0.0")
     assert pv("0.25.1.dev3+gabc") < pv("0.26.0rc1") < pv("0.26.0")
-    assert determinism_env.version_at_least(None, "1.0") is None
+    assert stack_versions.version_at_least(None, "1.0") is None
 
 
 def test_launch_overrides_compose_to_the_applied_plan(ascend_cfg):

@@ -1,7 +1,7 @@
 """Determinism plan: ``plan(settings, sides, versions)`` -> what every process must run with.
 
 Pure module: no device library is imported at module level. ``torch_npu`` is imported only by
-:func:`detect_cann_version` / :func:`run_in_process_calls` on ``platform="ascend"``; ``vllm`` only by
+:func:`~true_on_policy.contract.stack_versions.detect_cann_version` / :func:`run_in_process_calls` on ``platform="ascend"``; ``vllm`` only by
 :func:`rollout_forced_env` on ``platform="cuda"``; both inside functions.
 
 A :class:`Plan` says, for one launch: ``worker_env`` (environment of every Ray worker, training and
@@ -27,18 +27,11 @@ from typing import Any
 
 from true_on_policy.config.launch import ENV_PATH, MEGATRON_TC, ROLLOUT_VLLM, ROW_PARALLEL_RS_AG, RolloutView, Sides
 from true_on_policy.config.settings import PLATFORMS, ConfigError, Settings
-from true_on_policy.contract.stack_versions import (  # noqa: F401 - re-exported: the plan's vocabulary
-    DISTRIBUTIONS,
-    PLATFORM_PACKAGES,
+from true_on_policy.contract.stack_versions import (
     VLLM_ADAPTER_VERSION,
     VERSION_GATES,
-    VersionGate,
     Versions,
-    detect_cann_version,
-    detect_versions,
     gate_open,
-    parse_version,
-    resolve_versions,
     version_at_least,
     vllm_ascend_line,
 )
