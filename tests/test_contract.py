@@ -18,12 +18,15 @@ from omegaconf import OmegaConf
 
 from support.check_runs import no_vllm, run_check, unverified_fields
 from true_on_policy.cli import check
+from true_on_policy.config.launch import ROW_PARALLEL_ALL_REDUCE, ROW_PARALLEL_RS_AG
 from true_on_policy.config.settings import Settings
 
 from true_on_policy.contract import consistency
 
 from true_on_policy.contract import determinism_plan
-from true_on_policy.contract import kernel_families
+from true_on_policy.contract import kernel_families, stack_versions
+
+from support.contract_helpers import apply_in_process, contract_for_config, plan_for_config, plan_of
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -57,14 +60,14 @@ def _settings(cfg):
 
 def _contract(cfg, detected=None):
     # detected={} : nothing installed here, the config's stack_versions stand in
-    return consistency.contract_for_config(cfg, _settings(cfg), detected={} if detected is None else detected)
+    return contract_for_config(cfg, _settings(cfg), detected={} if detected is None else detected)
 
 
 def _plan(deterministic, platform, **kwargs):
     """The plan for the engines of the shipped configs of ``platform`` unless told otherwise."""
     kwargs.setdefault("training_strategy", "fsdp" if platform == "cpu" else "megatron")
     kwargs.setdefault("rollout_name", "cpu" if platform == "cpu" else "vllm")
-    return determinism_plan.plan(deterministic, platform, **kwargs)
+    return plan_of(deterministic, platform, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,7 +193,7 @@ def test_router_dtype_compares_training_with_the_vllm_gate(name, ascend_cfg, cud
     served = consistency.canonical_dtype(OmegaConf.select(base, f"{R}.dtype"))
     shipped = _contract(base).row("moe_router_dtype")
     assert shipped.rollout.value == served  # vLLM's Qwen3-MoE gate runs in the served dtype
-    assert consistency.status(_contract(base), shipped) == "ok"
+    assert shipped.status == "ok"
     # twin: the project's fp32 pin reaches Megatron, and vLLM has no fp32 gate -> a mismatch
     fp32 = _contract(_with(base, **{"true_on_policy.moe_router_dtype": "fp32"}))
     row = fp32.row("moe_router_dtype")
@@ -210,29 +213,29 @@ def test_kernel_rows_name_an_implementation_per_side(name, ascend_cfg, cuda_cfg)
     for field in (*kernel_families.OPS, "attention"):
         row = result.row(field)
         assert row.training.show() and row.rollout.show() and row.training.source and row.rollout.source
-        state, reason = consistency._check(result, row)
+        state, reason = row.status, row.reason
         assert state == "unverified" and reason, field  # nothing on a device stack is "ok" unrun
 
 
 def _without_training_keys(cfg, *keys):
-    p = determinism_plan.plan_for_config(cfg, _settings(cfg), detected={})
+    p = plan_for_config(cfg, _settings(cfg), detected={})
     kept = {k: v for k, v in p.training_config.items() if k.rsplit(".", 1)[1] not in keys}
     assert len(kept) < len(p.training_config)
-    return consistency.contract_for_config(cfg, _settings(cfg), plan=dataclasses.replace(p, training_config=kept))
+    return contract_for_config(cfg, _settings(cfg), plan=dataclasses.replace(p, training_config=kept))
 
 
 def test_ascend_gemm_same_op_is_unverified_and_unpinned_training_is_a_mismatch(ascend_cfg):
     cfg = _with(ascend_cfg, **{"true_on_policy.stack_versions.ops-batchinvariant": "1.0.0"})
     row = _contract(cfg).row("gemm")
     assert row.training.value == row.rollout.value  # both: batch_invariant_ops.npu_mm_batch_invariant
-    assert consistency.status(_contract(cfg), row) == "unverified"
+    assert row.status == "unverified"
     broken = _without_training_keys(cfg, "use_batch_invariant_ops", "batch_invariant_mode")
     assert "gemm" in {m.field for m in consistency.compare(broken)}
 
 
 def test_cuda_gemm_without_megatron_batch_invariant_mode_is_a_mismatch(cuda_cfg):
     shipped = _contract(cuda_cfg)
-    assert consistency.status(shipped, shipped.row("gemm")) == "unverified"
+    assert shipped.row("gemm").status == "unverified"
     broken = _without_training_keys(cuda_cfg, "batch_invariant_mode")
     assert "gemm" in {m.field for m in consistency.compare(broken)}
 
@@ -241,10 +244,10 @@ def test_cpu_kernel_rows_hold_and_an_engine_without_the_project_kernels_does_not
     cfg = check.compose_config(str(CONFIGS), "cpu_tiny_moe")
     result = _contract(cfg)
     for field in kernel_families.OPS:
-        assert consistency.status(result, result.row(field)) == "ok"
+        assert result.row(field).status == "ok"
     other = _contract(_with(cfg, **{f"{R}.name": "sglang"}))  # no kernel setting known: never "ok"
     for field in kernel_families.OPS:
-        assert consistency.status(other, other.row(field)) != "ok", field
+        assert other.row(field).status != "ok", field
 
 
 def test_vllm_on_cpu_runs_the_project_kernels_but_only_eager_and_without_sleep_mode():
@@ -320,8 +323,8 @@ def test_determinism_rows_off_when_not_deterministic(ascend_cfg):
     cfg = _with(ascend_cfg, **{"true_on_policy.deterministic": False,
                                f"{MG}.override_transformer_config.attention_backend": "fused"})
     result = _contract(cfg)
-    assert consistency.status(result, result.row("attention")) == "off"
-    assert consistency.status(result, result.row("gemm")) == "off"
+    assert result.row("attention").status == "off"
+    assert result.row("gemm").status == "off"
     assert result.plan.worker_env == {}
 
 
@@ -351,7 +354,7 @@ def test_a_key_the_chosen_vllm_ascend_ignores_is_an_error(override, key):
     "key", ["actor_rollout_ref.actor.strategy", f"{R}.name", f"{R}.tensor_model_parallel_size", "trainer.nnodes"]
 )
 def test_a_key_verl_always_carries_is_required_not_guessed(key):
-    from true_on_policy.contract.config_views import read_sides
+    from true_on_policy.config.launch import read_sides
 
     cfg = OmegaConf.to_container(check.compose_config(str(CONFIGS), "cpu_tiny"), resolve=True)
     read_sides(cfg)  # the twin: the composed config has it
@@ -375,9 +378,9 @@ def test_format_table_is_side_by_side(ascend_cfg):
 
 @pytest.mark.subprocess
 def test_contract_module_does_not_import_verl():
-    code = "import sys, true_on_policy.contract.consistency, true_on_policy.contract.determinism_plan as d; " \
+    code = "import sys; sys.path.insert(0, 'tests'); import true_on_policy.contract.consistency; from contract_helpers import plan_of; " \
            "v = {'vllm-ascend': 'main', 'mindspeed': '0.16.0', 'vllm': '0.24.0', 'megatron-core': '0.16.0'}; " \
-           "d.plan(True, 'ascend', versions=v, training_strategy='megatron', rollout_name='vllm'); d.plan(True, 'cuda', versions=v, importer=lambda n: 1/0, training_strategy='megatron', rollout_name='vllm'); " \
+           "plan_of(True, 'ascend', versions=v, training_strategy='megatron', rollout_name='vllm'); plan_of(True, 'cuda', versions=v, importer=lambda n: 1/0, training_strategy='megatron', rollout_name='vllm'); " \
            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('verl','torch','torch_npu','vllm','vllm_ascend')))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -460,15 +463,15 @@ def test_ascend_plan_refuses_a_mindspeed_without_batch_invariant_ops(mindspeed):
      ("0.23.0", "release"), (None, None), ("", None)],
 )
 def test_vllm_ascend_line(version, line):
-    assert determinism_plan.vllm_ascend_line(version) == line
+    assert stack_versions.vllm_ascend_line(version) == line
 
 
 @pytest.mark.parametrize("version", ["main@182b75ea8", "0.26.0rc1", "0.23.0"])
 def test_rl_config_on_main_builds_flashcomm1_on_releases(version):
-    main = determinism_plan.vllm_ascend_line(version) == "main"
+    main = stack_versions.vllm_ascend_line(version) == "main"
     p = _plan(
         True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": version}, training_strategy="megatron",
-        row_parallel=determinism_plan.ROW_PARALLEL_RS_AG,
+        row_parallel=ROW_PARALLEL_RS_AG,
     )
     assert any(".rl_config." in key for key in p.rollout_config) is main
     assert ("VLLM_ASCEND_ENABLE_FLASHCOMM1" in p.worker_env) is (not main)
@@ -484,7 +487,7 @@ def test_ascend_plan_refuses_an_unknown_or_too_old_vllm_ascend(version):
 
 def test_ascend_release_without_flashcomm_when_training_all_reduces():
     p = _plan(True, "ascend", versions={**ASCEND_MAIN, "vllm-ascend": "0.25.1rc1"},
-                             row_parallel=determinism_plan.ROW_PARALLEL_ALL_REDUCE)
+                             row_parallel=ROW_PARALLEL_ALL_REDUCE)
     assert "VLLM_ASCEND_ENABLE_FLASHCOMM1" not in p.worker_env
 
 
@@ -520,7 +523,7 @@ def _doc_disagreements(settings):
 
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
 def test_docs_cite_every_emitted_key_with_a_first_version(name, ascend_cfg, cuda_cfg):
-    p = determinism_plan.plan_for_config(base := (ascend_cfg if name == ASCEND else cuda_cfg), _settings(base), detected={})
+    p = plan_for_config(base := (ascend_cfg if name == ASCEND else cuda_cfg), _settings(base), detected={})
     for key in _emitted_names(p):
         row = _doc_row(key)
         assert len(row) >= 4 and row[2] and row[3], key  # upstream file, first version
@@ -644,16 +647,16 @@ def test_version_detection_reads_metadata_without_importing():
             return installed[dist]
         raise __import__("importlib.metadata").metadata.PackageNotFoundError(dist)
 
-    found = determinism_plan.detect_versions("ascend", metadata_version=metadata_version, cann_version=lambda: "9.0.0")
+    found = stack_versions.detect_versions("ascend", metadata_version=metadata_version, cann_version=lambda: "9.0.0")
     assert found == {"vllm-ascend": "0.26.0rc1", "vllm": "0.24.0", "torch-npu": "2.10.0.post2", "cann": "9.0.0",
                      "mindspeed": None, "ops-batchinvariant": None}
-    assert determinism_plan.detect_versions("cpu", metadata_version=metadata_version) == {}
-    cuda = determinism_plan.detect_versions("cuda", metadata_version=metadata_version)
+    assert stack_versions.detect_versions("cpu", metadata_version=metadata_version) == {}
+    cuda = stack_versions.detect_versions("cuda", metadata_version=metadata_version)
     assert cuda["vllm"] == "0.24.0" and cuda["nccl"] is None and cuda["megatron-core"] is None
 
 
 def test_detected_version_wins_over_declared():
-    v = determinism_plan.resolve_versions(
+    v = stack_versions.resolve_versions(
         "ascend", declared={"vllm-ascend": "0.26.0rc1", "cann": "9.0.0"}, detected={"vllm-ascend": "0.24.0rc1"}
     )
     assert v.effective["vllm-ascend"] == "0.24.0rc1" and v.provenance["vllm-ascend"] == "detected"
@@ -662,14 +665,14 @@ def test_detected_version_wins_over_declared():
 
 
 def test_version_ordering():
-    pv = determinism_plan.parse_version
+    pv = stack_versions.parse_version
     assert pv("8.3.RC1") < pv("8.3.0") < pv("8.5.0") < pv("9.0.0")
     assert pv("0.25.1.dev3+gabc") < pv("0.26.0rc1") < pv("0.26.0")
-    assert determinism_plan.version_at_least(None, "1.0") is None
+    assert stack_versions.version_at_least(None, "1.0") is None
 
 
 def test_launch_overrides_compose_to_the_applied_plan(ascend_cfg):
-    p = determinism_plan.plan_for_config(ascend_cfg, _settings(ascend_cfg), detected={})
+    p = plan_for_config(ascend_cfg, _settings(ascend_cfg), detected={})
     composed = check.compose_config(str(CONFIGS), ASCEND, determinism_plan.hydra_overrides(p))
     applied = determinism_plan.apply_to_config(ascend_cfg, p)
     for path, value in determinism_plan.config_updates(p).items():
@@ -678,24 +681,17 @@ def test_launch_overrides_compose_to_the_applied_plan(ascend_cfg):
     assert all(isinstance(v, str) for v in env.values())  # Ray wants string env values
 
 
-def _apply_in_process(plan_):
-    """What a worker does with the plan it received: its in-process calls, when the flag is on."""
-    if not plan_.deterministic:
-        return []
-    return determinism_plan.run_in_process_calls(plan_.platform, plan_.in_process)
-
-
 def test_apply_in_process_sets_torch_determinism():
     import torch
 
     p = _plan(True, "cuda", versions=CUDA_STACK, importer=no_vllm)
     try:
-        assert _apply_in_process(p) == ["torch.use_deterministic_algorithms(True)"]
+        assert apply_in_process(p) == ["torch.use_deterministic_algorithms(True)"]
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.is_deterministic_algorithms_warn_only_enabled()  # a nondeterministic op raises
     finally:
         torch.use_deterministic_algorithms(False)
-    assert _apply_in_process(_plan(True, "cpu", versions={})) == []
+    assert apply_in_process(_plan(True, "cpu", versions={})) == []
 
 
 # --------------------------------------------------------------------------------------------

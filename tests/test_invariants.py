@@ -13,7 +13,15 @@ import pathlib
 import pytest
 from omegaconf import OmegaConf
 
-from true_on_policy.config.invariants import INVARIANT_NAMES, MISSING, check_invariants, enforce_invariants
+from true_on_policy.config import invariants
+from true_on_policy.config.invariants import INVARIANT_NAMES, MISSING
+from true_on_policy.config.launch import read_algorithm
+
+from support.contract_helpers import enforce_invariants
+
+
+def check_invariants(config, relax=()):
+    return invariants.check_invariants(read_algorithm(config).found, relax)
 
 
 @functools.cache

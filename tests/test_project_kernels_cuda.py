@@ -19,6 +19,8 @@ from true_on_policy.cli.check import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED
 from true_on_policy.config.settings import ConfigError, Settings
 from true_on_policy.contract import determinism_plan
 from true_on_policy.patching import PatchTargetChanged
+
+from support.contract_helpers import plan_of
 from true_on_policy.vllm_adapter import plugin
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -154,12 +156,12 @@ def test_device_attention_refuses_uncovered_features_by_name():
 
 
 def test_plan_pins_the_project_attention_and_no_vendor_environment():
-    p = determinism_plan.plan(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
+    p = plan_of(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
     assert p.worker_env == {} and p.rollout_forced_env == {}
     assert p.rollout_config == {f"{determinism_plan.ROLLOUT_VLLM}.attention_backend": "CUSTOM"}
     assert any("written, not run on a device" in op for op in p.ops)
     # twin: the engine family on the same stack emits vLLM's batch-invariant mode instead
-    e = determinism_plan.plan(True, "cuda", versions={"vllm": "0.28.0", "megatron-core": "0.16.1"}, importer=no_vllm,
+    e = plan_of(True, "cuda", versions={"vllm": "0.28.0", "megatron-core": "0.16.1"}, importer=no_vllm,
                   training_strategy="megatron", rollout_name="vllm")
     assert e.worker_env["VLLM_BATCH_INVARIANT"] == "1"
 
@@ -168,7 +170,7 @@ def test_plan_pins_the_project_attention_and_no_vendor_environment():
 def test_plan_refuses_a_vllm_the_adapter_is_not_written_for(vllm):
     # the installed vLLM wins over a declared one, so this is checked on the plan itself
     with pytest.raises(determinism_plan.ConfigError, match=f"stack_versions.vllm={vllm!r}.*vLLM 0.28.0"):
-        determinism_plan.plan(True, "cuda", versions={"vllm": vllm}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
+        plan_of(True, "cuda", versions={"vllm": vllm}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
 
 
 def test_check_exits_3_naming_the_kernel_family_rows_written_not_run():
@@ -200,7 +202,7 @@ def test_check_refuses_what_cannot_run_the_project_kernels(override, named):
 
 def test_the_doc_cites_the_key_the_project_plan_emits():
     doc = (CONFIGS.parent / "docs" / "parallelism_and_determinism.md").read_text()
-    p = determinism_plan.plan(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
+    p = plan_of(True, "cuda", versions={"vllm": "0.28.0"}, training_strategy="fsdp", rollout_name="vllm", kernels="project")
     for path, value in p.rollout_config.items():
         key = path.rsplit(".", 1)[1]
         rows = [line for line in doc.splitlines() if line.startswith(f"| `{key}` |")]

@@ -160,7 +160,7 @@ def test_an_internal_error_is_reported_as_one(monkeypatch, capsys):
     def broken_plan(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(determinism_plan, "plan_for", broken_plan)
+    monkeypatch.setattr(determinism_plan, "plan", broken_plan)
     config = compose_config(str(CONFIGS), "cpu_tiny")
     with pytest.raises(KeyError, match="a bug"):
         launch.launch_hook(config)

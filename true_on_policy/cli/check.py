@@ -66,7 +66,7 @@ def compose_config(config_path: str, config_name: str, overrides: Sequence[str] 
         key, raw = _unresolvable(cfg)
         if key is None:
             raise
-        from true_on_policy.contract.config_reader import ConfigError
+        from true_on_policy.config.settings import ConfigError
 
         raise ConfigError(key, raw, f"does not resolve ({type(exc).__name__}: {exc})") from exc
     return cfg
@@ -137,7 +137,7 @@ _FLAGS = ("--json", "--plan", "--show-config", "--show-command", "--command-args
 
 def launch_command(config_path: str, config_name: str, overrides: Sequence[str], plan: Any, python: str = "python") -> list[str]:
     """The verl launch: the user's overrides, then the determinism plan's ``++`` overrides (which win)."""
-    from true_on_policy.contract import determinism_plan
+    from true_on_policy.contract.determinism_plan import hydra_overrides
 
     return [
         python,
@@ -146,7 +146,7 @@ def launch_command(config_path: str, config_name: str, overrides: Sequence[str],
         f"--config-path={config_path if config_path.startswith(PKG) else os.path.abspath(config_path)}",
         f"--config-name={config_name}",
         *overrides,
-        *determinism_plan.hydra_overrides(plan),
+        *hydra_overrides(plan),
     ]
 
 
@@ -192,10 +192,10 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> tuple[int, str, st
     from omegaconf.errors import OmegaConfBaseException
 
     from true_on_policy.config.platform import detect_machine
-    from true_on_policy.contract import consistency
+    from true_on_policy.config.settings import ConfigError
     from true_on_policy.contract import determinism_plan
+    from true_on_policy.contract.consistency import format_table
     from true_on_policy.contract.verdict import decide
-    from true_on_policy.contract.config_reader import ConfigError
 
     try:
         cfg = compose_config(args.config_path, args.config_name, overrides)
@@ -226,7 +226,7 @@ def _check(args: argparse.Namespace, overrides: list[str]) -> tuple[int, str, st
 
             out += ["# resolved config (determinism plan applied)", OmegaConf.to_yaml(determinism_plan.apply_to_config(cfg, plan))]
         if verdict.contract is not None:
-            out.append(consistency.format_table(verdict.contract))
+            out.append(format_table(verdict.contract))
         if args.plan and plan is not None:
             out.append(determinism_plan.describe(plan))
         if args.show_command and command is not None:

@@ -135,26 +135,29 @@ def compare_to_baseline(record: dict, samples, baseline_tp: int, baseline_sample
             "greedy_max_abs_diff_to_baseline": 0.0 if pairs and equal else diff}
 
 
-def _model_path(model: str) -> tuple[str, str]:
-    """(kind label, checkpoint directory) for a tiny model's name or a path; an uncovered
-    architecture or feature exits 2, naming it, before any engine starts."""
+def _model_path(model: str) -> tuple[str, str, dict]:
+    """(kind label, checkpoint directory, its parsed config.json -- read once, for the architecture and
+    the sharding checks) for a tiny model's name or a path; an uncovered architecture or feature exits
+    2, naming it, before any engine starts."""
     import os
 
     from true_on_policy.kernels import architectures
 
     if model in tiny_assets.MODEL_KINDS:
-        return model, str(tiny_assets.ensure_assets() / tiny_assets.MODEL_DIRS[model])
+        path = str(tiny_assets.ensure_assets() / tiny_assets.MODEL_DIRS[model])
+        return model, path, architectures.read_checkpoint(path)
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise SystemExit(
             f"logdiff: --model {model!r} is neither one of {tiny_assets.MODEL_KINDS} nor a checkpoint directory "
             "with config.json"
         )
+    checkpoint = architectures.read_checkpoint(model)
     try:
-        architectures.check_config(architectures.read_checkpoint(model))
+        architectures.check_config(checkpoint)
     except architectures.UncoveredModelError as error:
         sys.stderr.write(f"logdiff: --model {model}: {error}\n")
         raise SystemExit(2) from error
-    return model, model
+    return model, model, checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             tps = args.tp or [1]
             _check_sharding(parser, targets, tps, args.ep)
             records = []
-            for kind, path in targets:
+            for kind, path, _ in targets:
                 for dtype in dtypes:
                     for flag in (True, False):
                         baseline = None
@@ -231,14 +234,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_sharding(parser, targets, tps, ep: bool) -> None:
     """Every (model, TP, EP) the kernels keep bitwise, or a usage error naming it, before any engine starts."""
-    from true_on_policy.kernels.architectures import read_checkpoint
     from true_on_policy.kernels.tensor_parallel import check_sharding
 
-    for kind, path in targets:
-        config = read_checkpoint(path)
+    for kind, _, checkpoint in targets:
         for tp in tps:
             try:
-                check_sharding(config, tp, tp if ep and tp > 1 else 1)
+                check_sharding(checkpoint, tp, tp if ep and tp > 1 else 1)
             except ValueError as error:
                 parser.error(f"--model {kind} --tp {tp}{' --ep' if ep else ''}: {error}")
 

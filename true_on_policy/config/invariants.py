@@ -1,6 +1,6 @@
 """FlashREINFORCE's config invariants, checked on the resolved Hydra config before Ray starts.
 
-They apply when the config trains with FlashREINFORCE (:func:`uses_flashreinforce`: its loss or its
+They apply when the config trains with FlashREINFORCE (``Algorithm.flashreinforce``: its loss or its
 advantage estimator is ``flashreinforce``); a GRPO, GSPO or DAPO config with the true-on-policy flag
 is not held to them.
 
@@ -10,7 +10,9 @@ contract (a second epoch or mini-batch trains on stale data without any clip; a 
 truncated sampler changes what the behaviour probabilities mean), so each is checked here, by a
 short stable name that ``true_on_policy.relax_invariants=[<name>]`` can waive on purpose.
 
-Pure: works on an OmegaConf ``DictConfig`` or any nested ``Mapping``; no verl or omegaconf import.
+They check the keys as found (:data:`INVARIANT_KEYS`, read by
+:func:`true_on_policy.config.launch.read_algorithm`: key -> value, :data:`MISSING` when absent).
+Pure: no verl or omegaconf import.
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ def _is_exactly(target: Any) -> Callable[[Any], bool]:
     return lambda value: type(value) is type(target) and value == target
 
 
-def _same_as_train_batch_size(config: Any) -> _Requirement:
-    train_batch_size = lookup(config, "data.train_batch_size")
+TRAIN_BATCH_SIZE_KEY = "data.train_batch_size"
+
+
+def _same_as_train_batch_size(found: Mapping[str, Any]) -> _Requirement:
+    train_batch_size = found.get(TRAIN_BATCH_SIZE_KEY, MISSING)
     return _Requirement(
         key="actor_rollout_ref.actor.ppo_mini_batch_size",
         expected=f"data.train_batch_size ({train_batch_size!r}): one optimizer step per collected batch",
@@ -87,7 +92,7 @@ def _same_as_train_batch_size(config: Any) -> _Requirement:
     )
 
 
-# name -> function of the config giving the requirements; most are constant, one compares two keys.
+# name -> function of the found keys giving the requirements; most are constant, one compares two keys.
 INVARIANTS: dict[str, Callable[[Any], list[_Requirement]]] = {
     "single_rollout": lambda config: [
         _Requirement(
@@ -170,40 +175,26 @@ INVARIANTS: dict[str, Callable[[Any], list[_Requirement]]] = {
 }
 
 INVARIANT_NAMES = tuple(INVARIANTS)
+# Every key the invariants read.
+INVARIANT_KEYS = (TRAIN_BATCH_SIZE_KEY, *(r.key for requirements_of in INVARIANTS.values() for r in requirements_of({})))
 
 
-def check_invariants(config: Mapping[str, Any], relax: Iterable[str] = ()) -> list[Violation]:
-    """Every violated, unrelaxed invariant, one Violation per offending key; [] when all hold."""
+def check_invariants(found: Mapping[str, Any], relax: Iterable[str] = ()) -> list[Violation]:
+    """Every violated, unrelaxed invariant, one Violation per offending key; [] when all hold.
+
+    ``found``: key -> value for every key of :data:`INVARIANT_KEYS` (:data:`MISSING` when absent)."""
     relaxed = _validated_relax(relax)
     violations = []
     for name, requirements_of in INVARIANTS.items():
         if name in relaxed:
             continue
-        for requirement in requirements_of(config):
-            found = lookup(config, requirement.key)
-            if found is MISSING and requirement.missing_ok:
+        for requirement in requirements_of(found):
+            value = found[requirement.key]
+            if value is MISSING and requirement.missing_ok:
                 continue
-            if found is MISSING or not requirement.holds(found):
-                violations.append(
-                    Violation(name=name, key=requirement.key, found=found, expected=requirement.expected)
-                )
+            if value is MISSING or not requirement.holds(value):
+                violations.append(Violation(name=name, key=requirement.key, found=value, expected=requirement.expected))
     return violations
-
-
-def enforce_invariants(config: Mapping[str, Any], relax: Iterable[str] = ()) -> None:
-    """Raise one ValueError listing every violation, each with its key, expectation and relax hint."""
-    violations = check_invariants(config, relax)
-    if violations:
-        lines = "\n".join(f"  - {violation}" for violation in violations)
-        raise ValueError(f"the config breaks {len(violations)} FlashREINFORCE invariant(s):\n{lines}")
-
-
-def uses_flashreinforce(config: Mapping[str, Any]) -> bool:
-    """The config trains with FlashREINFORCE: its loss or its advantage estimator is ``flashreinforce``.
-
-    Only then do the invariants apply; the true-on-policy flag, the plan and the contract apply to
-    every verl loss and estimator."""
-    return FLASHREINFORCE in (lookup(config, LOSS_MODE_KEY), lookup(config, ADV_ESTIMATOR_KEY))
 
 
 def validate_relax(relax: Iterable[str]) -> frozenset[str]:
@@ -219,20 +210,3 @@ def _validated_relax(relax: Iterable[str]) -> frozenset[str]:
     if unknown:
         raise ValueError(f"unknown invariant name(s) in {RELAX_KEY}: {unknown}; known: {list(INVARIANT_NAMES)}")
     return frozenset(names)
-
-
-def lookup(config: Any, dotted_key: str) -> Any:
-    """The value at ``a.b.c``, or MISSING when any step is absent or does not resolve."""
-    node = config
-    for part in dotted_key.split("."):
-        if not isinstance(node, Mapping):
-            return MISSING
-        try:
-            if part not in node:
-                return MISSING
-            node = node[part]
-        # A DictConfig raises its own errors for '???' values and broken interpolations; for this
-        # check they all mean the key has no usable value.
-        except Exception:
-            return MISSING
-    return node

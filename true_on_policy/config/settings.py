@@ -39,8 +39,20 @@ PLATFORM_CHOICES = (AUTO_PLATFORM, *PLATFORMS)
 KERNELS = (None, "engine", "project")
 
 
+_NO_VALUE = object()
+
+
 class ConfigError(ValueError):
-    """A bad value in the user's config (key and value named in the message), not a bug of ours."""
+    """A bad value in the user's config, not a bug of ours: ``ConfigError(key, value, expected)`` names
+    the key and the value; ``ConfigError(message)`` where the message names them itself."""
+
+    def __init__(self, key: str, value: Any = _NO_VALUE, expected: str = ""):
+        if value is _NO_VALUE:
+            self.key, self.value, self.expected = None, None, ""
+            super().__init__(key)
+        else:
+            self.key, self.value, self.expected = key, value, expected
+            super().__init__(f"{key}={value!r}: {expected}")
 
 
 class SettingsNotExported(RuntimeError):
@@ -136,7 +148,9 @@ class Settings:
                 f"true_on_policy.allow_contract_mismatch must be a bool, got {self.allow_contract_mismatch!r}"
             )
 
-    @property
+    # resolved_kernels / consistent_kernels: computed once per object (the frozen dataclass keeps the
+    # value in its __dict__, outside the fields that asdict and to_json write)
+    @functools.cached_property
     def resolved_kernels(self) -> str:
         """The kernel family the flag switches on: "project" (the project's kernels on both engines) or
         "engine" (each engine's own deterministic kernels, pinned by the plan). Needs a resolved platform."""
@@ -144,7 +158,7 @@ class Settings:
             raise ValueError(f"true_on_policy.platform={self.platform!r} is not resolved to one of {PLATFORMS}")
         return self.kernels or ("project" if self.platform == "cpu" else "engine")
 
-    @property
+    @functools.cached_property
     def consistent_kernels(self) -> bool:
         """The one switch of both engines' kernels: the project's consistent kernels run in this process."""
         return self.deterministic and self.resolved_kernels == "project"
@@ -209,6 +223,38 @@ class Settings:
         settings = cls.from_mapping(json.loads(text))
         _require_resolved(settings.platform)
         return settings
+
+
+def resolve_platform(settings: Settings, machine: Any, launching: bool, refusals: list[str], notes: list[str]) -> Settings | None:
+    """``settings`` with the platform resolved on ``machine`` (a :class:`~true_on_policy.config.platform.Machine`);
+    None when that itself is a bad value. ``auto`` is the machine's platform (noted with the reason); an
+    explicit one that is not this machine's is refused when ``launching``, noted otherwise (``check``
+    evaluates it as declared)."""
+    declared = settings.platform
+    if declared == AUTO_PLATFORM:
+        notes.append(f"platform: true_on_policy.platform=auto detected {machine.platform} ({machine.reason})")
+        platform = machine.platform
+    else:
+        platform = declared
+        if declared != machine.platform:
+            if launching:
+                refusals.append(
+                    f"bad config value: true_on_policy.platform={declared!r} but this machine is {machine.platform} "
+                    f"({machine.reason}); set true_on_policy.platform={machine.platform} (or auto), or launch on a "
+                    f"{declared} machine"
+                )
+            else:
+                notes.append(
+                    f"platform: evaluated as declared, true_on_policy.platform={declared!r}; this machine is "
+                    f"{machine.platform} ({machine.reason}), so a launch here is refused"
+                )
+        else:
+            notes.append(f"platform: true_on_policy.platform={declared!r} is this machine ({machine.reason})")
+    try:
+        return settings.on_platform(platform)
+    except ConfigError as error:
+        refusals.append(f"bad config value: {error}")
+        return None
 
 
 def _require_resolved(platform: str) -> None:

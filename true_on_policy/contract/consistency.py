@@ -1,12 +1,14 @@
-"""The training/rollout consistency contract, computed from the typed views of the resolved config.
+"""The training/rollout consistency contract: its rows, each next to the readers of its two sides.
 
 Bitwise-equal log-probs need the same arithmetic on both engines: parallel layout, dtypes,
 attention kernel, MoE dispatch/combine and row-parallel reduction, log-prob definition and sampling
-support, determinism environment. :func:`build_contract` takes each, per side, from the views
-(:mod:`.config_views`, :mod:`.sides`, :mod:`.kernel_families`) and the parsed ``true_on_policy:``
-pins; :func:`compare` lists what differs and how to fix it, :func:`unverified` what cannot be
-verified, :func:`format_table` prints both sides. A side no setting determines reads
-``unverified`` (refused unless accepted), never a mismatch.
+support, determinism environment. :func:`build_contract` takes each, per side, from the views of the
+two sides (:mod:`true_on_policy.config.launch`, the determinism plan laid over them) and the parsed
+``true_on_policy:`` pins: each row below is specified once, after the functions that read its
+training and rollout :class:`Side` (the value and the key, or upstream file, it comes from). A row's
+:class:`Status` is decided once, when the contract is built; :func:`compare` lists the mismatches with
+their fixes, :func:`unverified` what cannot be verified, :func:`format_table` prints both sides. A side
+no setting determines reads ``unverified`` (refused unless accepted), never a mismatch.
 
 Pure: no verl, no omegaconf import; nothing here reads the config. Each field, its kind and the
 keys it is read from on each engine: docs/parallelism_and_determinism.md ("Contract fields").
@@ -15,13 +17,29 @@ keys it is read from on each engine: docs/parallelism_and_determinism.md ("Contr
 from __future__ import annotations
 
 import dataclasses
+import enum
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from true_on_policy.contract import determinism_plan as denv
+from true_on_policy.config.launch import (
+    ROW_PARALLEL_ALL_REDUCE,
+    ROW_PARALLEL_NONE,
+    ROW_PARALLEL_RS_AG,
+    A,
+    M,
+    MEGATRON,
+    MEGATRON_TC,
+    R,
+    RolloutView,
+    Sides,
+    TrainingView,
+    parse_bool,
+)
+from true_on_policy.config.settings import Settings
 from true_on_policy.contract import kernel_families
-from true_on_policy.contract.config_views import A, M, R, RolloutView, Sides, TrainingView, read_sides
-from true_on_policy.contract.sides import (  # noqa: F401 - re-exported: the contract's vocabulary
+from true_on_policy.contract.determinism_plan import REDUCTION_ENV_KEYS, SOURCES, Plan, config_updates
+from true_on_policy.contract.names import (
     AUTO,
     CPU_EP_KEY,
     CPU_MOE_DISPATCH,
@@ -31,38 +49,52 @@ from true_on_policy.contract.sides import (  # noqa: F401 - re-exported: the con
     NA,
     TOP,
     UNVERIFIED,
-    Side,
-    _env_display,
-    _fmt,
-    _int,
-    _Layout,
-    _logprobs,
-    _reduction_env,
-    _rollout_attention,
-    _rollout_batch_invariant,
-    _rollout_dispatcher,
-    _rollout_layout,
-    _rollout_router_dtype,
-    _rollout_row_parallel,
-    _sampling,
-    _training_attention,
-    _training_batch_invariant,
-    _training_compute_dtype,
-    _training_dispatcher,
-    _training_layout,
-    _training_master_dtype,
-    _training_router_dtype,
     canonical_attention,
     canonical_dtype,
     vllm_batch_invariant,
 )
 
-
 INFO, STRICT, REQUIRE = "info", "strict", "require"
+
+
+class Status(str, enum.Enum):
+    """A row's state, decided once when the contract is built."""
+
+    OK = "ok"
+    MISMATCH = "mismatch"
+    UNVERIFIED = "unverified"  # holds where visible, but no setting pins a side (refused unless accepted)
+    INFO = "info"  # shown, not checked
+    OFF = "off"  # checked only when deterministic
+
+
+@dataclasses.dataclass(frozen=True)
+class Side:
+    """One side of a row: the value and the key (or upstream file) it comes from; ``display`` how to show it."""
+
+    value: Any
+    source: str
+    display: str | None = None
+
+    def show(self) -> str:
+        return str(self.display if self.display is not None else self.value)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, sort_keys=True, default=str)
+    return str(value)
+
+
+def _int(value: Any) -> int:
+    """An already validated size (an int), or 1 for a side that has none (``UNVERIFIED``, ``n/a``)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
+    """One contract field, its two sides and how they must relate; ``status`` and ``reason`` are decided
+    once (:func:`_judged`), when the contract is built or a row replaced."""
+
     field: str
     title: str
     training: Side
@@ -74,6 +106,8 @@ class Row:
     only_when_deterministic: bool = False
     fix: str = ""
     unverified: str = ""  # why this row cannot be verified even where its values agree ("" = decided by values)
+    status: Status | None = None  # decided by _judged when the contract is built
+    reason: str = ""  # why the status (a mismatch, an unverified side)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +155,7 @@ class Contract:
                     if side in changes and not isinstance(changes[side], Side):
                         old = getattr(row, side)
                         changes[side] = Side(changes[side], old.source)
-                row = dataclasses.replace(row, **changes)
+                row = _judged(dataclasses.replace(row, **changes), self.deterministic)
             rows.append(row)
         return dataclasses.replace(self, rows=tuple(rows))
 
@@ -141,8 +175,8 @@ class Contract:
                     "rollout": r.rollout.value,
                     "rollout_source": r.rollout.source,
                     "required": r.required,
-                    "status": status(self, r),
-                    "reason": _check(self, r)[1],
+                    "status": r.status.value,
+                    "reason": r.reason,
                 }
                 for r in self.rows
             ],
@@ -151,53 +185,52 @@ class Contract:
 
 
 # --------------------------------------------------------------------------------------------
-# build / compare / format
+# build
 # --------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
+class _Layout:
+    tp: Side
+    ep: Side
+    etp: Side
+    pp: Side
+    cp: Side
+    dp: Side
+    extra: dict[str, Side]
+
+
+@dataclasses.dataclass
 class _Ctx:
-    """What every row builder reads: both sides' views with the plan laid over them, and the section."""
+    """What every row builder reads: both sides' views with the plan laid over them, the section, and
+    what follows from it, computed once."""
 
     t: TrainingView
     r: RolloutView
-    settings: Any
-    plan: Any
+    settings: Settings
+    plan: Plan
     notes: list[str]
-    rollout_env: dict[str, str]
-    tl: _Layout
-    rl: _Layout
     checkpoint: Mapping[str, Any] | None  # the model's config.json; None: not a local checkpoint
-
-    @property
-    def platform(self) -> str:
-        return self.settings.platform
-
-    @property
-    def deterministic(self) -> bool:
-        return self.settings.deterministic
-
-    @property
-    def kernels(self) -> str:
-        return self.settings.resolved_kernels
-
-    @property
-    def strategy(self) -> str:
-        return self.t.strategy
-
-    @property
-    def name(self) -> str:
-        return self.r.name
+    platform: str = ""
+    deterministic: bool = True
+    project: bool = False  # the flag switches on the project's kernels (training: unless Megatron)
+    project_rollout: bool = False  # the rollout runs them: its CPU engine, or vLLM through the adapter
+    strategy: str = ""
+    name: str = ""
+    rollout_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    tl: _Layout | None = None
+    rl: _Layout | None = None
 
 
-def build_contract(settings: Any, sides: Sides, plan: Any, checkpoint: Mapping[str, Any] | None = None) -> Contract:
+def build_contract(settings: Settings, sides: Sides, plan: Plan, checkpoint: Mapping[str, Any] | None = None) -> Contract:
     """The two-column contract of the views ``sides`` under ``settings`` (platform resolved);
     ``checkpoint`` is the model's parsed config.json (None: not a local checkpoint directory).
 
     The plan's config updates are laid over the views first (:meth:`Sides.overlay`), so the contract
-    describes what the launch will run with. Nothing here reads the config or the checkpoint.
+    describes what the launch will run with; each row's status is decided here. Nothing here reads the
+    config or the checkpoint.
     """
-    applied = sides.overlay(denv.config_updates(plan))
+    applied = sides.overlay(config_updates(plan))
     ctx = _context(applied, settings, plan, checkpoint)
     rows = [
         *_layout_rows(ctx),
@@ -216,41 +249,128 @@ def build_contract(settings: Any, sides: Sides, plan: Any, checkpoint: Mapping[s
         deterministic=ctx.deterministic,
         training_engine=ctx.strategy,
         rollout_engine=ctx.name,
-        rows=tuple(rows),
+        rows=tuple(_judged(row, ctx.deterministic) for row in rows),
         notes=tuple(dict.fromkeys(ctx.notes)),
         plan=plan,
     )
 
 
-def contract_for_config(
-    config: Any, settings: Any, *, plan: Any = None, detected: Mapping[str, str | None] | None = None
-) -> Contract:
-    """:func:`build_contract` of a resolved config (read once into its views) and of its model's
-    config.json; the plan computed from it unless given; ``detected`` feeds installed versions
-    (default: importlib.metadata)."""
-    from true_on_policy.kernels.architectures import read_checkpoint
-
-    sides = read_sides(config)
-    if plan is None:
-        plan = denv.plan_for(settings, sides, detected=detected)
-    return build_contract(settings, sides, plan, checkpoint=read_checkpoint(sides.training.model_path))
-
-
-def _context(sides: Sides, settings: Any, plan: Any, checkpoint: Mapping[str, Any] | None) -> _Ctx:
+def _context(sides: Sides, settings: Settings, plan: Plan, checkpoint: Mapping[str, Any] | None) -> _Ctx:
     t, r = sides.training, sides.rollout
-    notes: list[str] = list(plan.notes) + [f"not emitted: {s}" for s in plan.skipped]
-    tl = _training_layout(t, settings)
-    rl = _rollout_layout(r, notes)
-    cpu_sides = [s for s, on in ((tl, settings.platform == "cpu"), (rl, r.name == "cpu")) if on]
+    project = settings.resolved_kernels == "project"  # always on cpu: Settings refuses kernels=engine there
+    c = _Ctx(
+        t, r, settings, plan, list(plan.notes) + [f"not emitted: {s}" for s in plan.skipped], checkpoint,
+        platform=settings.platform, deterministic=settings.deterministic, project=project,
+        project_rollout=r.name == "cpu" or (r.name == "vllm" and project), strategy=t.strategy, name=r.name,
+    )
+    c.tl = _training_layout(c)
+    c.rl = _rollout_layout(r, c.notes)
+    cpu_sides = [s for s, on in ((c.tl, c.platform == "cpu"), (c.rl, r.name == "cpu")) if on]
     if any(_int(side.tp.value) > 1 or _int(side.ep.value) > 1 for side in cpu_sides):
-        notes.append(
+        c.notes.append(
             "CPU TP/EP > 1 is true_on_policy.kernels.tensor_parallel.shard_model (gloo, all-gather + the reduction tree's top levels), "
             "proven at library level (tests/test_tensor_parallel.py); verl's FSDP trainer and the Ray-served cpu "
             "rollout replica do not shard yet"
         )
     engine_bi = r.name == "vllm" and vllm_batch_invariant(r.env)
-    rollout_env = {**r.env, **(plan.rollout_forced_env if engine_bi else {})}
-    return _Ctx(t, r, settings, plan, notes, rollout_env, tl, rl, checkpoint)
+    c.rollout_env = {**r.env, **(plan.rollout_forced_env if engine_bi else {})}
+    return c
+
+
+# --------------------------------------------------------------------------------------------
+# layout: TP, EP, expert TP, PP, CP, DP, Ulysses
+# --------------------------------------------------------------------------------------------
+
+
+def _training_layout(c: _Ctx) -> _Layout:
+    t, settings = c.t, c.settings
+    extra: dict[str, Side] = {}
+    if t.megatron is not None:
+        mg = t.megatron
+        layout = _Layout(
+            Side(mg.tp, f"{MEGATRON}.tensor_model_parallel_size"),
+            Side(mg.ep, f"{MEGATRON}.expert_model_parallel_size"),
+            Side(mg.tp if mg.etp is None else mg.etp, f"{MEGATRON}.expert_tensor_parallel_size" + (" (null = TP)" if mg.etp is None else "")),
+            Side(mg.pp, f"{MEGATRON}.pipeline_model_parallel_size"),
+            Side(mg.cp, f"{MEGATRON}.context_parallel_size"),
+            Side(0, ""),
+            extra,
+        )
+    elif t.torchtitan is not None:
+        tt, base = t.torchtitan, f"{A}.torchtitan"
+        layout = _Layout(
+            Side(tt.tp, f"{base}.tensor_parallel_size"),
+            Side(tt.ep, f"{base}.expert_parallel_size"),
+            Side(UNVERIFIED if tt.ep > 1 else tt.tp, f"{base} (no expert-TP key in verl's torchtitan config)"),
+            Side(tt.pp, f"{base}.pipeline_parallel_size"),
+            Side(tt.cp, f"{base}.context_parallel_size"),
+            Side(0, ""),
+            extra,
+        )
+    elif t.veomni is not None:
+        base = f"{A}.veomni"
+        layout = _Layout(
+            Side(1, f"{A}.strategy=veomni (no tensor parallelism)"),
+            Side(t.veomni.ep, f"{base}.expert_parallel_size"),
+            Side(1, f"{A}.strategy=veomni (experts unsplit)"),
+            Side(1, f"{A}.strategy=veomni (no pipeline parallelism)"),
+            Side(1, f"{A}.strategy=veomni (no context parallelism)"),
+            Side(0, ""),
+            extra,
+        )
+        extra["ulysses"] = Side(t.veomni.ulysses, f"{base}.ulysses_parallel_size")
+    else:  # fsdp, fsdp2, fsdp_turbo and any data-parallel engine
+        src = f"{A}.strategy={t.strategy} (FSDP shards parameters, no model parallelism)"
+        layout = _Layout(Side(1, src), Side(1, src), Side(1, src), Side(1, src), Side(1, src), Side(0, ""), extra)
+        if settings.platform == "cpu":  # the CPU backend shards the same model code (true_on_policy.kernels.tensor_parallel)
+            layout.tp = Side(settings.cpu_tensor_parallel_size, f"{CPU_TP_KEY} (CPU backend, true_on_policy.kernels.tensor_parallel)")
+            layout.ep = Side(settings.cpu_expert_parallel_size, f"{CPU_EP_KEY} (CPU backend, experts whole on their rank)")
+        if t.fsdp.deprecated_ulysses > 1:  # verl's FSDPActorConfig.__post_init__ lets it win
+            extra["ulysses"] = Side(t.fsdp.deprecated_ulysses, f"{A}.ulysses_sequence_parallel_size (deprecated)")
+        else:
+            extra["ulysses"] = Side(t.fsdp.ulysses, f"{A}.fsdp_config.ulysses_sequence_parallel_size")
+    world = t.world
+    denom = max(1, _int(layout.tp.value)) * max(1, layout.pp.value) * max(1, layout.cp.value)
+    layout.dp = Side(
+        world // denom if world and world >= denom else NA, "trainer.nnodes * trainer.n_gpus_per_node / (TP * PP * CP)"
+    )
+    return layout
+
+
+def _rollout_layout(r: RolloutView, notes: list[str]) -> _Layout:
+    extra: dict[str, Side] = {}
+    if r.name == "cpu":
+        src = f"{R}.name=cpu (project CPU engine)"
+        one = Side(1, src)
+        return _Layout(
+            Side(r.tp, f"{R}.tensor_model_parallel_size (cpu engine: true_on_policy.kernels.tensor_parallel)"),
+            Side(r.ep, f"{R}.expert_parallel_size (cpu engine: as declared, experts whole on their rank)"),
+            one,
+            one,
+            one,
+            Side(1, src),
+            extra,
+        )
+    tp, dp = r.tp, r.dp
+    ep_on = r.ep > 1
+    ep_src = f"{R}.expert_parallel_size={r.ep} (EP on => vLLM EP group = TP*DP)"
+    if ep_on and r.ep != tp * dp:
+        notes.append(
+            f"{R}.expert_parallel_size={r.ep} but TP*DP={tp * dp}: verl's RolloutConfig rejects this "
+            "(verl/workers/config/rollout.py)"
+        )
+    kwargs = f"{R}.engine_kwargs.{'sglang' if r.name == 'sglang' else 'vllm'}"
+    engine = r.engine_kwargs
+    cp = max(engine.decode_context_parallel_size, engine.prefill_context_parallel_size) if engine is not None else 1
+    return _Layout(
+        Side(tp, f"{R}.tensor_model_parallel_size"),
+        Side(tp * dp if ep_on else 1, ep_src, display=f"{tp * dp if ep_on else 1}"),
+        Side(1 if ep_on else tp * dp, f"{R}: experts unsplit under EP, else split TP*DP ways"),
+        Side(r.pp, f"{R}.pipeline_model_parallel_size"),
+        Side(cp, f"{kwargs}.decode_context_parallel_size / prefill_context_parallel_size"),
+        Side(dp, f"{R}.data_parallel_size"),
+        extra,
+    )
 
 
 def _layout_rows(c: _Ctx) -> list[Row]:
@@ -310,6 +430,11 @@ def _layout_rows(c: _Ctx) -> list[Row]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------
+# model and dtypes
+# --------------------------------------------------------------------------------------------
+
+
 # override_config keys that do not change the model's arithmetic: the attention row reads the first;
 # verl sets the token ids from the tokenizer itself (verl/workers/config/model.py).
 _NEUTRAL_OVERRIDES = ("attn_implementation", "bos_token_id", "eos_token_id", "pad_token_id")
@@ -352,6 +477,28 @@ def _model_rows(c: _Ctx) -> list[Row]:
     ]
 
 
+def _training_compute_dtype(t: TrainingView) -> Side:
+    if t.megatron is not None:
+        return Side(canonical_dtype(t.megatron.dtype), f"{MEGATRON}.dtype")
+    if t.torchtitan is not None:
+        return Side(canonical_dtype(t.torchtitan.dtype), f"{A}.torchtitan.dtype")
+    if t.veomni is not None:
+        return Side("bfloat16" if t.veomni.mixed_precision else "float32", f"{A}.veomni.mixed_precision")
+    param = t.fsdp.param_dtype
+    return Side(
+        canonical_dtype(param or "bf16"),
+        f"{A}.fsdp_config.mixed_precision.param_dtype" + ("" if param else " (verl default bf16)"),
+    )
+
+
+def _training_master_dtype(t: TrainingView) -> Side:
+    if t.fsdp is not None and t.strategy.startswith("fsdp"):
+        return Side(canonical_dtype(t.fsdp.model_dtype), f"{A}.fsdp_config.model_dtype")
+    if t.megatron is not None:
+        return Side("float32", f"{MEGATRON}.use_distributed_optimizer (fp32 main params)")
+    return Side("float32", f"{A}.strategy={t.strategy} (optimizer keeps fp32 weights)")
+
+
 KERNEL_DTYPES = ("float32", "bfloat16")  # what the project's kernels compute in
 
 
@@ -384,7 +531,7 @@ def _dtype_rows(c: _Ctx) -> list[Row]:
             fix=f"set {R}.quantization=null",
         ),
     ]
-    if denv.project_kernels(c.platform, c.kernels):
+    if c.project:
         rows.append(
             Row(
                 "kernel_dtype",
@@ -414,9 +561,60 @@ def _dtype_rows(c: _Ctx) -> list[Row]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------
+# attention and the kernel families
+# --------------------------------------------------------------------------------------------
+
+
+def _training_attention(t: TrainingView, settings: Settings) -> Side:
+    if settings.platform == "cpu" and settings.deterministic and canonical_attention(t.attn_implementation) == "consistent":
+        return Side("consistent", f"{TOP}.deterministic=true (project consistent kernels)")
+    # kernels=project on a device: the HF model runs the project's attention only where the config
+    # names it (attn_implementation=consistent); anything else is read below and compared as it is.
+    if t.megatron is not None:
+        value = canonical_attention(t.megatron.attention_backend or "flash")
+        if settings.platform == "ascend" and t.megatron.flash_attn_npu_batch_invariant:
+            return Side("flash_attn", f"{MEGATRON_TC}.use_flash_attn_npu_batch_invariant (MindSpeed)", "flash_attn_npu")
+        impl = {"flash_attn": "TE flash-attn", "te_fused": "TE fused attention", "eager": "unfused (torch)"}.get(value, value)
+        return Side(value, f"{MEGATRON_TC}.attention_backend", impl)
+    if t.torchtitan is not None:
+        return Side(canonical_attention(t.torchtitan.attn_type), f"{A}.torchtitan.attn_type")
+    if t.veomni is not None:
+        return Side(canonical_attention(t.veomni.attn_implementation), f"{A}.veomni.attn_implementation")
+    impl = t.attn_implementation
+    return Side(
+        canonical_attention(impl or "flash_attention_2"),
+        f"{M}.override_config.attn_implementation" + ("" if impl else " (verl default flash_attention_2)"),
+    )
+
+
+def _rollout_attention(c: _Ctx) -> Side:
+    r, settings, platform = c.r, c.settings, c.platform
+    if c.project_rollout:
+        if settings.deterministic:
+            return Side("consistent", f"{R}.name={r.name} + {TOP}.deterministic=true (project kernels)")
+        if platform == "cpu":
+            return Side(AUTO, f"{R}.name={r.name}")
+    if r.name == "sglang":
+        return Side(canonical_attention(r.sglang.attention_backend), f"{R}.engine_kwargs.sglang.attention_backend")
+    if r.vllm is None:
+        return Side(UNVERIFIED, f"{R}.name={r.name}: no attention setting known to this project")
+    key = f"{R}.engine_kwargs.vllm.attention_backend"
+    explicit = r.vllm.attention_backend
+    if platform == "ascend":
+        rl = f"{R}.engine_kwargs.vllm.additional_config.rl_config"
+        if r.vllm.rl_enabled and r.vllm.rl_training_consistency:
+            return Side("flash_attn", f"{rl}.enable_training_consistency ({SOURCES['va_platform']})", "flash_attn_npu_v3")
+        if explicit is None:
+            return Side(AUTO, f"{rl}.enable_training_consistency unset; vllm-ascend picks its attention backend")
+    value = canonical_attention(explicit)
+    impl = "vllm_flash_attn (num_splits=1 under batch invariance)" if value == "flash_attn" else value
+    return Side(value, key + ("" if explicit else " (unset: vLLM auto-selects)"), impl)
+
+
 def _attention_row(c: _Ctx) -> Row:
     t = _training_attention(c.t, c.settings)
-    r = _rollout_attention(c.r, c.settings)
+    r = _rollout_attention(c)
     unverified = ""
     if t.value == r.value and AUTO not in (t.value, r.value):
         unverified = kernel_families.attention_unverified(c.platform, t.show(), r.show())
@@ -449,7 +647,8 @@ def _kernel_rows(c: _Ctx) -> list[Row]:
         platform=c.platform,
         versions=c.plan.versions.effective,
         rollout_env=c.rollout_env,
-        kernels=c.kernels,
+        project=c.project,
+        project_rollout=c.project_rollout,
     ):
         t = Side(fam.training.impl if fam.training.pinned else UNVERIFIED, fam.training.source, fam.training.impl)
         r = Side(fam.rollout.impl if fam.rollout.pinned else UNVERIFIED, fam.rollout.source, fam.rollout.impl)
@@ -472,8 +671,30 @@ def _kernel_rows(c: _Ctx) -> list[Row]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------
+# row-parallel reduction and MoE
+# --------------------------------------------------------------------------------------------
+
+
+def _rollout_row_parallel(r: RolloutView, platform: str) -> Side:
+    tp = r.tp
+    if tp <= 1:
+        return Side(ROW_PARALLEL_NONE, f"{R}.tensor_model_parallel_size=1")
+    if r.name == "cpu":
+        return Side(CPU_ROW_PARALLEL, f"{R}.name=cpu, {R}.tensor_model_parallel_size={tp} (true_on_policy.kernels.tensor_parallel)")
+    if r.vllm is not None and platform == "ascend":
+        key = f"{R}.engine_kwargs.vllm.additional_config.enable_flashcomm1"
+        on = r.vllm.flashcomm1 or parse_bool(f"{ENV}.VLLM_ASCEND_ENABLE_FLASHCOMM1", r.env.get("VLLM_ASCEND_ENABLE_FLASHCOMM1"))
+        src = f"{ENV}.VLLM_ASCEND_ENABLE_FLASHCOMM1 / {key}"
+        return Side(ROW_PARALLEL_RS_AG if on else ROW_PARALLEL_ALL_REDUCE, src)
+    if r.vllm is not None:
+        src = f"{R}.engine_kwargs.vllm.compilation_config.pass_config.enable_sp"
+        return Side(ROW_PARALLEL_RS_AG if r.vllm.sequence_parallel else ROW_PARALLEL_ALL_REDUCE, src)
+    return Side(ROW_PARALLEL_ALL_REDUCE, f"{R}.name={r.name} (tensor-parallel all-reduce)")
+
+
 def _row_parallel_row(c: _Ctx) -> Row:
-    t_rp = Side(denv.training_row_parallel(c.t), f"{A}.megatron.sequence_parallel (TP>1: true = reduce-scatter + all-gather)")
+    t_rp = Side(c.t.row_parallel, f"{A}.megatron.sequence_parallel (TP>1: true = reduce-scatter + all-gather)")
     if c.platform == "cpu" and c.t.megatron is None and c.t.torchtitan is None and _int(c.tl.tp.value) > 1:
         t_rp = Side(CPU_ROW_PARALLEL, f"{CPU_TP_KEY}={c.tl.tp.value} (true_on_policy.kernels.tensor_parallel)")
     r_rp = _rollout_row_parallel(c.r, c.platform)
@@ -494,20 +715,76 @@ def _row_parallel_row(c: _Ctx) -> Row:
     )
 
 
+_VLLM_ALLGATHER_BACKENDS = {"naive", "allgather_reducescatter"}
+
+
+def _training_dispatcher(c: _Ctx, ep: int) -> Side:
+    t, pin = c.t, c.settings.moe_dispatcher
+    if c.project and c.deterministic and t.megatron is None:
+        return Side(pin or ("local" if ep <= 1 else CPU_MOE_DISPATCH), f"{TOP}.moe_dispatcher (project kernels)")
+    if t.megatron is not None:
+        key = f"{MEGATRON_TC}.moe_token_dispatcher_type"
+        value = t.megatron.dispatcher
+        if ep <= 1:
+            return Side("local", f"{MEGATRON}.expert_model_parallel_size=1")
+        return Side(str(value or "alltoall"), key + ("" if value else " (verl default alltoall)"))
+    if ep <= 1:
+        return Side("local", f"{A}.strategy={t.strategy} (experts on every rank)")
+    return Side(UNVERIFIED, f"{A}.strategy={t.strategy} (no dispatcher key)")
+
+
+def _rollout_dispatcher(c: _Ctx, ep: int) -> Side:
+    r, settings = c.r, c.settings
+    if c.project_rollout:
+        return Side(settings.moe_dispatcher or ("local" if ep <= 1 else CPU_MOE_DISPATCH), f"{TOP}.moe_dispatcher (project kernels)")
+    if ep <= 1:
+        return Side("local", f"{R}.expert_parallel_size<=1 (experts TP-split, no dispatch)")
+    if r.vllm is not None and settings.platform == "ascend":
+        return Side(UNVERIFIED, "vllm-ascend selects its MoE communication per batch (no setting)")
+    if r.vllm is not None:
+        key = f"{R}.engine_kwargs.vllm.all2all_backend"
+        backend = r.vllm.all2all_backend or "allgather_reducescatter"
+        family = "allgather" if backend in _VLLM_ALLGATHER_BACKENDS else "alltoall"
+        return Side(family, key + ("" if r.vllm.all2all_backend else " (vLLM default allgather_reducescatter)"), f"{family} ({backend})")
+    return Side(UNVERIFIED, f"{R}.name={r.name} (no dispatcher key)")
+
+
+def _training_router_dtype(c: _Ctx, compute: str) -> Side:
+    t, pin = c.t, c.settings.moe_router_dtype
+    if c.project and c.deterministic and t.megatron is None:
+        return Side(canonical_dtype(pin) if pin else compute, f"{TOP}.moe_router_dtype (project kernels)")
+    if t.megatron is not None:
+        key = f"{MEGATRON_TC}.moe_router_dtype"
+        value = t.megatron.router_dtype
+        return Side(canonical_dtype(value) if value else compute, key + ("" if value else " (unset: compute dtype)"))
+    return Side(compute, f"{A}.strategy={t.strategy} (HF gate runs in the compute dtype)")
+
+
+def _rollout_router_dtype(c: _Ctx, compute: str) -> Side:
+    r, pin = c.r, c.settings.moe_router_dtype
+    if c.project_rollout:
+        return Side(canonical_dtype(pin) if pin else compute, f"{TOP}.moe_router_dtype (project kernels)")
+    if r.name == "vllm":
+        # vLLM's Qwen3-MoE gate is a ReplicatedLinear with no params_dtype: it runs in the served dtype
+        # (vllm-ascend serves the same model class); no engine setting changes it.
+        return Side(compute, f"{R}.dtype ({SOURCES['vllm_qwen3_moe']}; no fp32-router setting exists)")
+    return Side(UNVERIFIED, f"{R}.name={r.name}: no router-dtype setting (model code decides)")
+
+
 def _moe_rows(c: _Ctx) -> list[Row]:
-    settings, platform, name = c.settings, c.platform, c.name
+    settings = c.settings
     ep_t, ep_r = _int(c.tl.ep.value), _int(c.rl.ep.value)
     t_compute = _training_compute_dtype(c.t)
     r_dtype = canonical_dtype(c.r.dtype)
     combine = settings.moe_combine
-    t_project = denv.project_kernels(platform, c.kernels) and c.t.megatron is None
-    r_project = denv.project_rollout(name, platform, c.kernels)
+    t_project = c.project and c.t.megatron is None
+    r_project = c.project_rollout
     return [
         Row(
             "moe_dispatcher",
             "MoE dispatch",
-            _training_dispatcher(c.t, ep_t, settings),
-            _rollout_dispatcher(c.r, ep_r, settings),
+            _training_dispatcher(c, ep_t),
+            _rollout_dispatcher(c, ep_r),
             required=settings.moe_dispatcher if settings.moe_dispatcher and max(ep_t, ep_r) > 1 else None,
             required_source=f"{TOP}.moe_dispatcher",
             fix=(
@@ -528,8 +805,8 @@ def _moe_rows(c: _Ctx) -> list[Row]:
         Row(
             "moe_router_dtype",
             "MoE router dtype",
-            _training_router_dtype(c.t, t_compute.value, settings),
-            _rollout_router_dtype(c.r, r_dtype, settings),
+            _training_router_dtype(c, t_compute.value),
+            _rollout_router_dtype(c, r_dtype),
             required=canonical_dtype(settings.moe_router_dtype) if settings.moe_router_dtype else None,
             required_source=f"{TOP}.moe_router_dtype",
             only_when_deterministic=True,
@@ -564,7 +841,7 @@ def _tp_invariant_rows(c: _Ctx, rows: list[Row]) -> list[Row]:
         v = side.value
         if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_TP and not v & (v - 1):
             return Side(TP_INVARIANT, side.source, display=f"{v}")
-        if v in (denv.ROW_PARALLEL_NONE, CPU_ROW_PARALLEL, "local", CPU_MOE_DISPATCH):
+        if v in (ROW_PARALLEL_NONE, CPU_ROW_PARALLEL, "local", CPU_MOE_DISPATCH):
             return Side(TP_INVARIANT, side.source, display=f"{v}")
         return side
 
@@ -614,6 +891,36 @@ def _sharding_row(c: _Ctx) -> Row:
     )
 
 
+# --------------------------------------------------------------------------------------------
+# log-probs, sampling, determinism
+# --------------------------------------------------------------------------------------------
+
+
+def _logprobs(r: RolloutView) -> tuple[Side, Side]:
+    t = r.temperature
+    training = Side("logprob(softmax(logits/T))", f"{A} log-prob (temperature {R}.temperature={t})")
+    if not r.calculate_log_probs:
+        return training, Side("not returned", f"{R}.calculate_log_probs=false")
+    mode = r.logprobs_mode
+    src = f"{R}.logprobs_mode={mode}"
+    if mode == "processed_logprobs":
+        value = "logprob(softmax(logits/T))"
+    elif mode == "raw_logprobs":
+        value = "logprob(softmax(logits/T))" if t == 1.0 else "logprob(softmax(logits))"
+    else:
+        value = mode
+    return training, Side(value, src)
+
+
+def _sampling(r: RolloutView) -> tuple[Side, Side]:
+    full = r.top_p >= 1.0 and r.top_k <= 0
+    value = "full vocabulary" if full else f"truncated (top_p={r.top_p}, top_k={r.top_k})"
+    return (
+        Side("full vocabulary", f"{A} log-prob over the whole vocabulary"),
+        Side(value, f"{R}.top_p / {R}.top_k"),
+    )
+
+
 def _logprob_rows(c: _Ctx) -> list[Row]:
     t_lp, r_lp = _logprobs(c.r)
     t_s, r_s = _sampling(c.r)
@@ -633,14 +940,61 @@ def _logprob_rows(c: _Ctx) -> list[Row]:
     ]
 
 
+def _training_batch_invariant(c: _Ctx) -> Side:
+    t, settings = c.t, c.settings
+    if not settings.deterministic:
+        return Side("off", f"{TOP}.deterministic=false")
+    if c.project:
+        return Side("on", f"{TOP}.deterministic=true (project consistent kernels)")
+    mg = t.megatron
+    if settings.platform == "ascend" and mg is not None:
+        # GEMMs (use_batch_invariant_ops / batch_invariant_mode) and attention (flash_attn_npu) both
+        keys = {
+            "use_batch_invariant_ops": mg.batch_invariant_ops,
+            "batch_invariant_mode": mg.batch_invariant_mode,
+            "use_flash_attn_npu_batch_invariant": mg.flash_attn_npu_batch_invariant,
+        }
+        off = [k for k, on in keys.items() if not on]
+        return Side("off" if off else "on", f"{MEGATRON_TC}.{{{', '.join(keys)}}}" + (f" (off: {', '.join(off)})" if off else ""))
+    if mg is not None:
+        return Side("on" if mg.batch_invariant_mode else "off", f"{MEGATRON_TC}.batch_invariant_mode")
+    return Side(
+        UNVERIFIED,
+        f"{A}.strategy={t.strategy} on {settings.platform}: verl 0.9.1 has no batch-invariant GEMM switch for training",
+    )
+
+
+def _rollout_batch_invariant(c: _Ctx) -> Side:
+    r, settings = c.r, c.settings
+    if c.project_rollout:
+        return Side("on" if settings.deterministic else "off", f"{R}.name={r.name} + {TOP}.deterministic (project kernels)")
+    rl = f"{R}.engine_kwargs.vllm.additional_config.rl_config"
+    rl_on = r.vllm is not None and r.vllm.rl_enabled and r.vllm.rl_batch_invariant
+    on = vllm_batch_invariant(r.env) or rl_on
+    return Side("on" if on else "off", f"{ENV}.VLLM_BATCH_INVARIANT" + (f" / {rl}.enable_batch_invariant" if settings.platform == "ascend" else ""))
+
+
+def _env_display(env: Mapping[str, str], other: Mapping[str, str]) -> str:
+    if not env:
+        return "none"
+    differing = [k for k in env if other.get(k) != env[k]] + [k for k in other if k not in env]
+    if not differing:
+        return f"{len(env)} pinned keys (listed below)"
+    return ", ".join(f"{k}={env.get(k, '<unset>')}" for k in differing)
+
+
+def _reduction_env(env: Mapping[str, str], platform: str) -> dict[str, str]:
+    return {k: env[k] for k in REDUCTION_ENV_KEYS.get(platform, ()) if k in env}
+
+
 def _determinism_rows(c: _Ctx) -> list[Row]:
     t_env, r_env = _reduction_env(c.r.env, c.platform), _reduction_env(c.rollout_env, c.platform)
     rows = [
         Row(
             "batch_invariant",
             "batch-invariant kernels",
-            _training_batch_invariant(c.t, c.settings),
-            _rollout_batch_invariant(c.r, c.settings),
+            _training_batch_invariant(c),
+            _rollout_batch_invariant(c),
             only_when_deterministic=True,
             fix=f"set {TOP}.deterministic=true so the determinism plan switches both engines' kernels",
         ),
@@ -653,7 +1007,7 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
             fix=f"remove hand-set reduction variables from {ENV}; the determinism plan sets the values the rollout engine forces",
         ),
     ]
-    if c.name == "vllm" and denv.project_kernels(c.platform, c.kernels):  # vLLM with true_on_policy.vllm_adapter
+    if c.name == "vllm" and c.project:  # vLLM with true_on_policy.vllm_adapter
         rows.append(
             Row(
                 "eager",
@@ -698,61 +1052,61 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
     return rows
 
 
-def status(contract: Contract, row: Row) -> str:
-    """ok | mismatch | unverified | info | off (not checked when not deterministic)."""
-    return _check(contract, row)[0]
+# --------------------------------------------------------------------------------------------
+# status, compare, table
+# --------------------------------------------------------------------------------------------
 
 
-def _check(contract: Contract, row: Row) -> tuple[str, str]:
+def _judged(row: Row, deterministic: bool) -> Row:
+    """``row`` with its status and the reason, decided from its two sides (and the flag)."""
+    status, reason = _status(row, deterministic)
+    return dataclasses.replace(row, status=status, reason=reason)
+
+
+def _status(row: Row, deterministic: bool) -> tuple[Status, str]:
     if row.kind == INFO:
-        return "info", ""
-    if row.only_when_deterministic and not contract.deterministic:
-        return "off", ""
+        return Status.INFO, ""
+    if row.only_when_deterministic and not deterministic:
+        return Status.OFF, ""
     t, r = row.training.value, row.rollout.value
     if row.kind == REQUIRE:
         if r == UNVERIFIED:
-            return "unverified", ""
+            return Status.UNVERIFIED, ""
         if r != row.required:
-            return "mismatch", f"rollout must be {row.required} ({row.required_source})"
-        return "ok", ""
-    if row.reject_auto and contract.deterministic and AUTO in (t, r):
+            return Status.MISMATCH, f"rollout must be {row.required} ({row.required_source})"
+        return Status.OK, ""
+    if row.reject_auto and deterministic and AUTO in (t, r):
         side = "training" if t == AUTO else "rollout"
-        return "mismatch", f"{side} kernel is chosen by the engine at run time (unpinned)"
+        return Status.MISMATCH, f"{side} kernel is chosen by the engine at run time (unpinned)"
     if UNVERIFIED in (t, r):
         known = r if t == UNVERIFIED else t
         if row.required is not None and known not in (UNVERIFIED, row.required):
-            return "mismatch", f"must be {row.required} ({row.required_source})"
+            return Status.MISMATCH, f"must be {row.required} ({row.required_source})"
         side = row.training if t == UNVERIFIED else row.rollout
-        return "unverified", row.unverified or f"{'training' if t == UNVERIFIED else 'rollout'}: {side.source}"
+        return Status.UNVERIFIED, row.unverified or f"{'training' if t == UNVERIFIED else 'rollout'}: {side.source}"
     if row.required is not None and row.required not in (t, r):
-        return "mismatch", f"both sides must be {row.required} ({row.required_source})"
+        return Status.MISMATCH, f"both sides must be {row.required} ({row.required_source})"
     if t != r:
         if row.unverified:
-            return "unverified", row.unverified
+            return Status.UNVERIFIED, row.unverified
         if row.required is not None:
-            return "mismatch", f"both sides must be {row.required} ({row.required_source})"
-        return "mismatch", "differs"
+            return Status.MISMATCH, f"both sides must be {row.required} ({row.required_source})"
+        return Status.MISMATCH, "differs"
     if row.unverified:
-        return "unverified", row.unverified
-    return "ok", ""
+        return Status.UNVERIFIED, row.unverified
+    return Status.OK, ""
 
 
 def unverified(contract: Contract) -> list[tuple[Row, str]]:
     """Every row that holds where it can be seen but cannot be verified, with the reason."""
-    out = []
-    for row in contract.rows:
-        state, reason = _check(contract, row)
-        if state == "unverified":
-            out.append((row, reason))
-    return out
+    return [(row, row.reason) for row in contract.rows if row.status is Status.UNVERIFIED]
 
 
 def compare(contract: Contract) -> list[Mismatch]:
     """Every strict/required row that does not hold, with both values and the fix."""
     out: list[Mismatch] = []
     for row in contract.rows:
-        state, reason = _check(contract, row)
-        if state == "mismatch":
+        if row.status is Status.MISMATCH:
             out.append(
                 Mismatch(
                     field=row.field,
@@ -761,7 +1115,7 @@ def compare(contract: Contract) -> list[Mismatch]:
                     rollout=row.rollout.value,
                     training_source=row.training.source,
                     rollout_source=row.rollout.source,
-                    reason=reason,
+                    reason=row.reason,
                     fix=row.fix,
                 )
             )
@@ -780,7 +1134,7 @@ def format_table(contract: Contract, mismatches: list[Mismatch] | None = None) -
     )
     rows = [("field", "training", "rollout", "status")]
     for row in contract.rows:
-        state = status(contract, row)
+        state = row.status.value
         mark = {"mismatch": "MISMATCH", "unverified": "unverified", "ok": "ok", "info": "-", "off": "off"}[state]
         if row.field in bad:
             mark = "MISMATCH"

@@ -1,7 +1,7 @@
-"""Determinism plan: (deterministic flag, platform, stack versions) -> what every process must run with.
+"""Determinism plan: ``plan(settings, sides, versions)`` -> what every process must run with.
 
 Pure module: no device library is imported at module level. ``torch_npu`` is imported only by
-:func:`detect_cann_version` / :func:`run_in_process_calls` on ``platform="ascend"``; ``vllm`` only by
+:func:`~true_on_policy.contract.stack_versions.detect_cann_version` / :func:`run_in_process_calls` on ``platform="ascend"``; ``vllm`` only by
 :func:`rollout_forced_env` on ``platform="cuda"``; both inside functions.
 
 A :class:`Plan` says, for one launch: ``worker_env`` (environment of every Ray worker, training and
@@ -22,32 +22,20 @@ import dataclasses
 import importlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from true_on_policy.contract.config_reader import ConfigError
-from true_on_policy.contract.config_views import ENV_PATH, MEGATRON_TC, ROLLOUT_VLLM, RolloutView, Sides, TrainingView, read_sides
-from true_on_policy.contract.stack_versions import (  # noqa: F401 - re-exported: the plan's vocabulary
-    DISTRIBUTIONS,
-    PLATFORM_PACKAGES,
+from true_on_policy.config.launch import ENV_PATH, MEGATRON_TC, ROLLOUT_VLLM, ROW_PARALLEL_RS_AG, RolloutView, Sides
+from true_on_policy.config.settings import PLATFORMS, ConfigError, Settings
+from true_on_policy.contract.stack_versions import (
     VLLM_ADAPTER_VERSION,
     VERSION_GATES,
-    VersionGate,
     Versions,
-    detect_cann_version,
-    detect_versions,
     gate_open,
-    parse_version,
-    resolve_versions,
     version_at_least,
     vllm_ascend_line,
 )
 
-PLATFORMS = ("cpu", "ascend", "cuda")
-
-ROW_PARALLEL_ALL_REDUCE = "all_reduce"
-ROW_PARALLEL_RS_AG = "reduce_scatter+all_gather"
-ROW_PARALLEL_NONE = "none"
 
 
 
@@ -221,18 +209,6 @@ class Plan:
             "notes": list(self.notes),
         }
 
-def project_kernels(platform: str, kernels: str | None) -> bool:
-    """The flag switches on the project's kernels (``true_on_policy.kernels``): always on cpu, on
-    ascend / cuda only with ``kernels: project``."""
-    return platform == "cpu" or kernels == "project"
-
-
-def project_rollout(rollout_name: str, platform: str, kernels: str | None = None) -> bool:
-    """The rollout runs the project's consistent kernels: its CPU engine, or vLLM through
-    ``true_on_policy.vllm_adapter`` (vLLM-CPU; vLLM on CUDA with ``kernels: project``)."""
-    return rollout_name == "cpu" or (rollout_name == "vllm" and project_kernels(platform, kernels))
-
-
 # Why kernels=project is refused on Ascend: what the vLLM adapter would need there and does not have.
 PROJECT_KERNELS_ASCEND_MISSING = (
     "not written for vllm-ascend: the adapter patches vLLM 0.28.0 (vllm_adapter/patches.py), while each vllm-ascend "
@@ -281,11 +257,11 @@ def rollout_forced_env(
             continue
     if override is None:
         gate = VERSION_GATES["vllm.determinism_module"]
-        moved = version_at_least(versions.get("vllm"), gate.min_version)
+        moved = version_at_least(versions.effective.get("vllm"), gate.min_version)
         if moved is not False:
             raise ConfigError(
                 "true_on_policy.stack_versions.vllm",
-                versions.get("vllm"),
+                versions.effective.get("vllm"),
                 f"vLLM is not importable here and {'its version is unknown' if moved is None else 'it is >= ' + gate.min_version}: "
                 f"the mirrored table ({SOURCES['vllm_bi']}) is stale from vLLM {gate.min_version} on ({gate.evidence}); "
                 "run the check where vLLM is installed, or declare a vLLM version < 0.33",
@@ -293,7 +269,7 @@ def rollout_forced_env(
         forced = dict(VLLM_BATCH_INVARIANT_FORCED_ENV)
         if gate_open("nccl.algo_per_collective_reenable", versions.effective):
             forced["NCCL_ALGO"] = NCCL_ALGO_FROM_2_31
-        return forced, f"table from {SOURCES['vllm_bi']} (vLLM {versions.get('vllm')} < 0.33; + {SOURCES['vllm_58179']} for NCCL >= 2.31)"
+        return forced, f"table from {SOURCES['vllm_bi']} (vLLM {versions.effective.get('vllm')} < 0.33; + {SOURCES['vllm_58179']} for NCCL >= 2.31)"
     saved = dict(os.environ)
     try:
         override()
@@ -337,7 +313,7 @@ class _Draft:
 
 def _plan_ascend(d: _Draft) -> None:
     """vllm-ascend + MindSpeed: keys chosen by the vllm-ascend line and the MindSpeed version."""
-    cann = d.versions.get("cann")
+    cann = d.versions.effective.get("cann")
     strict_ok = version_at_least(cann, VERSION_GATES["cann.hccl_strict"].min_version)
     d.env(
         "HCCL_DETERMINISTIC",
@@ -366,7 +342,7 @@ def _plan_ascend(d: _Draft) -> None:
 
 
 def _plan_vllm_ascend(d: _Draft) -> None:
-    va = d.versions.get("vllm-ascend")
+    va = d.versions.effective.get("vllm-ascend")
     line = vllm_ascend_line(va)
     if line is None:
         raise ConfigError(
@@ -427,7 +403,7 @@ def _plan_vllm_ascend(d: _Draft) -> None:
 
 
 def _plan_mindspeed(d: _Draft) -> None:
-    ms = d.versions.get("mindspeed")
+    ms = d.versions.effective.get("mindspeed")
     gate = VERSION_GATES["mindspeed.batch_invariant"]
     if version_at_least(ms, gate.min_version) is not True:
         raise ConfigError(
@@ -448,10 +424,10 @@ def _plan_mindspeed(d: _Draft) -> None:
 def _require_vllm(d: _Draft, gate_name: str) -> None:
     """A vLLM rollout whose version lacks the key would ignore or reject it: refuse, naming the version."""
     gate = VERSION_GATES[gate_name]
-    if version_at_least(d.versions.get("vllm"), gate.min_version) is not True:
+    if version_at_least(d.versions.effective.get("vllm"), gate.min_version) is not True:
         raise ConfigError(
             "true_on_policy.stack_versions.vllm",
-            d.versions.get("vllm"),
+            d.versions.effective.get("vllm"),
             f"needs vLLM >= {gate.min_version} ({gate.upstream}: {gate.evidence})",
         )
 
@@ -488,7 +464,7 @@ def _plan_cuda(d: _Draft) -> None:
                 "TP=1 or Megatron sequence_parallel=false"
             )
     if d.strategy == "megatron":
-        mc = d.versions.get("megatron-core")
+        mc = d.versions.effective.get("megatron-core")
         gate = VERSION_GATES["megatron.batch_invariant_mode"]
         if version_at_least(mc, gate.min_version) is not True:
             raise ConfigError(
@@ -523,7 +499,7 @@ def _plan_project_kernels(d: _Draft, platform: str) -> None:
             "true_on_policy.kernels=project on a device runs the project's kernels inside vLLM "
             "(true_on_policy.vllm_adapter): use rollout.name=vllm",
         )
-    vllm = d.versions.get("vllm")
+    vllm = d.versions.effective.get("vllm")
     if vllm is None or vllm.split("+")[0] != VLLM_ADAPTER_VERSION:
         raise ConfigError(
             "true_on_policy.stack_versions.vllm",
@@ -564,37 +540,30 @@ MEGATRON_ROUTER_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp64": "fp64", "fl
 
 
 def plan(
-    deterministic: bool,
-    platform: str,
+    settings: Settings,
+    sides: Sides,
+    versions: Versions,
     *,
-    training_strategy: str,
-    rollout_name: str,
-    versions: Versions | Mapping[str, str | None] | None = None,
-    row_parallel: str | None = None,
-    moe_router_dtype: str | None = None,
-    moe_dispatcher: str | None = None,
-    kernels: str | None = None,
     importer: Callable[[str], Any] = importlib.import_module,
 ) -> Plan:
-    """Compute the determinism settings for one launch.
-
-    ``training_strategy`` / ``rollout_name`` are verl's ``actor.strategy`` / ``rollout.name`` (required:
-    no default could be right on every platform). ``row_parallel`` is the training side's row-parallel reduction (``ROW_PARALLEL_*``); on an Ascend
-    release build a reduce-scatter + all-gather training layout switches FlashComm1 on in the rollout.
-    ``moe_router_dtype`` / ``moe_dispatcher`` are the project pins from ``true_on_policy``; they go
-    into the Megatron transformer config. ``kernels`` is ``true_on_policy.kernels`` ("project" on a
-    device platform: :func:`_plan_project_kernels`). Raises :class:`ConfigError` when the stack versions
-    do not have the keys the flag needs.
+    """The determinism settings for one launch: ``settings`` (platform resolved), the views of the two
+    sides (their engines, the training side's row-parallel reduction) and the stack ``versions``
+    (:func:`~true_on_policy.contract.stack_versions.resolve_versions`). On an Ascend release build a
+    reduce-scatter + all-gather training layout switches FlashComm1 on in the rollout; the project pins
+    ``moe_router_dtype`` / ``moe_dispatcher`` go into the Megatron transformer config; ``kernels:
+    project`` on a device platform: :func:`_plan_project_kernels`. ``importer`` finds vLLM's module.
+    Raises :class:`ConfigError` when the stack versions do not have the keys the flag needs.
     """
+    platform, deterministic = settings.platform, settings.deterministic
     if platform not in PLATFORMS:
         raise ConfigError("true_on_policy.platform", platform, f"one of {PLATFORMS}")
-    if not isinstance(versions, Versions):
-        versions = resolve_versions(platform, detected=dict(versions) if versions is not None else None)
+    if deterministic and platform == "ascend" and sides.rollout.name == "vllm":
+        refuse_ignored_keys(sides.rollout, versions)
     d = _Draft(
         versions=versions,
-        strategy=training_strategy,
-        rollout_name=rollout_name,
-        row_parallel=row_parallel or ROW_PARALLEL_NONE,
+        strategy=sides.training.strategy,
+        rollout_name=sides.rollout.name,
+        row_parallel=sides.training.row_parallel,
         importer=importer,
         notes=list(versions.conflicts),
     )
@@ -602,12 +571,12 @@ def plan(
         d.ops.append("engine defaults (true_on_policy.deterministic=false): no determinism settings emitted")
     elif platform == "cpu":
         d.ops.append("true_on_policy consistent kernels on both engines (selected by true_on_policy.deterministic=true)")
-    elif kernels == "project":
+    elif settings.resolved_kernels == "project":
         _plan_project_kernels(d, platform)
     else:
         (_plan_ascend if platform == "ascend" else _plan_cuda)(d)
         if d.strategy == "megatron":
-            _plan_megatron_pins(d, moe_router_dtype, moe_dispatcher)
+            _plan_megatron_pins(d, settings.moe_router_dtype, settings.moe_dispatcher)
     return Plan(
         platform=platform,
         deterministic=deterministic,
@@ -624,20 +593,9 @@ def plan(
     )
 
 
-def training_row_parallel(training: TrainingView) -> str:
-    """The training side's row-parallel reduction mode, from the engine the config selects."""
-    if training.megatron is not None:
-        if training.megatron.tp <= 1:
-            return ROW_PARALLEL_NONE
-        return ROW_PARALLEL_RS_AG if training.megatron.sequence_parallel else ROW_PARALLEL_ALL_REDUCE
-    if training.torchtitan is not None:
-        return ROW_PARALLEL_NONE if training.torchtitan.tp <= 1 else ROW_PARALLEL_RS_AG
-    return ROW_PARALLEL_NONE
-
-
 def refuse_ignored_keys(rollout: RolloutView, versions: Versions) -> None:
     """Under the flag on Ascend, a vllm-ascend key the chosen build ignores is an error, not a no-op."""
-    va = versions.get("vllm-ascend")
+    va = versions.effective.get("vllm-ascend")
     line = vllm_ascend_line(va)
     vllm = rollout.vllm
     if vllm is None:
@@ -655,37 +613,6 @@ def refuse_ignored_keys(rollout: RolloutView, versions: Versions) -> None:
         ):
             if value is not None:
                 raise ConfigError(key, value, f"vllm-ascend {va} (a main build) ignores FlashComm1 (removed by PR #13946)")
-
-
-def plan_for(
-    settings: Any,
-    sides: Sides,
-    *,
-    detected: Mapping[str, str | None] | None = None,
-    importer: Callable[[str], Any] = importlib.import_module,
-) -> Plan:
-    """The plan for the views of a resolved verl config and its parsed ``true_on_policy:`` section
-    (:class:`true_on_policy.config.settings.Settings`, platform resolved). No verl import."""
-    versions = resolve_versions(settings.platform, declared=dict(settings.stack_versions), detected=detected)
-    if settings.deterministic and settings.platform == "ascend" and sides.rollout.name == "vllm":
-        refuse_ignored_keys(sides.rollout, versions)
-    return plan(
-        settings.deterministic,
-        settings.platform,
-        versions=versions,
-        training_strategy=sides.training.strategy,
-        rollout_name=sides.rollout.name,
-        row_parallel=training_row_parallel(sides.training),
-        moe_router_dtype=settings.moe_router_dtype,
-        moe_dispatcher=settings.moe_dispatcher,
-        kernels=settings.resolved_kernels,
-        importer=importer,
-    )
-
-
-def plan_for_config(config: Any, settings: Any, **kwargs: Any) -> Plan:
-    """:func:`plan_for` on a resolved config read into its views (:func:`~.config_views.read_sides`)."""
-    return plan_for(settings, read_sides(config), **kwargs)
 
 
 # --------------------------------------------------------------------------------------------

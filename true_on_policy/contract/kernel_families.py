@@ -11,7 +11,7 @@ implementation each side runs, from the settings that select it, and how the two
   implementations of the same algorithm are paired and their bitwise equality is not established
   (only a device run can establish it). The reason says which.
 
-Pure: works on the typed views of the config (:mod:`true_on_policy.contract.config_views`).
+Pure: works on the typed views of the config (:mod:`true_on_policy.config.launch`).
 Upstream files read for each name: docs/parallelism_and_determinism.md ("Kernel families").
 """
 
@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from true_on_policy.contract import determinism_plan as denv
-from true_on_policy.contract.config_views import A, MEGATRON_TC as TC, R, RolloutView, TrainingView
-from true_on_policy.contract.sides import vllm_batch_invariant
+from true_on_policy.contract.determinism_plan import SOURCES
+from true_on_policy.config.launch import ENV_PATH, A, MEGATRON_TC as TC, R, RolloutView, TrainingView
+from true_on_policy.contract.names import vllm_batch_invariant
 PROJECT = "true_on_policy.kernels (order-fixed consistent kernels)"
 
 OPS = ("gemm", "norm", "log_softmax")
@@ -55,12 +55,14 @@ def families(
     platform: str,
     versions: Mapping[str, str | None],
     rollout_env: Mapping[str, str],
-    kernels: str,
+    project: bool,
+    project_rollout: bool,
 ) -> list[OpFamilies]:
-    """GEMM / RMSNorm / log-softmax implementation per side. ``kernels`` is the resolved
-    ``true_on_policy.kernels``; ``rollout_env`` what the rollout engine's processes end up with."""
-    training = _training(training_view, platform, kernels)
-    rollout = _rollout(rollout_view, platform, versions, rollout_env, kernels)
+    """GEMM / RMSNorm / log-softmax implementation per side. ``project`` / ``project_rollout``: the
+    project's kernels run in training (unless Megatron) / in the rollout; ``rollout_env`` what the
+    rollout engine's processes end up with."""
+    training = _training(training_view, platform, project)
+    rollout = _rollout(rollout_view, platform, versions, rollout_env, project_rollout)
     return [_relate(op, training[op], rollout[op], platform) for op in OPS]
 
 
@@ -97,9 +99,9 @@ def _relate(op: str, t: Family, r: Family, platform: str) -> OpFamilies:
     return OpFamilies(op, t, r, reason)
 
 
-def _training(t: TrainingView, platform: str, kernels: str) -> dict[str, Family]:
+def _training(t: TrainingView, platform: str, project: bool) -> dict[str, Family]:
     strategy, mg = t.strategy, t.megatron
-    if denv.project_kernels(platform, kernels) and mg is None:
+    if project and mg is None:
         src = "true_on_policy.deterministic=true (project kernels patched into transformers)"
         return {op: Family(PROJECT, src) for op in OPS}
     log_softmax = Family(
@@ -134,9 +136,9 @@ def _training(t: TrainingView, platform: str, kernels: str) -> dict[str, Family]
 
 
 def _rollout(r: RolloutView, platform: str, versions: Mapping[str, str | None], env: Mapping[str, str],
-             kernels: str) -> dict[str, Family]:
+             project_rollout: bool) -> dict[str, Family]:
     name = r.name
-    if denv.project_rollout(name, platform, kernels):
+    if project_rollout:
         via = "" if name == "cpu" else " through true_on_policy.vllm_adapter"
         return {op: Family(PROJECT, f"{R}.name={name} on {platform} (project kernels{via})") for op in OPS}
     if name != "vllm":
@@ -145,7 +147,7 @@ def _rollout(r: RolloutView, platform: str, versions: Mapping[str, str | None], 
     if platform == "ascend":
         bi = bi or (r.vllm.rl_enabled and r.vllm.rl_batch_invariant)
         if not bi:
-            off = Family("vllm-ascend default kernels (not batch-invariant)", f"{denv.ENV_PATH}.VLLM_BATCH_INVARIANT unset")
+            off = Family("vllm-ascend default kernels (not batch-invariant)", f"{ENV_PATH}.VLLM_BATCH_INVARIANT unset")
             return {op: off for op in OPS}
         if versions.get("ops-batchinvariant"):
             gemm = Family(
@@ -164,9 +166,9 @@ def _rollout(r: RolloutView, platform: str, versions: Mapping[str, str | None], 
             "log_softmax": Family("vLLM sampler log_softmax (torch, fp32)", "vllm/v1/sample/sampler.py (compute_logprobs)"),
         }
     if not bi:
-        off = Family("vLLM default kernels (not batch-invariant)", f"{denv.ENV_PATH}.VLLM_BATCH_INVARIANT unset")
+        off = Family("vLLM default kernels (not batch-invariant)", f"{ENV_PATH}.VLLM_BATCH_INVARIANT unset")
         return {op: off for op in OPS}
-    src = f"{denv.ENV_PATH}.VLLM_BATCH_INVARIANT=1 ({denv.SOURCES['vllm_bi']} / {denv.SOURCES['vllm_bi_033']})"
+    src = f"{ENV_PATH}.VLLM_BATCH_INVARIANT=1 ({SOURCES['vllm_bi']} / {SOURCES['vllm_bi_033']})"
     return {
         "gemm": Family("vLLM batch-invariant GEMM", src),
         "norm": Family("vLLM batch-invariant RMSNorm (Triton)", src),

@@ -4,14 +4,16 @@
 verl's launch hook (:mod:`true_on_policy.verl_adapter.launch`) all call :func:`decide` and exit with
 its code, printing its text. It runs, in order, on the config as composed:
 
-1. the ``true_on_policy:`` section (:class:`~true_on_policy.config.settings.Settings`, parsed once);
+1. the config, read once (:func:`~true_on_policy.config.launch.read_launch`): the ``true_on_policy:``
+   section (:class:`~true_on_policy.config.settings.Settings`), the two sides' views, the invariants'
+   keys and the checkpoint's config.json; everything below works on those;
 2. the platform: ``auto`` is detected from the machine, an explicit one must be this machine's
    (``check`` evaluates a device config on another machine as declared and says so);
 3. the FlashREINFORCE invariants, when the loss or the estimator is FlashREINFORCE, and the
    FlashREINFORCE-only settings otherwise;
 4. the platform's limits (CPU TP/EP is library level only) and, when the project's kernels run,
-   the checkpoint's architecture (:func:`~true_on_policy.kernels.architectures.check_config` on its config.json);
-5. the determinism plan and the consistency contract on the config's typed views (read once);
+   the checkpoint's architecture (:func:`~true_on_policy.kernels.architectures.check_config`);
+5. the determinism plan and the consistency contract on the two sides' views;
 6. the contract's mismatches (refused unless ``allow_contract_mismatch``) and unverified rows
    (refused unless each is named in ``accept_unverified``).
 
@@ -28,11 +30,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from true_on_policy.config import invariants
+from true_on_policy.config.launch import Algorithm, Launch, read_launch
 from true_on_policy.config.platform import Machine
-from true_on_policy.config.settings import AUTO_PLATFORM, ConfigError, Settings
-from true_on_policy.contract import consistency
-from true_on_policy.contract import determinism_plan as denv
-from true_on_policy.contract.config_views import read_sides
+from true_on_policy.config.settings import ConfigError, Settings, resolve_platform
+from true_on_policy.contract import consistency, determinism_plan
+from true_on_policy.contract.stack_versions import resolve_versions
 from true_on_policy.kernels import architectures
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_UNVERIFIED = 0, 1, 2, 3
@@ -78,11 +80,11 @@ def decide(
     and ``importer`` feed installed versions and vLLM's module to the plan (defaults: this machine).
     """
     try:
-        settings = Settings.from_config(config)
+        launch = read_launch(config)
     except ConfigError as error:
         return _refused([f"bad config value: {error}"])
-    flashreinforce = invariants.uses_flashreinforce(config)
-    if settings is None:
+    flashreinforce = launch.algorithm.flashreinforce
+    if launch.settings is None:
         if flashreinforce:
             return _refused([
                 "bad config value: the config trains with FlashREINFORCE (actor_rollout_ref.actor.policy_loss.loss_mode / "
@@ -93,25 +95,25 @@ def decide(
 
     refusals: list[str] = []
     notes: list[str] = []
-    settings = _resolve_platform(settings, machine, launching, refusals, notes)
+    settings = resolve_platform(launch.settings, machine, launching, refusals, notes)
     if settings is None:
         return _refused(refusals)
-    refusals += _algorithm_refusals(config, settings, flashreinforce, notes)
+    consistent_kernels = settings.consistent_kernels
+    refusals += _algorithm_refusals(launch.algorithm, settings, notes)
     refusals += _platform_limits(settings)
-    checkpoint = _checkpoint(config)  # config.json, read once: the architecture check and the sharding row
-    refusals += _architecture_refusals(config, checkpoint, settings)
+    refusals += _architecture_refusals(launch, consistent_kernels)
 
     plan = contract = None
     try:
-        sides = read_sides(config)
-        plan = denv.plan_for(settings, sides, detected=detected, importer=importer)
-        contract = consistency.build_contract(settings, sides, plan, checkpoint=checkpoint)
+        versions = resolve_versions(settings.platform, declared=dict(settings.stack_versions), detected=detected)
+        plan = determinism_plan.plan(settings, launch.sides, versions, importer=importer)
+        contract = consistency.build_contract(settings, launch.sides, plan, checkpoint=launch.checkpoint)
     except ConfigError as error:
         refusals.append(f"bad config value: {error}")
     if contract is None:
         return _refused(refusals, notes, settings, plan)
 
-    mismatches = consistency.compare(contract)
+    mismatches, unverified = consistency.compare(contract), consistency.unverified(contract)
     if mismatches and not settings.allow_contract_mismatch:
         refusals += [m.line() for m in mismatches]
         refusals.append(
@@ -120,7 +122,7 @@ def decide(
         )
     else:
         notes += [f"contract mismatch allowed by true_on_policy.allow_contract_mismatch: {m.line()}" for m in mismatches]
-    open_rows, accepted_lines = _unverified(contract, settings, refusals)
+    open_rows, accepted_lines = _unverified(contract, unverified, settings, refusals)
     notes += accepted_lines
     if refusals:
         return _refused(refusals, notes, settings, plan, contract)
@@ -149,40 +151,11 @@ def _refused(refusals, notes=(), settings=None, plan=None, contract=None) -> Ver
     return Verdict(EXIT_REFUSED, lines, settings, plan, contract)
 
 
-def _resolve_platform(settings: Settings, machine: Machine, launching: bool, refusals: list[str], notes: list[str]):
-    """The settings with the platform resolved (None when that itself is a bad value)."""
-    declared = settings.platform
-    if declared == AUTO_PLATFORM:
-        notes.append(f"platform: true_on_policy.platform=auto detected {machine.platform} ({machine.reason})")
-        platform = machine.platform
-    else:
-        platform = declared
-        if declared != machine.platform:
-            if launching:
-                refusals.append(
-                    f"bad config value: true_on_policy.platform={declared!r} but this machine is {machine.platform} "
-                    f"({machine.reason}); set true_on_policy.platform={machine.platform} (or auto), or launch on a "
-                    f"{declared} machine"
-                )
-            else:
-                notes.append(
-                    f"platform: evaluated as declared, true_on_policy.platform={declared!r}; this machine is "
-                    f"{machine.platform} ({machine.reason}), so a launch here is refused"
-                )
-        else:
-            notes.append(f"platform: true_on_policy.platform={declared!r} is this machine ({machine.reason})")
-    try:
-        return settings.on_platform(platform)
-    except ConfigError as error:
-        refusals.append(f"bad config value: {error}")
-        return None
-
-
-def _algorithm_refusals(config: Mapping[str, Any], settings: Settings, flashreinforce: bool, notes: list[str]) -> list[str]:
+def _algorithm_refusals(algorithm: Algorithm, settings: Settings, notes: list[str]) -> list[str]:
     """FlashREINFORCE's invariants when it trains; its settings left at their defaults when it does not."""
     try:
-        if flashreinforce:
-            return [str(v) for v in invariants.check_invariants(config, relax=settings.relax_invariants)]
+        if algorithm.flashreinforce:
+            return [str(v) for v in invariants.check_invariants(algorithm.found, relax=settings.relax_invariants)]
         invariants.validate_relax(settings.relax_invariants)
     except ValueError as error:
         return [f"bad config value: {error}"]
@@ -196,7 +169,7 @@ def _algorithm_refusals(config: Mapping[str, Any], settings: Settings, flashrein
             f"bad config value: true_on_policy.negative_token_fraction={settings.negative_token_fraction!r} is "
             "FlashREINFORCE's entropy filter (its keep mask travels in rollout_is_weights, which another loss reads as "
             "importance weights); with loss_mode "
-            f"{invariants.lookup(config, invariants.LOSS_MODE_KEY)!r} leave it at 1.0"
+            f"{algorithm.found[invariants.LOSS_MODE_KEY]!r} leave it at 1.0"
         ]
     return []
 
@@ -212,41 +185,23 @@ def _platform_limits(settings: Settings) -> list[str]:
     return []
 
 
-def _model_path(config: Mapping[str, Any]) -> Any:
-    try:
-        return config["actor_rollout_ref"]["model"]["path"]
-    except (KeyError, TypeError):
-        return None
-
-
-def _checkpoint(config: Mapping[str, Any]) -> dict | None:
-    """The model's parsed config.json, or None (no path, or a hub name: the engines check it at load)."""
-    path = _model_path(config)
-    return architectures.read_checkpoint(path) if isinstance(path, str) else None
-
-
-def _architecture_refusals(config: Mapping[str, Any], checkpoint: dict | None, settings: Settings) -> list[str]:
-    """The project's kernels refuse, by name, an architecture or feature they do not cover."""
-    if not settings.consistent_kernels:
-        return []
-    path = _model_path(config)
-    if path is None:
-        return ["bad config value: actor_rollout_ref.model.path is required"]
-    if checkpoint is None:
+def _architecture_refusals(launch: Launch, consistent_kernels: bool) -> list[str]:
+    """The project's kernels refuse, by name, an architecture or feature they do not cover (a hub name:
+    the engines check it at load)."""
+    if not consistent_kernels or launch.checkpoint is None:
         return []
     try:
-        architectures.check_config(checkpoint)
+        architectures.check_config(launch.checkpoint)
     except architectures.UnsupportedFeatureError as error:
-        return [f"uncovered model: actor_rollout_ref.model.path={path!r}: {error}"]
+        return [f"uncovered model: actor_rollout_ref.model.path={launch.sides.training.model_path!r}: {error}"]
     return []
 
 
-def _unverified(contract, settings: Settings, refusals: list[str]):
-    """(rows still open, lines for the accepted ones); an accepted name that is no row is refused."""
+def _unverified(contract, rows, settings: Settings, refusals: list[str]):
+    """(``rows`` still open, lines for the accepted ones); an accepted name that is no row is refused."""
     fields = [row.field for row in contract.rows]
     unknown = sorted(set(settings.accept_unverified) - set(fields))
     if unknown:
         refusals.append(f"bad config value: true_on_policy.accept_unverified={unknown}: not contract rows; rows are {fields}")
-    rows = consistency.unverified(contract)
     accepted = [f"accepted unverified: {row.field}: {reason}" for row, reason in rows if row.field in settings.accept_unverified]
     return [(row, reason) for row, reason in rows if row.field not in settings.accept_unverified], accepted

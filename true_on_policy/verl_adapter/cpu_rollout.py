@@ -43,7 +43,7 @@ def load_serving_model(model_path: str, dtype: str):
     """The rollout's copy of the model, in the rollout dtype, on the project's module code."""
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.contract.sides import canonical_dtype
+    from true_on_policy.contract.names import canonical_dtype
     from true_on_policy.kernels.model import attn_implementation
     from true_on_policy.kernels.ops import DTYPES
 

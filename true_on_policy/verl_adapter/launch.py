@@ -111,9 +111,9 @@ def launch_hook(config) -> None:
     Prints the verdict's text on stderr; a verdict other than 0 exits with its code before Ray
     starts. Any other exception is reported as an internal error of true_on_policy and re-raised.
     """
-    from true_on_policy.config.invariants import uses_flashreinforce
+    from true_on_policy.config.launch import read_algorithm
 
-    if recipe_section(config) is None and not uses_flashreinforce(config):
+    if recipe_section(config) is None and not read_algorithm(config).flashreinforce:
         return
     try:
         verdict = launch_verdict(config)
@@ -163,9 +163,9 @@ def install_driver_hooks() -> None:
 
 def uses_recipe(config) -> bool:
     """The config has a ``true_on_policy:`` section or names the FlashREINFORCE loss or estimator."""
-    from true_on_policy.config.invariants import uses_flashreinforce
+    from true_on_policy.config.launch import read_algorithm
 
-    return recipe_section(config) is not None or uses_flashreinforce(config)
+    return recipe_section(config) is not None or read_algorithm(config).flashreinforce
 
 
 def trainer_start_check(config) -> None:

@@ -20,7 +20,8 @@ import functools
 import torch
 
 from true_on_policy.config.settings import require
-from true_on_policy.config.invariants import FLASHREINFORCE, LOSS_MODE_KEY, lookup
+from true_on_policy.config.invariants import FLASHREINFORCE, LOSS_MODE_KEY
+from true_on_policy.config.launch import lookup
 from true_on_policy.loss.flashreinforce import entropy_filter, kept_token_count
 from true_on_policy.verl_adapter.flashreinforce_registration import FILTER_MASK_FIELD, METRIC_PREFIX
 

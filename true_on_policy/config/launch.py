@@ -1,25 +1,120 @@
-"""The composed verl config, read once into typed, frozen views of the two sides.
+"""The launch: a composed verl config read once, by one lookup, into typed values.
 
-:func:`read_sides` is the only place the plan and the contract read verl's config: every field of
-:class:`TrainingView` and :class:`RolloutView` names the key it comes from and how it is read
-(:mod:`true_on_policy.contract.config_reader`: a bad value names key and value). The engine's own
-sub-view is read for the engine the config selects (``actor.strategy``, ``rollout.name``), nothing
-else. The determinism plan is computed from these views and its updates are laid over them with
-:meth:`Sides.overlay` (the same keys the launch writes into the config), so the contract describes
-what the launch will run without reading the config again.
+:func:`read_launch` is the only reader of the composed config (the ``check`` CLI, the dry runs and
+verl's launch hook all reach it through :func:`true_on_policy.contract.verdict.decide`): it returns a
+:class:`Launch` -- the parsed ``true_on_policy:`` section (:class:`~true_on_policy.config.settings.Settings`),
+the two sides' views (:class:`Sides`), the keys FlashREINFORCE's invariants read (:class:`Algorithm`)
+and the checkpoint's parsed config.json -- and everything after it works on those objects.
 
-Keys verl always carries (the strategy, the rollout name and TP, the world size) have no default
-here: missing is an error naming the key, never a guess. Pure: no verl, no omegaconf import.
+Every key goes through :func:`lookup`: an absent key is :data:`MISSING`; a present one that cannot be
+read (an interpolation that does not resolve) is a :class:`ConfigError` naming the key. The views'
+fields name the key they come from and how it is converted; absent or null reads as the field's
+default, a value of the wrong kind names key and value. Keys verl always carries (the strategy, the
+rollout name and TP, the world size, the model path) have no default: missing is an error naming the
+key, never a guess. The determinism plan's updates are laid over the views with :meth:`Sides.overlay`
+(the same keys the launch writes into the config), so the contract describes what the launch will run
+without reading the config again. Pure: no verl, no omegaconf import.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from true_on_policy.contract import config_reader as read
-from true_on_policy.contract.config_reader import ConfigError
+from true_on_policy.config.invariants import ADV_ESTIMATOR_KEY, FLASHREINFORCE, INVARIANT_KEYS, LOSS_MODE_KEY, MISSING
+from true_on_policy.config.settings import ConfigError, Settings
+
+
+def lookup(config: Any, dotted: str) -> Any:
+    """``config[dotted]``; :data:`MISSING` when a key on the way is absent, a node is null, or the value
+    is OmegaConf's ``???`` (no value given). A key that is present but cannot be read (an
+    interpolation that does not resolve) is a :class:`ConfigError` naming the key."""
+    node = config
+    for part in dotted.split("."):
+        if node is None or node is MISSING:
+            return MISSING
+        try:
+            node = node.get(part, MISSING) if hasattr(node, "get") else getattr(node, part, MISSING)
+        except Exception as exc:  # noqa: BLE001 - an interpolation that cannot resolve: name the key
+            raise ConfigError(dotted, "<unresolvable>", f"cannot be read: {type(exc).__name__}: {exc}") from exc
+    return node
+
+
+def _present(value: Any) -> Any:
+    """A looked-up value with absence read as null (the views' defaults apply to both)."""
+    return None if value is MISSING else value
+
+
+def integer(key: str, value: Any, default: int | None, minimum: int | None = 1) -> int | None:
+    """An integer setting (absent/null = ``default``); anything else is a ConfigError."""
+    if value is None or value == "":
+        return default
+    expected = f"an integer >= {minimum}" if minimum is not None else "an integer"
+    if isinstance(value, bool):
+        raise ConfigError(key, value, expected)
+    try:
+        number = int(str(value).strip()) if not isinstance(value, int) else value
+    except ValueError:
+        raise ConfigError(key, value, expected) from None
+    if minimum is not None and number < minimum:
+        raise ConfigError(key, value, expected)
+    return number
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def parse_bool(key: str, value: Any, default: bool = False) -> bool:
+    """A boolean (absent/null = ``default``); a string must spell true/false/1/0/yes/no/on/off."""
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(key, value, "a boolean (true/false)")
+
+
+def number(key: str, value: Any, default: Any, kind: type) -> Any:
+    """A number of ``kind`` (absent/null = ``default``)."""
+    if value is None:
+        return default
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(key, value, f"a number ({kind.__name__})") from None
+
+
+def text(key: str, value: Any, default: str | None) -> str | None:
+    """A name (absent/null/empty = ``default``), as a string."""
+    if value is None or value == "":
+        return default
+    if isinstance(value, (dict, list, tuple)) or hasattr(value, "items"):
+        raise ConfigError(key, value, "a name (a string)")
+    return str(value)
+
+
+def mapping(key: str, value: Any) -> dict[str, Any]:
+    """A mapping, or a JSON object given as a string (how verl passes some engine kwargs)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ConfigError(key, value, "a mapping (or a JSON object)") from None
+    if not hasattr(value, "items"):
+        raise ConfigError(key, value, "a mapping (or a JSON object)")
+    return {str(k): v for k, v in value.items()}
 
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
@@ -36,6 +131,11 @@ ENV_PATH = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 REQUIRED = object()  # a key verl always carries: missing is an error, not a default
 
+# A row-parallel layer's reduction: none (TP=1), an all-reduce, or a reduce-scatter + all-gather.
+ROW_PARALLEL_ALL_REDUCE = "all_reduce"
+ROW_PARALLEL_RS_AG = "reduce_scatter+all_gather"
+ROW_PARALLEL_NONE = "none"
+
 
 def _key(path: str, kind: str, default: Any = None, **options: Any) -> Any:
     """A view field read from ``path`` with the converter ``kind`` (see :func:`_convert`)."""
@@ -47,26 +147,26 @@ def _convert(meta: Mapping[str, Any], value: Any) -> Any:
     if value is None and default is REQUIRED:
         raise ConfigError(path, None, "required (verl's config always carries it; is the config composed from verl's ppo_trainer?)")
     if kind == "int":
-        return read.integer(path, value, default, meta.get("minimum", 1))
+        return integer(path, value, default, meta.get("minimum", 1))
     if kind == "bool":
-        return read.parse_bool(path, value, default)
+        return parse_bool(path, value, default)
     if kind == "text":
-        return read.text(path, value, default)
+        return text(path, value, default)
     if kind == "float":
-        return read.number(path, value, default, float)
+        return number(path, value, default, float)
     if kind == "number_int":
-        return read.number(path, value, default, int)
+        return number(path, value, default, int)
     if kind == "mapping":
-        return read.mapping(path, value)
+        return mapping(path, value)
     if kind == "raw":
         return value
     if kind == "env":
-        return {str(k): str(v) for k, v in read.mapping(path, value).items()}
+        return {str(k): str(v) for k, v in mapping(path, value).items()}
     raise AssertionError(kind)
 
 
 def _read(cls, config: Any):
-    return cls(**{f.name: _convert(f.metadata, read.lookup(config, f.metadata["path"])) for f in dataclasses.fields(cls)})
+    return cls(**{f.name: _convert(f.metadata, _present(lookup(config, f.metadata["path"]))) for f in dataclasses.fields(cls)})
 
 
 def _overlay(view, updates: Mapping[str, Any]):
@@ -75,6 +175,8 @@ def _overlay(view, updates: Mapping[str, Any]):
         return None
     changes = {}
     for f in dataclasses.fields(view):
+        if not f.init:  # derived: computed again by the view
+            continue
         if "path" not in f.metadata:
             changes[f.name] = _overlay(getattr(view, f.name), updates)
             continue
@@ -159,14 +261,26 @@ class TrainingView(_TrainingKeys):
     torchtitan: TorchtitanView | None = None
     veomni: VeomniView | None = None
     fsdp: FsdpView | None = None
+    # derived from the keys above when the view is built (and again after an overlay)
+    world: int = dataclasses.field(init=False)
+    is_fsdp: bool = dataclasses.field(init=False)
+    row_parallel: str = dataclasses.field(init=False)  # the row-parallel reduction (ROW_PARALLEL_*)
 
-    @property
-    def world(self) -> int:
-        return self.nnodes * self.gpus_per_node
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "world", self.nnodes * self.gpus_per_node)
+        object.__setattr__(self, "is_fsdp", self.strategy not in ("megatron", "torchtitan", "veomni"))
+        object.__setattr__(self, "row_parallel", _row_parallel(self.megatron, self.torchtitan))
 
-    @property
-    def is_fsdp(self) -> bool:
-        return self.strategy not in ("megatron", "torchtitan", "veomni")
+
+def _row_parallel(megatron: MegatronView | None, torchtitan: TorchtitanView | None) -> str:
+    """The training side's row-parallel reduction, from the engine the config selects."""
+    if megatron is not None:
+        if megatron.tp <= 1:
+            return ROW_PARALLEL_NONE
+        return ROW_PARALLEL_RS_AG if megatron.sequence_parallel else ROW_PARALLEL_ALL_REDUCE
+    if torchtitan is not None:
+        return ROW_PARALLEL_NONE if torchtitan.tp <= 1 else ROW_PARALLEL_RS_AG
+    return ROW_PARALLEL_NONE
 
 
 def read_training(config: Any) -> TrainingView:
@@ -204,7 +318,7 @@ class VllmView:
 
     @property
     def flashcomm1(self) -> bool:
-        return read.parse_bool(f"{ROLLOUT_VLLM}.additional_config.enable_flashcomm1", self.flashcomm1_key, False)
+        return parse_bool(f"{ROLLOUT_VLLM}.additional_config.enable_flashcomm1", self.flashcomm1_key, False)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -213,7 +327,7 @@ class VllmView:
         pc = f"{ROLLOUT_VLLM}.compilation_config.pass_config"
         if not hasattr(pass_config, "get"):
             raise ConfigError(pc, pass_config, "a mapping")
-        return read.parse_bool(f"{pc}.enable_sp", pass_config.get("enable_sp")) or read.parse_bool(
+        return parse_bool(f"{pc}.enable_sp", pass_config.get("enable_sp")) or parse_bool(
             f"{pc}.enable_sequence_parallelism", pass_config.get("enable_sequence_parallelism")
         )
 
@@ -254,10 +368,10 @@ class RolloutView(_RolloutKeys):
 
     vllm: VllmView | None = None
     sglang: SglangView | None = None
+    engine_kwargs: VllmView | SglangView | None = dataclasses.field(init=False)  # the selected engine's view
 
-    @property
-    def engine_kwargs(self) -> VllmView | SglangView | None:
-        return self.sglang if self.name == "sglang" else self.vllm
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine_kwargs", self.sglang if self.name == "sglang" else self.vllm)
 
 
 def read_rollout(config: Any) -> RolloutView:
@@ -288,3 +402,50 @@ class Sides:
 def read_sides(config: Any) -> Sides:
     """Both sides of a resolved verl config (a DictConfig or nested mappings)."""
     return Sides(read_training(config), read_rollout(config))
+
+
+# --------------------------------------------------------------------------------------------
+# the launch
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """The keys FlashREINFORCE's invariants read, as found (:data:`MISSING` when absent)."""
+
+    found: Mapping[str, Any]
+    flashreinforce: bool  # the loss or the advantage estimator is flashreinforce: the invariants apply
+
+
+def read_algorithm(config: Any) -> Algorithm:
+    """The invariants' keys of a composed config (an absent one: a violation naming it)."""
+    found = {key: lookup(config, key) for key in INVARIANT_KEYS}
+    return Algorithm(found, FLASHREINFORCE in (found[LOSS_MODE_KEY], found[ADV_ESTIMATOR_KEY]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """A composed config, read once. Without a ``true_on_policy:`` section: settings, sides and checkpoint None."""
+
+    settings: Settings | None
+    sides: Sides | None
+    algorithm: Algorithm
+    checkpoint: Mapping[str, Any] | None  # the model's config.json; None: not a local checkpoint directory
+
+
+def read_launch(config: Any) -> Launch:
+    """The launch ``config`` describes (a resolved DictConfig or nested mappings); a bad value is a
+    :class:`ConfigError` naming key and value (one in the ``true_on_policy:`` section first)."""
+    from true_on_policy.kernels.architectures import read_checkpoint
+
+    algorithm = read_algorithm(config)
+    if lookup(config, "true_on_policy") in (None, MISSING):
+        return Launch(None, None, algorithm, None)
+    try:
+        sides, error = read_sides(config), None
+    except ConfigError as raised:
+        sides, error = None, raised
+    settings = Settings.from_config(config)
+    if error is not None:
+        raise error
+    return Launch(settings, sides, algorithm, read_checkpoint(sides.training.model_path))
