@@ -290,11 +290,15 @@ def test_a_training_config_override_is_compared_with_the_rollout_engines_own_key
     assert "model_config" in {m.field for m in consistency.compare(_contract(_with(cfg, **{key: other})))}
 
 
-def test_the_contract_names_the_dtypes_the_kernels_compute_in():
-    """The torch-free contract's KERNEL_DTYPES (its [kernel_dtype] row) and the kernels' DTYPES: one list."""
+@pytest.mark.subprocess
+def test_the_contract_names_the_dtypes_the_kernels_compute_in_without_importing_torch():
+    """The contract's [kernel_dtype] row and the kernels' DTYPES read one list (kernels/scope.py), which
+    keeps the contract, the plan and the verdict torch-free (check runs before any engine)."""
     from true_on_policy.kernels import ops
 
-    assert consistency.KERNEL_DTYPES == tuple(ops.DTYPES)
+    assert tuple(ops.DTYPES) == consistency.KERNEL_DTYPES
+    probe = "import sys, true_on_policy.contract.verdict, true_on_policy.contract.consistency; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split() == ["False"]
 
 
 def test_every_row_can_fail(ascend_cfg, cuda_cfg):

@@ -25,7 +25,7 @@ class _BadInput(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     from true_on_policy import tiny_assets
-    from true_on_policy.contract.consistency import KERNEL_DTYPES
+    from true_on_policy.kernels.scope import KERNEL_DTYPES
     from true_on_policy.diagnose import FAULTS
 
     p = argparse.ArgumentParser(

@@ -42,8 +42,6 @@ from true_on_policy.contract.determinism_plan import REDUCTION_ENV_KEYS, SOURCES
 from true_on_policy.contract.names import (
     AUTO,
     CPU_EP_KEY,
-    CPU_MOE_DISPATCH,
-    CPU_ROW_PARALLEL,
     CPU_TP_KEY,
     ENV,
     NA,
@@ -53,6 +51,7 @@ from true_on_policy.contract.names import (
     canonical_dtype,
     vllm_batch_invariant,
 )
+from true_on_policy.kernels.scope import KERNEL_DTYPES, MAX_TP, MOE_DISPATCH, ROW_PARALLEL_REDUCTION
 
 INFO, STRICT, REQUIRE = "info", "strict", "require"
 
@@ -499,7 +498,6 @@ def _training_master_dtype(t: TrainingView) -> Side:
     return Side("float32", f"{A}.strategy={t.strategy} (optimizer keeps fp32 weights)")
 
 
-KERNEL_DTYPES = ("float32", "bfloat16")  # what the project's kernels compute in
 
 
 def _dtype_rows(c: _Ctx) -> list[Row]:
@@ -681,7 +679,7 @@ def _rollout_row_parallel(r: RolloutView, platform: str) -> Side:
     if tp <= 1:
         return Side(ROW_PARALLEL_NONE, f"{R}.tensor_model_parallel_size=1")
     if r.name == "cpu":
-        return Side(CPU_ROW_PARALLEL, f"{R}.name=cpu, {R}.tensor_model_parallel_size={tp} (true_on_policy.kernels.tensor_parallel)")
+        return Side(ROW_PARALLEL_REDUCTION, f"{R}.name=cpu, {R}.tensor_model_parallel_size={tp} (true_on_policy.kernels.tensor_parallel)")
     if r.vllm is not None and platform == "ascend":
         key = f"{R}.engine_kwargs.vllm.additional_config.enable_flashcomm1"
         on = r.vllm.flashcomm1 or parse_bool(f"{ENV}.VLLM_ASCEND_ENABLE_FLASHCOMM1", r.env.get("VLLM_ASCEND_ENABLE_FLASHCOMM1"))
@@ -696,7 +694,7 @@ def _rollout_row_parallel(r: RolloutView, platform: str) -> Side:
 def _row_parallel_row(c: _Ctx) -> Row:
     t_rp = Side(c.t.row_parallel, f"{A}.megatron.sequence_parallel (TP>1: true = reduce-scatter + all-gather)")
     if c.platform == "cpu" and c.t.megatron is None and c.t.torchtitan is None and _int(c.tl.tp.value) > 1:
-        t_rp = Side(CPU_ROW_PARALLEL, f"{CPU_TP_KEY}={c.tl.tp.value} (true_on_policy.kernels.tensor_parallel)")
+        t_rp = Side(ROW_PARALLEL_REDUCTION, f"{CPU_TP_KEY}={c.tl.tp.value} (true_on_policy.kernels.tensor_parallel)")
     r_rp = _rollout_row_parallel(c.r, c.platform)
     pin = c.settings.row_parallel_reduction
     return Row(
@@ -721,7 +719,7 @@ _VLLM_ALLGATHER_BACKENDS = {"naive", "allgather_reducescatter"}
 def _training_dispatcher(c: _Ctx, ep: int) -> Side:
     t, pin = c.t, c.settings.moe_dispatcher
     if c.project and c.deterministic and t.megatron is None:
-        return Side(pin or ("local" if ep <= 1 else CPU_MOE_DISPATCH), f"{TOP}.moe_dispatcher (project kernels)")
+        return Side(pin or ("local" if ep <= 1 else MOE_DISPATCH), f"{TOP}.moe_dispatcher (project kernels)")
     if t.megatron is not None:
         key = f"{MEGATRON_TC}.moe_token_dispatcher_type"
         value = t.megatron.dispatcher
@@ -736,7 +734,7 @@ def _training_dispatcher(c: _Ctx, ep: int) -> Side:
 def _rollout_dispatcher(c: _Ctx, ep: int) -> Side:
     r, settings = c.r, c.settings
     if c.project_rollout:
-        return Side(settings.moe_dispatcher or ("local" if ep <= 1 else CPU_MOE_DISPATCH), f"{TOP}.moe_dispatcher (project kernels)")
+        return Side(settings.moe_dispatcher or ("local" if ep <= 1 else MOE_DISPATCH), f"{TOP}.moe_dispatcher (project kernels)")
     if ep <= 1:
         return Side("local", f"{R}.expert_parallel_size<=1 (experts TP-split, no dispatch)")
     if r.vllm is not None and settings.platform == "ascend":
@@ -835,20 +833,18 @@ def _tp_invariant_rows(c: _Ctx, rows: list[Row]) -> list[Row]:
     invariant = c.platform == "cpu" and c.deterministic and c.strategy in ("fsdp", "fsdp2") and c.name == "vllm"
     if not invariant:
         return rows
-    from true_on_policy.kernels.ops import MAX_TP
-
     def supported(side: Side) -> Side:
         v = side.value
         if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_TP and not v & (v - 1):
             return Side(TP_INVARIANT, side.source, display=f"{v}")
-        if v in (ROW_PARALLEL_NONE, CPU_ROW_PARALLEL, "local", CPU_MOE_DISPATCH):
+        if v in (ROW_PARALLEL_NONE, ROW_PARALLEL_REDUCTION, "local", MOE_DISPATCH):
             return Side(TP_INVARIANT, side.source, display=f"{v}")
         return side
 
     out = []
     for row in rows:
         if row.field == "row_parallel" and c.name == "vllm" and _int(c.rl.tp.value) > 1:
-            row = dataclasses.replace(row, rollout=Side(CPU_ROW_PARALLEL, "true_on_policy.vllm_adapter (row_parallel_forward)"))
+            row = dataclasses.replace(row, rollout=Side(ROW_PARALLEL_REDUCTION, "true_on_policy.vllm_adapter (row_parallel_forward)"))
         if row.field in TP_INVARIANT_FIELDS:
             row = dataclasses.replace(
                 row, training=supported(row.training), rollout=supported(row.rollout), required=None,

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from true_on_policy.contract.determinism_plan import SOURCES
-from true_on_policy.config.launch import ENV_PATH, A, MEGATRON_TC as TC, R, RolloutView, TrainingView
+from true_on_policy.config.launch import ENV_PATH, A, MEGATRON_TC, R, RolloutView, TrainingView
 from true_on_policy.contract.names import vllm_batch_invariant
 PROJECT = "true_on_policy.kernels (order-fixed consistent kernels)"
 
@@ -112,9 +112,9 @@ def _training(t: TrainingView, platform: str, project: bool) -> dict[str, Family
     if mg is not None and platform == "ascend":
         bi_ops = mg.batch_invariant_ops or mg.batch_invariant_mode
         gemm = (
-            Family("batch_invariant_ops.npu_mm_batch_invariant (AscendC)", f"{TC}.use_batch_invariant_ops (MindSpeed)")
+            Family("batch_invariant_ops.npu_mm_batch_invariant (AscendC)", f"{MEGATRON_TC}.use_batch_invariant_ops (MindSpeed)")
             if bi_ops
-            else Family("torch_npu aclnn matmul (not batch-invariant)", f"{TC}.use_batch_invariant_ops unset")
+            else Family("torch_npu aclnn matmul (not batch-invariant)", f"{MEGATRON_TC}.use_batch_invariant_ops unset")
         )
         norm = _unpinned(
             "MindSpeed picks a fused npu_rms_norm or a torch RMSNorm (use_fused_rmsnorm); verl's config does not pin it"
@@ -123,9 +123,9 @@ def _training(t: TrainingView, platform: str, project: bool) -> dict[str, Family
     if mg is not None:
         bi = mg.batch_invariant_mode
         gemm = (
-            Family("megatron-core batch-invariant GEMM", f"{TC}.batch_invariant_mode=true")
+            Family("megatron-core batch-invariant GEMM", f"{MEGATRON_TC}.batch_invariant_mode=true")
             if bi
-            else Family("TE/cuBLAS GEMM (not batch-invariant)", f"{TC}.batch_invariant_mode unset")
+            else Family("TE/cuBLAS GEMM (not batch-invariant)", f"{MEGATRON_TC}.batch_invariant_mode unset")
         )
         return {"gemm": gemm, "norm": Family("TE RMSNorm", f"{A}.megatron (TransformerEngine layer spec)"), "log_softmax": log_softmax}
     return {

@@ -18,12 +18,10 @@ NA = "n/a"
 TOP = "true_on_policy"
 ENV = ENV_PATH
 
-# The CPU backend's training-side TP/EP (verl's FSDP engine has no slot for them) and the names of its
-# collectives; the same strings as true_on_policy.kernels.tensor_parallel.{ROW_PARALLEL_REDUCTION, MOE_DISPATCH}.
+# The CPU backend's training-side TP/EP (verl's FSDP engine has no slot for them); the names of its
+# collectives are true_on_policy.kernels.scope's (torch-free).
 CPU_TP_KEY = f"{TOP}.cpu_tensor_parallel_size"
 CPU_EP_KEY = f"{TOP}.cpu_expert_parallel_size"
-CPU_ROW_PARALLEL = "all_gather+tree_top"
-CPU_MOE_DISPATCH = "replicated"
 
 
 _DTYPES = {

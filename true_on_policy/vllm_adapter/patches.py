@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from true_on_policy import patching
-from true_on_policy.contract.stack_versions import VLLM_ADAPTER_VERSION as VLLM_VERSION
+from true_on_policy.contract.stack_versions import VLLM_ADAPTER_VERSION
 from true_on_policy.kernels import architectures
 from true_on_policy.kernels.model import UnsupportedFeatureError
 from true_on_policy.kernels.tensor_parallel import check_sharding
@@ -55,7 +55,7 @@ _APPLIED: set[str] = set()
 
 
 def _target(module: str, attribute: str, params: tuple[str, ...]) -> Target:
-    return Target(module, attribute, params, written_for=f"vLLM {VLLM_VERSION}")
+    return Target(module, attribute, params, written_for=f"vLLM {VLLM_ADAPTER_VERSION}")
 
 
 _SAMPLER_PARAMS = ("self", "logits", "generators", "k", "p")
@@ -122,9 +122,9 @@ def check_targets(device: str) -> list[str]:
 def _check_version() -> None:
     import vllm
 
-    if vllm.__version__.split("+")[0] != VLLM_VERSION:
+    if vllm.__version__.split("+")[0] != VLLM_ADAPTER_VERSION:
         raise PatchTargetChanged(
-            f"vllm: the true_on_policy vLLM adapter is written for vLLM {VLLM_VERSION}, found {vllm.__version__}"
+            f"vllm: the true_on_policy vLLM adapter is written for vLLM {VLLM_ADAPTER_VERSION}, found {vllm.__version__}"
         )
 
 
