@@ -138,13 +138,13 @@ def test_the_cpp_core_computes_the_torch_codes_bits(dk, dv):
     steps = 9 if dk == 128 else 40
     args = core_inputs(3, steps, 2, dk, dv, seed=dk)
     lengths = torch.tensor([steps, 0, steps // 3])
-    for n in (1, 2):
-        with threads(n):
-            fast = gated_delta.delta_rule(*args, lengths)
     with gated_delta.torch_only(), native.disabled():
         assert gated_delta.lib() is None
         reference = gated_delta.delta_rule(*args, lengths)
-    assert torch.equal(fast[0], reference[0]) and torch.equal(fast[1], reference[1])
+    for n in (1, 2):
+        with threads(n):
+            fast = gated_delta.delta_rule(*args, lengths)
+        assert torch.equal(fast[0], reference[0]) and torch.equal(fast[1], reference[1])
     assert torch.equal(reference[1][1], args[-1][1]) and not reference[0][1].any()  # length 0: untouched
 
 
@@ -154,6 +154,17 @@ def test_the_layer_in_cpp_and_in_torch_gives_the_same_bits(dtype):
     fast = run_in_pieces(inputs, weights, [31, 19])
     with gated_delta.torch_only(), native.disabled():
         assert_same(fast, run_in_pieces(inputs, weights, [31, 19]))
+
+
+def test_the_trainers_forward_under_autograd_gives_the_rollouts_bits(dtype):
+    """With a gradient the layer runs the torch code (autograd's graph), without one the C++ core."""
+    inputs, weights = layer_inputs(dtype, batch=2, steps=33), layer_weights(dtype)
+    with torch.no_grad():
+        rollout = run_in_pieces(inputs, weights, [20, 1, 12])
+    leaves = {name: x.clone().requires_grad_() for name, x in inputs.items()}
+    trainer = gated_delta.gated_delta_net(**leaves, **weights)
+    assert trainer[0].requires_grad
+    assert_same(rollout, (trainer[0].detach(), gated_delta.GatedDeltaState(*(s.detach() for s in trainer[1]))))
 
 
 # ----------------------------------------------------------------------------------------------
