@@ -270,3 +270,6 @@ def test_bad_inputs_are_refused_by_name():
     inputs, weights = layer_inputs(torch.float32, steps=3), layer_weights(torch.float32)
     with pytest.raises(ValueError, match="mixed_qkv width"):
         gated_delta.gated_delta_net(**inputs, **{**weights, "head_k_dim": 5})
+    _, state = gated_delta.gated_delta_net(**inputs, **weights)
+    with pytest.raises(ValueError, match="conv_state is torch.bfloat16"):
+        gated_delta.gated_delta_net(**inputs, **weights, state=state._replace(conv=state.conv.bfloat16()))

@@ -8,7 +8,7 @@ its sequence was split (full sequence, prefix + continuation, chunked prefill, t
 decode), on the batch or on the threads. Why not a chunked form (transformers' and vLLM's prefill):
 its order depends on where a token falls in its chunk, so decode (recurrent) and prefill differ,
 and a fixed chunk grid would need decode to replay the partial chunk; the recurrent order is one
-code path with no alignment to keep, at the cost of prefill speed (the C++ core recovers most).
+code path with no alignment to keep, at the cost of the chunked form's prefill parallelism.
 
 The pieces around the core are pure functions with transformers' rounding points (fp32 inside):
 the causal depthwise conv (fp32 taps in order, SiLU, cast to the input dtype; its state: the last
@@ -16,11 +16,12 @@ the causal depthwise conv (fp32 taps in order, SiLU, cast to the input dtype; it
 core), gating (``g`` fp32; ``beta`` rounded to ``b``'s dtype), the core (fp32; output cast to the
 input dtype) and the gated RMSNorm (transformers' casts). Only position-invariant torch kernels are
 used: correctly rounded ``+ - * /``, fp32 ``exp``/``log``/``sqrt`` (measured); sigmoid and softplus are
-built from them (torch's own ``sigmoid``/``softplus``/``log1p``/``rsqrt`` are not position-invariant).
+built from them (torch's ``sigmoid``, ``softplus``, ``log1p`` and bf16 ``rsqrt`` are not position-invariant).
 
 On CPU the core runs in C++ (``csrc/gated_delta.cpp``, the same bits) when no gradient is needed;
 :func:`torch_only` forces the torch code. The backward is autograd's through the torch code: close
-to transformers' chunked reference, not bitwise. Pure torch; no verl, no transformers import.
+to transformers' chunked reference, not bitwise; it keeps one state per token (memory grows with
+``T * Hv * dv * dk``). Pure torch; no verl, no transformers import.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class GatedDeltaState(NamedTuple):
     """What a sequence carries from one call to the next (one row per sequence).
 
     ``conv``: ``(B, C, K - 1)`` the last ``K - 1`` raw conv inputs, in the input dtype (zeros before
-    the first token). ``recurrent``: ``(B, Hv, dv, dk)`` fp32.
+    the first token; transformers keeps ``K`` of them). ``recurrent``: ``(B, Hv, dv, dk)`` fp32 --
+    vLLM's slot shape; transformers' state is its transpose ``(B, Hv, dk, dv)``.
     """
 
     conv: torch.Tensor
@@ -111,10 +113,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     taps = weight.shape[1]
     if conv_state is None:
         conv_state = x.new_zeros(batch, channels, taps - 1)
-    if conv_state.shape != (batch, channels, taps - 1):
-        raise ValueError(f"causal_conv1d: conv_state shape {tuple(conv_state.shape)}, expected "
-                         f"{(batch, channels, taps - 1)}")
-    full = torch.cat([conv_state.to(x.dtype).transpose(1, 2), x], dim=1)  # (B, K - 1 + T, C)
+    if conv_state.shape != (batch, channels, taps - 1) or conv_state.dtype != x.dtype:
+        raise ValueError(f"causal_conv1d: conv_state is {conv_state.dtype} {tuple(conv_state.shape)}, expected "
+                         f"{x.dtype} {(batch, channels, taps - 1)}")
+    full = torch.cat([conv_state.transpose(1, 2), x], dim=1)  # (B, K - 1 + T, C)
     h, w = full.to(torch.float32), weight.to(torch.float32)
     acc = h[:, 0:steps] * w[:, 0]
     for j in range(1, taps):
