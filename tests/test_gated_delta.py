@@ -132,7 +132,7 @@ def core_inputs(batch, steps, heads, dk, dv, seed):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("dk, dv", [(16, 8), (12, 5), (128, 128)])
+@pytest.mark.parametrize("dk, dv", [(16, 8), (12, 5), (64, 3), (128, 128)])  # AVX-512 path: dk 16, 64, 128
 def test_the_cpp_core_computes_the_torch_codes_bits(dk, dv):
     assert gated_delta.lib() is not None, "the gated delta C++ core did not build (see the RuntimeWarning)"
     steps = 9 if dk == 128 else 40
