@@ -1,0 +1,306 @@
+"""Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) as one order-fixed op for both engines.
+
+Design: the recurrent order everywhere, with an fp32 state. Each token is one step on the state
+``S`` (per head ``(dv, dk)``): ``S *= exp(g)``, ``delta = (v - S k) * beta``, ``S += delta k^T``,
+``o = S q``, every product over ``dk`` an elementwise multiply and :func:`ops.fixed_sum`'s fixed
+tree. A token's bits then depend only on the state entering it and its own inputs -- not on how
+its sequence was split (full sequence, prefix + continuation, chunked prefill, token-by-token
+decode), on the batch or on the threads. Why not a chunked form (transformers' and vLLM's prefill):
+its order depends on where a token falls in its chunk, so decode (recurrent) and prefill differ,
+and a fixed chunk grid would need decode to replay the partial chunk; the recurrent order is one
+code path with no alignment to keep, at the cost of the chunked form's prefill parallelism.
+
+The pieces around the core are pure functions with transformers' rounding points (fp32 inside):
+the causal depthwise conv (fp32 taps in order, SiLU, cast to the input dtype; its state: the last
+``K - 1`` raw inputs, input dtype), q/k l2norm (fp32, cast to the input dtype, then fp32 for the
+core), gating (``g`` fp32; ``beta`` rounded to ``b``'s dtype), the core (fp32; output cast to the
+input dtype) and the gated RMSNorm (transformers' casts). Only position-invariant torch kernels are
+used: correctly rounded ``+ - * /``, fp32 ``exp``/``log``/``sqrt`` (measured); sigmoid and softplus are
+built from them (torch's ``sigmoid``, ``softplus``, ``log1p`` and bf16 ``rsqrt`` are not position-invariant).
+
+On CPU the core runs in C++ (``csrc/gated_delta.cpp``, the same bits) when no gradient is needed;
+:func:`torch_only` forces the torch code. The backward is autograd's through the torch code: close
+to transformers' chunked reference, not bitwise; it keeps one state per token (memory grows with
+``T * Hv * dv * dk``). Pure torch; no verl, no transformers import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+from true_on_policy.kernels import native, ops
+
+SOURCE = Path(__file__).parent / "csrc" / "gated_delta.cpp"
+SOFTPLUS_THRESHOLD = 20.0  # torch's softplus default: above it, softplus(x) is x
+L2NORM_EPS = 1e-6  # transformers' (and FLA's) l2norm eps
+
+_lib: ModuleType | None = None
+_tried = False
+_disabled = False
+
+
+class GatedDeltaState(NamedTuple):
+    """What a sequence carries from one call to the next (one row per sequence).
+
+    ``conv``: ``(B, C, K - 1)`` the last ``K - 1`` raw conv inputs, in the input dtype (zeros before
+    the first token; transformers keeps ``K`` of them). ``recurrent``: ``(B, Hv, dv, dk)`` fp32 --
+    vLLM's slot shape; transformers' state is its transpose ``(B, Hv, dk, dv)``.
+    """
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# Elementwise pieces (fp32, position-invariant kernels only)
+# ----------------------------------------------------------------------------------------------
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))`` in fp32 (torch's sigmoid kernel is not position-invariant)."""
+    return 1.0 / (1.0 + torch.exp(-x.to(torch.float32)))
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """torch's ``softplus`` (threshold 20) as ``log(1 + exp(x))`` in fp32: torch's softplus and log1p
+    kernels are not position-invariant, exp and log are. Below about -17 the result rounds to 0
+    where torch's is ~exp(x) (an absolute error under 6e-8). The clamp keeps the unused branch finite
+    so its gradient is not NaN."""
+    h = x.to(torch.float32)
+    inner = torch.log(1.0 + torch.exp(torch.clamp(h, max=SOFTPLUS_THRESHOLD)))
+    return torch.where(h > SOFTPLUS_THRESHOLD, h, inner)
+
+
+def gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """``(g, beta)``: ``g = -exp(A_log) * softplus(a + dt_bias)`` in fp32 (transformers' ``.float()``),
+    ``beta = sigmoid(b)`` computed in fp32 and rounded to ``b``'s dtype (transformers' ``b.sigmoid()``)."""
+    g = -torch.exp(A_log.to(torch.float32)) * softplus(a.to(torch.float32) + dt_bias.to(torch.float32))
+    return g, sigmoid(b).to(b.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim in fp32 (the sum :func:`ops.fixed_sum`, the
+    rsqrt a division: torch's rsqrt is not position-invariant in bf16), cast to ``x``'s dtype."""
+    h = x.to(torch.float32)
+    return (h / torch.sqrt(ops.fixed_sum(h * h) + eps)).to(x.dtype)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None,
+                  lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU: ``(out, new_conv_state)``.
+
+    ``x``: ``(B, T, C)``; ``weight``: ``(C, K)`` or nn.Conv1d's ``(C, 1, K)``; ``conv_state``:
+    ``(B, C, K - 1)`` raw inputs before ``x`` (None: zeros). Each output is
+    ``((x[t-K+1] * w[0] + x[t-K+2] * w[1]) + ...) + x[t] * w[K-1]`` in fp32 (zeros from the state
+    included), SiLU in fp32, cast to ``x``'s dtype. ``new_conv_state``: the last ``K - 1`` inputs up
+    to each row's length (``lengths``: ``(B,)``, None: all ``T``), in ``x``'s dtype.
+    """
+    if weight.dim() == 3:
+        weight = weight.squeeze(1)
+    batch, steps, channels = x.shape
+    if weight.dim() != 2 or weight.shape[0] != channels:
+        raise ValueError(f"causal_conv1d: weight shape {tuple(weight.shape)} does not fit {channels} channels")
+    taps = weight.shape[1]
+    if conv_state is None:
+        conv_state = x.new_zeros(batch, channels, taps - 1)
+    if conv_state.shape != (batch, channels, taps - 1) or conv_state.dtype != x.dtype:
+        raise ValueError(f"causal_conv1d: conv_state is {conv_state.dtype} {tuple(conv_state.shape)}, expected "
+                         f"{x.dtype} {(batch, channels, taps - 1)}")
+    full = torch.cat([conv_state.transpose(1, 2), x], dim=1)  # (B, K - 1 + T, C)
+    h, w = full.to(torch.float32), weight.to(torch.float32)
+    acc = h[:, 0:steps] * w[:, 0]
+    for j in range(1, taps):
+        acc = acc + h[:, j:j + steps] * w[:, j]
+    out = ops.silu(acc).to(x.dtype)
+    if lengths is None:
+        new_state = full[:, steps:]
+    else:
+        index = lengths.to(torch.int64)[:, None] + torch.arange(taps - 1, device=x.device)
+        new_state = torch.gather(full, 1, index[:, :, None].expand(-1, -1, channels))
+    return out, new_state.transpose(1, 2).contiguous()
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNormGated (norm, then SiLU gate): ``(ops.rms_norm(x) * silu(gate fp32)).to(x.dtype)``.
+
+    Its casts: fp32 norm, cast to ``x``'s dtype before the weight multiply (in the weight's dtype),
+    the gate product in fp32, cast once to ``x``'s dtype. Over the last dim.
+    """
+    return (ops.rms_norm(x, weight, eps) * ops.silu(gate.to(torch.float32))).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The delta rule (recurrent order, fp32 state)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_core(q, k, v, decay, beta, state, lengths) -> None:
+    batch, steps, heads, dk = q.shape
+    dv = v.shape[-1]
+    expected = {"q": (q, (batch, steps, heads, dk)), "k": (k, (batch, steps, heads, dk)),
+                "v": (v, (batch, steps, heads, dv)), "decay": (decay, (batch, steps, heads)),
+                "beta": (beta, (batch, steps, heads)), "state": (state, (batch, heads, dv, dk))}
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
+            raise ValueError(f"delta_rule: {name} is {tensor.dtype} {tuple(tensor.shape)}, expected fp32 {shape}")
+    if lengths is not None and (lengths.shape != (batch,) or bool(((lengths < 0) | (lengths > steps)).any())):
+        raise ValueError(f"delta_rule: lengths {lengths.tolist()} must be {batch} values in [0, {steps}]")
+
+
+def delta_rule_torch(q, k, v, decay, beta, state, lengths=None):
+    """The specification of :func:`delta_rule` (autograd runs through it).
+
+    Per token ``t`` and head, on ``S`` ``(dv, dk)``: ``S = S * decay``; ``kv = fixed_sum(S * k)``;
+    ``delta = (v - kv) * beta``; ``S = S + delta[:, None] * k``; ``o = fixed_sum(S * q)``. Rows past
+    their length keep their state and output +0.0.
+    """
+    outputs = []
+    for t in range(q.shape[1]):
+        k_t = k[:, t, :, None, :]
+        s = state * decay[:, t, :, None, None]
+        kv = ops.fixed_sum(s * k_t)[..., 0]
+        delta = (v[:, t] - kv) * beta[:, t, :, None]
+        s = s + delta[..., None] * k_t
+        o = ops.fixed_sum(s * q[:, t, :, None, :])[..., 0]
+        if lengths is not None:
+            active = (lengths > t)[:, None, None]
+            o = torch.where(active, o, torch.zeros_like(o))
+            s = torch.where(active[..., None], s, state)
+        outputs.append(o)
+        state = s
+    out = torch.stack(outputs, 1) if outputs else v.new_zeros(v.shape)
+    return out, state
+
+
+def delta_rule(q, k, v, decay, beta, state, lengths=None):
+    """The gated delta rule in the recurrent order: ``(out, new_state)``, both fp32.
+
+    ``q, k``: ``(B, T, H, dk)`` (l2-normed; ``q`` scaled), ``v``: ``(B, T, H, dv)``, ``decay``
+    (``exp(g)``) and ``beta``: ``(B, T, H)``, ``state``: ``(B, H, dv, dk)``, all fp32; ``lengths``:
+    ``(B,)`` tokens per row (None: all ``T``). Invariant: a token's output and the state after it
+    depend only on the state before it and its own inputs (see :func:`delta_rule_torch`). On CPU
+    without a gradient the C++ kernel computes the same bits.
+    """
+    _check_core(q, k, v, decay, beta, state, lengths)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, decay, beta, state))
+    if not grad and q.device.type == "cpu" and (library := lib()) is not None:
+        if lengths is None:
+            lengths = torch.full((q.shape[0],), q.shape[1], dtype=torch.int64)
+        return library.delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
+                                  beta.contiguous(), state.contiguous(), lengths.to(torch.int64).contiguous())
+    return delta_rule_torch(q, k, v, decay, beta, state, lengths)
+
+
+def gated_delta_rule(query, key, value, g, beta, state=None, lengths=None):
+    """transformers' ``*_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`` in the recurrent order:
+    ``(out, new_state)``.
+
+    ``query, key``: ``(B, T, H, dk)``, ``value``: ``(B, T, H, dv)`` (input dtype), ``g`` (fp32) and
+    ``beta``: ``(B, T, H)``, ``state``: ``(B, H, dv, dk)`` fp32 or None (zeros). Casts: q/k
+    :func:`l2norm` (in their dtype), then everything fp32, ``q * dk**-0.5``; ``out`` in ``value``'s
+    dtype; the state stays fp32.
+    """
+    batch, _, heads, dk = key.shape
+    if state is None:
+        state = torch.zeros(batch, heads, value.shape[-1], dk, dtype=torch.float32, device=value.device)
+    q = l2norm(query).to(torch.float32) * (1 / (dk ** 0.5))
+    k = l2norm(key).to(torch.float32)
+    out, state = delta_rule(q, k, value.to(torch.float32), torch.exp(g.to(torch.float32)),
+                            beta.to(torch.float32), state, lengths)
+    return out.to(value.dtype), state
+
+
+def gated_delta_net(mixed_qkv, z, a, b, *, conv_weight, A_log, dt_bias, norm_weight, head_k_dim: int,
+                    head_v_dim: int, eps: float, state: GatedDeltaState | None = None, lengths=None):
+    """A GatedDeltaNet layer between its input projections and ``out_proj``: ``(y, new_state)``.
+
+    ``mixed_qkv``: ``(B, T, 2 * Hk * dk + Hv * dv)`` (``in_proj_qkv``), ``z``: ``(B, T, Hv * dv)``,
+    ``a``, ``b``: ``(B, T, Hv)``; ``y``: ``(B, T, Hv * dv)`` in ``mixed_qkv``'s dtype. Steps:
+    :func:`causal_conv1d`, split into q/k/v heads (q/k repeated to ``Hv`` heads, transformers'
+    ``repeat_interleave``), :func:`gating`, :func:`gated_delta_rule`, :func:`gated_rms_norm` with
+    gate ``z``. ``state`` carries a sequence across calls (None: a fresh sequence); ``lengths``
+    ``(B,)``: tokens per row of a right-padded batch (None: all ``T``).
+    """
+    batch, steps, channels = mixed_qkv.shape
+    v_heads = a.shape[-1]
+    value_dim = v_heads * head_v_dim
+    key_dim = (channels - value_dim) // 2
+    if key_dim <= 0 or key_dim % head_k_dim or 2 * key_dim + value_dim != channels or v_heads % (key_dim // head_k_dim):
+        raise ValueError(f"gated_delta_net: mixed_qkv width {channels} does not split into q, k (head_k_dim "
+                         f"{head_k_dim}) and v ({v_heads} heads x head_v_dim {head_v_dim})")
+    if z.shape != (batch, steps, value_dim) or b.shape != a.shape:
+        raise ValueError(f"gated_delta_net: z {tuple(z.shape)} / b {tuple(b.shape)} do not fit "
+                         f"{(batch, steps, value_dim)} / {tuple(a.shape)}")
+    mixed, conv_state = causal_conv1d(mixed_qkv, conv_weight, None if state is None else state.conv, lengths)
+    query, key, value = torch.split(mixed, [key_dim, key_dim, value_dim], dim=-1)
+    repeat = v_heads // (key_dim // head_k_dim)
+    query = query.reshape(batch, steps, -1, head_k_dim).repeat_interleave(repeat, dim=2)
+    key = key.reshape(batch, steps, -1, head_k_dim).repeat_interleave(repeat, dim=2)
+    value = value.reshape(batch, steps, v_heads, head_v_dim)
+    g, beta = gating(a, b, A_log, dt_bias)
+    out, recurrent = gated_delta_rule(query, key, value, g, beta, None if state is None else state.recurrent,
+                                      lengths)
+    y = gated_rms_norm(out, z.reshape(batch, steps, v_heads, head_v_dim), norm_weight, eps)
+    return y.reshape(batch, steps, value_dim), GatedDeltaState(conv_state, recurrent)
+
+
+# ----------------------------------------------------------------------------------------------
+# The C++ core
+# ----------------------------------------------------------------------------------------------
+
+
+def build() -> ModuleType:
+    """Build (or load the already built) C++ core: under ``sys.prefix`` (else ~/.cache), keyed by the
+    source's hash, :data:`native.CFLAGS` (no FMA contraction, no fast-math, OpenMP) and torch's version."""
+    from torch.utils.cpp_extension import load
+
+    flags = native.CFLAGS + native.LDFLAGS
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"gated_delta-{digest}-torch{torch.__version__.replace('+', '_')}"
+    for root in (Path(sys.prefix) / "var" / "true_on_policy", Path.home() / ".cache" / "true_on_policy" / "native"):
+        try:
+            (root / name).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(root / name, os.W_OK):
+            return load(name=f"true_on_policy_gated_delta_{digest}", sources=[str(SOURCE)],
+                        extra_cflags=list(native.CFLAGS), extra_ldflags=list(native.LDFLAGS),
+                        build_directory=str(root / name), verbose=False)
+    raise OSError(f"no writable build directory for the gated delta kernel under {sys.prefix} or ~/.cache")
+
+
+def lib() -> ModuleType | None:
+    """The loaded C++ core, or None (:func:`torch_only`, or the build failed: said once on stderr)."""
+    global _lib, _tried
+    if _disabled:
+        return None
+    if not _tried:
+        _tried = True
+        try:
+            _lib = build()
+        except Exception as error:  # noqa: BLE001 -- any build failure leaves the torch code, said loudly
+            warnings.warn(f"true_on_policy: the gated delta C++ core could not be built ({type(error).__name__}: "
+                          f"{error}); it runs its torch code instead (the same bits, slower).",
+                          RuntimeWarning, stacklevel=2)
+    return _lib
+
+
+@contextlib.contextmanager
+def torch_only() -> Iterator[None]:
+    """:func:`delta_rule` runs its torch code inside (the reference the C++ core is held equal to)."""
+    global _disabled
+    previous, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = previous
