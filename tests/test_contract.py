@@ -26,7 +26,7 @@ from true_on_policy.contract import consistency
 from true_on_policy.contract import determinism_plan
 from true_on_policy.contract import kernel_families, stack_versions
 
-from support.contract_helpers import apply_in_process, contract_for_config, plan_for_config, plan_of
+from support.contract_helpers import apply_in_process, contract_for_config, plan_for_config, plan_of, replace_row
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -309,8 +309,8 @@ def test_every_row_can_fail(ascend_cfg, cuda_cfg):
             if row.kind == consistency.INFO:
                 continue
             dicts = isinstance(row.rollout.value, dict)
-            broken = result.replace_row(
-                row.field, training={"X": "1"} if dicts else "__a__", rollout={"X": "2"} if dicts else "__b__", unverified=""
+            broken = replace_row(
+                result, row.field, training={"X": "1"} if dicts else "__a__", rollout={"X": "2"} if dicts else "__b__", unverified=""
             )
             assert row.field in {m.field for m in consistency.compare(broken)}, row.field
 
@@ -319,7 +319,7 @@ def test_info_rows_never_mismatch(ascend_cfg):
     result = _contract(ascend_cfg)
     for row in result.rows:
         if row.kind == consistency.INFO:
-            broken = result.replace_row(row.field, rollout="__different__")
+            broken = replace_row(result, row.field, rollout="__different__")
             assert row.field not in {m.field for m in consistency.compare(broken)}
 
 
@@ -588,7 +588,7 @@ def test_cuda_environment_from_table():
     assert p.rollout_config == {f"{determinism_plan.ROLLOUT_VLLM}.attention_backend": "FLASH_ATTN"}
     assert any(s.startswith("NCCL_ALGO=Ring") for s in p.skipped)
     for key in determinism_plan.REDUCTION_ENV_KEYS["cuda"]:
-        assert p.worker_env.get(key) == p.rollout_process_env().get(key)
+        assert p.worker_env.get(key) == {**p.worker_env, **p.rollout_forced_env}.get(key)  # what rollout processes get
 
 
 def test_cuda_nccl_2_31_reenables_other_collectives():

@@ -3,6 +3,7 @@ the package reads a config once, through ``true_on_policy.config.launch.read_lau
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from true_on_policy.config.invariants import check_invariants
@@ -63,3 +64,16 @@ def apply_in_process(plan):
     if not plan.deterministic:
         return []
     return determinism_plan.run_in_process_calls(plan.platform, plan.in_process)
+
+
+def replace_row(contract, field, **changes):
+    """A copy of ``contract`` with one row changed and judged again (``training=``/``rollout=`` may be plain values)."""
+    rows = []
+    for row in contract.rows:
+        if row.field == field:
+            for side in ("training", "rollout"):
+                if side in changes and not isinstance(changes[side], consistency.Side):
+                    changes[side] = consistency.Side(changes[side], getattr(row, side).source)
+            row = consistency._judged(dataclasses.replace(row, **changes), contract.deterministic)
+        rows.append(row)
+    return dataclasses.replace(contract, rows=tuple(rows))

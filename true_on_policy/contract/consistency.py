@@ -145,18 +145,6 @@ class Contract:
                 return row
         raise KeyError(field)
 
-    def replace_row(self, field: str, **changes: Any) -> Contract:
-        """A copy with one row changed (``training=``/``rollout=`` may be plain values)."""
-        rows = []
-        for row in self.rows:
-            if row.field == field:
-                for side in ("training", "rollout"):
-                    if side in changes and not isinstance(changes[side], Side):
-                        old = getattr(row, side)
-                        changes[side] = Side(changes[side], old.source)
-                row = _judged(dataclasses.replace(row, **changes), self.deterministic)
-            rows.append(row)
-        return dataclasses.replace(self, rows=tuple(rows))
 
     def as_dict(self) -> dict[str, Any]:
         return {

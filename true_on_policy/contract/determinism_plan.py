@@ -186,13 +186,6 @@ class Plan:
     skipped: tuple[str, ...]
     notes: tuple[str, ...]
 
-    def rollout_process_env(self) -> dict[str, str]:
-        """The environment the rollout engine's processes end up with (worker env + engine overrides)."""
-        return {**self.worker_env, **self.rollout_forced_env}
-
-    def training_process_env(self) -> dict[str, str]:
-        return dict(self.worker_env)
-
     def as_dict(self) -> dict[str, Any]:
         return {
             "platform": self.platform,

@@ -356,9 +356,6 @@ class PromptLedger:
     def delivered_total(self) -> int:
         return len(self._slots) - len(self._live)
 
-    def epochs(self) -> list[int]:
-        return sorted(self._epoch_prompts)
-
     def epoch_summary(self, epoch: int) -> EpochSummary:
         slots = [slot for slot in self._slots if slot.epoch == epoch]
         by_state = Counter(slot.state for slot in slots)
