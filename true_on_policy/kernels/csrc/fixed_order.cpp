@@ -1902,7 +1902,7 @@ int64_t parallel_threads(int64_t n) {
 // The constants the ops' dispatch reads (native.constants), by name: the C++ is their one source.
 std::map<std::string, int64_t> constants() { return {{"dot_group", kDotGroup}}; }
 
-// csrc/gated_delta.cpp
+// gated_delta.cpp's entry point, registered in this, the library's one module
 std::tuple<at::Tensor, at::Tensor> delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               const at::Tensor& decay, const at::Tensor& beta,
                                               const at::Tensor& state, const at::Tensor& lengths);
