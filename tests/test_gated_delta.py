@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_helpers import threads
-from true_on_policy.kernels import gated_delta, native
+from true_on_policy.kernels import gated_delta, native, ops
 
 HK, HV, DK, DV, TAPS, STEPS = 2, 4, 16, 8, 4, 130
 SPLITS = {"prefix+continuation": [53, 77], "chunks of 1": [1] * STEPS, "chunks of 7": [7] * 18 + [4],
@@ -78,7 +78,7 @@ def test_any_split_gives_the_full_sequences_bits(dtype, split):
 @torch.no_grad()
 def test_any_split_gives_the_full_sequences_bits_in_the_torch_code(dtype):
     inputs, weights = layer_inputs(dtype, steps=40), layer_weights(dtype)
-    with gated_delta.torch_only():
+    with ops.switched(native=False):
         full = run_in_pieces(inputs, weights, [40])
         for pieces in ([1] * 40, [7] * 5 + [5], [13, 27]):
             assert_same(full, run_in_pieces(inputs, weights, pieces))
@@ -98,7 +98,7 @@ def batch_of_three(dtype, steps=(STEPS, 61, 97)):
 def test_a_sequence_has_the_same_bits_alone_and_in_a_batch(dtype, native_core):
     weights = layer_weights(dtype)
     rows, batch, lengths = batch_of_three(dtype, steps=(61, STEPS, 97))
-    with contextlib.nullcontext() if native_core else gated_delta.torch_only():
+    with contextlib.nullcontext() if native_core else ops.switched(native=False):
         y, state = gated_delta.gated_delta_net(**batch, **weights, lengths=lengths)
         for row, n in enumerate(lengths.tolist()):
             alone_y, alone_state = gated_delta.gated_delta_net(**rows[row], **weights)
@@ -112,7 +112,7 @@ def test_a_sequence_has_the_same_bits_alone_and_in_a_batch(dtype, native_core):
 def test_one_and_two_threads_give_the_same_bits(native_core):
     weights = layer_weights(torch.float32)
     _, batch, lengths = batch_of_three(torch.float32)
-    with contextlib.nullcontext() if native_core else gated_delta.torch_only():
+    with contextlib.nullcontext() if native_core else ops.switched(native=False):
         results = []
         for n in (1, 2):
             with threads(n):
@@ -134,12 +134,13 @@ def core_inputs(batch, steps, heads, dk, dv, seed):
 @torch.no_grad()
 @pytest.mark.parametrize("dk, dv", [(16, 8), (12, 5), (64, 3), (128, 128)])  # AVX-512 path: dk 16, 64, 128
 def test_the_cpp_core_computes_the_torch_codes_bits(dk, dv):
-    assert gated_delta.lib() is not None, "the gated delta C++ core did not build (see the RuntimeWarning)"
+    assert native.lib() is not None, "the native library did not build (see the RuntimeWarning)"
     steps = 9 if dk == 128 else 40
     args = core_inputs(3, steps, 2, dk, dv, seed=dk)
     lengths = torch.tensor([steps, 0, steps // 3])
-    with gated_delta.torch_only(), native.disabled():
-        assert gated_delta.lib() is None
+    assert ops._route("delta_rule", torch.device("cpu"), *args).run is native.lib().delta_rule
+    with ops.switched(native=False):
+        assert ops._route("delta_rule", torch.device("cpu"), *args) is ops.SPECIFICATION
         reference = gated_delta.delta_rule(*args, lengths)
     for n in (1, 2):
         with threads(n):
@@ -152,7 +153,7 @@ def test_the_cpp_core_computes_the_torch_codes_bits(dk, dv):
 def test_the_layer_in_cpp_and_in_torch_gives_the_same_bits(dtype):
     inputs, weights = layer_inputs(dtype, batch=2, steps=50, dk=12), layer_weights(dtype, dk=12)
     fast = run_in_pieces(inputs, weights, [31, 19])
-    with gated_delta.torch_only(), native.disabled():
+    with ops.switched(native=False):
         assert_same(fast, run_in_pieces(inputs, weights, [31, 19]))
 
 

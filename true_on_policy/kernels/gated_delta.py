@@ -18,35 +18,23 @@ input dtype) and the gated RMSNorm (transformers' casts). Only position-invarian
 used: correctly rounded ``+ - * /``, fp32 ``exp``/``log``/``sqrt`` (measured); sigmoid and softplus are
 built from them (torch's ``sigmoid``, ``softplus``, ``log1p`` and bf16 ``rsqrt`` are not position-invariant).
 
-On CPU the core runs in C++ (``csrc/gated_delta.cpp``, the same bits) when no gradient is needed;
-:func:`torch_only` forces the torch code. The backward is autograd's through the torch code: close
-to transformers' chunked reference, not bitwise; it keeps one state per token (memory grows with
-``T * Hv * dv * dk``). Pure torch; no verl, no transformers import.
+On CPU the core runs in C++ (``csrc/gated_delta.cpp`` in :mod:`.native`'s library, the same bits) when no
+gradient is needed (:data:`ops.ROUTES`); ``ops.switched(native=False)`` forces the torch code. The
+backward is autograd's through the torch code: close to transformers' chunked reference, not
+bitwise; it keeps one state per token (memory grows with ``T * Hv * dv * dk``). Pure torch; no verl,
+no transformers import.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import os
-import sys
-import warnings
-from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
-from true_on_policy.kernels import native, ops
+from true_on_policy.kernels import ops
 
-SOURCE = Path(__file__).parent / "csrc" / "gated_delta.cpp"
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus default: above it, softplus(x) is x
 L2NORM_EPS = 1e-6  # transformers' (and FLA's) l2norm eps
-
-_lib: ModuleType | None = None
-_tried = False
-_disabled = False
 
 
 class GatedDeltaState(NamedTuple):
@@ -192,12 +180,11 @@ def delta_rule(q, k, v, decay, beta, state, lengths=None):
     without a gradient the C++ kernel computes the same bits.
     """
     _check_core(q, k, v, decay, beta, state, lengths)
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, decay, beta, state))
-    if not grad and q.device.type == "cpu" and (library := lib()) is not None:
+    if (kernel := ops._route("delta_rule", q.device, q, k, v, decay, beta, state)).run:
         if lengths is None:
             lengths = torch.full((q.shape[0],), q.shape[1], dtype=torch.int64)
-        return library.delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
-                                  beta.contiguous(), state.contiguous(), lengths.to(torch.int64).contiguous())
+        return kernel.run(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(), beta.contiguous(),
+                          state.contiguous(), lengths.to(torch.int64).contiguous())
     return delta_rule_torch(q, k, v, decay, beta, state, lengths)
 
 
@@ -252,55 +239,3 @@ def gated_delta_net(mixed_qkv, z, a, b, *, conv_weight, A_log, dt_bias, norm_wei
                                       lengths)
     y = gated_rms_norm(out, z.reshape(batch, steps, v_heads, head_v_dim), norm_weight, eps)
     return y.reshape(batch, steps, value_dim), GatedDeltaState(conv_state, recurrent)
-
-
-# ----------------------------------------------------------------------------------------------
-# The C++ core
-# ----------------------------------------------------------------------------------------------
-
-
-def build() -> ModuleType:
-    """Build (or load the already built) C++ core: under ``sys.prefix`` (else ~/.cache), keyed by the
-    source's hash, :data:`native.CFLAGS` (no FMA contraction, no fast-math, OpenMP) and torch's version."""
-    from torch.utils.cpp_extension import load
-
-    flags = native.CFLAGS + native.LDFLAGS
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    name = f"gated_delta-{digest}-torch{torch.__version__.replace('+', '_')}"
-    for root in (Path(sys.prefix) / "var" / "true_on_policy", Path.home() / ".cache" / "true_on_policy" / "native"):
-        try:
-            (root / name).mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(root / name, os.W_OK):
-            return load(name=f"true_on_policy_gated_delta_{digest}", sources=[str(SOURCE)],
-                        extra_cflags=list(native.CFLAGS), extra_ldflags=list(native.LDFLAGS),
-                        build_directory=str(root / name), verbose=False)
-    raise OSError(f"no writable build directory for the gated delta kernel under {sys.prefix} or ~/.cache")
-
-
-def lib() -> ModuleType | None:
-    """The loaded C++ core, or None (:func:`torch_only`, or the build failed: said once on stderr)."""
-    global _lib, _tried
-    if _disabled:
-        return None
-    if not _tried:
-        _tried = True
-        try:
-            _lib = build()
-        except Exception as error:  # noqa: BLE001 -- any build failure leaves the torch code, said loudly
-            warnings.warn(f"true_on_policy: the gated delta C++ core could not be built ({type(error).__name__}: "
-                          f"{error}); it runs its torch code instead (the same bits, slower).",
-                          RuntimeWarning, stacklevel=2)
-    return _lib
-
-
-@contextlib.contextmanager
-def torch_only() -> Iterator[None]:
-    """:func:`delta_rule` runs its torch code inside (the reference the C++ core is held equal to)."""
-    global _disabled
-    previous, _disabled = _disabled, True
-    try:
-        yield
-    finally:
-        _disabled = previous

@@ -1,4 +1,4 @@
-"""The C++ fast path of the consistent kernels on CPU (``csrc/fixed_order.cpp``), built once per environment.
+"""The C++ fast path of the consistent kernels on CPU (``csrc/*.cpp``: one library), built once per environment.
 
 :mod:`true_on_policy.kernels.ops` calls it for CPU tensors when it is loaded; it computes the very
 bits of the ops' torch code (``tests/test_native_ops.py`` holds them ``torch.equal``) with one C++
@@ -8,7 +8,7 @@ used only where :func:`fma_chain_lib` has checked that premise on this CPU. bf16
 those chains reading bf16, on AVX512-BF16's dot-product instruction, where :func:`bf16_dot_lib` has
 checked it. ``make install`` builds the library (``python -m true_on_policy build-native``);
 otherwise the first process that needs it builds it
-(once per environment: it lives under ``sys.prefix``, keyed by the source's hash, the flags
+(once per environment: it lives under ``sys.prefix``, keyed by the sources' hash, the flags
 and torch's version; ``-march=native``: for the machine it is built on). Its loops run on torch's
 intra-op threads (OpenMP), each output written by one thread in a fixed order. If it cannot be built the
 ops run their torch code -- the same bits, slower -- and say so once on stderr. Which op calls which
@@ -29,7 +29,10 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "fixed_order.cpp"
+CSRC = Path(__file__).parent / "csrc"
+# one extension, one module (fixed_order.cpp's); the other sources' entry points are registered there
+SOURCES = (CSRC / "fixed_order.cpp", CSRC / "gated_delta.cpp")
+HEADERS = (CSRC / "fixed_tree.h",)
 # no FMA contraction, no fast-math: the C++ must round exactly where the torch code rounds.
 # -fopenmp: without it ATen's header-only at::parallel_for compiles to a serial loop; the library then
 # links libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool)
@@ -42,8 +45,9 @@ _constants: dict[str, int] | None = None
 
 
 def build_directory(cflags=CFLAGS, ldflags=LDFLAGS) -> Path:
-    """Where this environment's library lives: one folder per (source, flags, torch version)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags + ldflags).encode()).hexdigest()[:12]
+    """Where this environment's library lives: one folder per (sources and headers, flags, torch version)."""
+    code = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    digest = hashlib.sha256(code + " ".join(cflags + ldflags).encode()).hexdigest()[:12]
     name = f"fixed_order-{digest}-torch{torch.__version__.replace('+', '_')}"
     for root in (Path(sys.prefix) / "var" / "true_on_policy", Path.home() / ".cache" / "true_on_policy" / "native"):
         try:
@@ -63,7 +67,7 @@ def build(cflags=CFLAGS, ldflags=LDFLAGS) -> ModuleType:
     directory = build_directory(cflags, ldflags)
     return load(
         name=f"true_on_policy_fixed_order_{directory.name.split('-')[1]}",
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         extra_cflags=list(cflags),
         extra_ldflags=list(ldflags),
         build_directory=str(directory),

@@ -269,6 +269,10 @@ def _fits_moe_chain(hidden, gate_up, down, k_parts, experts, packs):  # bf16 onl
     return native.fma_chain_lib(min(gate_up[0].shape[0], down[0].shape[0]))
 
 
+def _fits_delta_rule(q, k, v, decay, beta, state):  # fp32 * + - and the fixed tree: no CPU premise
+    return _inference(q, k, v, decay, beta, state) and native.lib()
+
+
 # op -> its C++ CPU kernels, tried in order: the first whose premise holds runs. Where none holds, on any other
 # device (whose kernels are the torch ops themselves) and with ``switches().native`` off, the op's torch code --
 # the specification, which every C++ kernel is held torch.equal to -- runs. A premise takes the op's arguments.
@@ -282,6 +286,7 @@ ROUTES: dict[str, tuple[Route, ...]] = {
     "attention_backward": (Route("native", "attention_backward", _fits_attention_backward),),
     "paged_attention": (Route("native", "attention", _fits_paged_attention),),
     "moe_experts": (Route("dot", "moe_experts", _fits_moe_dot), Route("chain", "moe_experts_chain", _fits_moe_chain)),
+    "delta_rule": (Route("native", "delta_rule", _fits_delta_rule),),  # gated_delta.delta_rule's core
 }
 
 

@@ -28,24 +28,12 @@
 #include <utility>
 #include <vector>
 
+#include "fixed_tree.h"
+
 namespace {
 
-int64_t pow2_at_least(int64_t n) {
-  int64_t width = 1;
-  while (width < n) width <<= 1;
-  return width;
-}
-
-// ops.fixed_sum of one row already in buf[0:n]: zero-padded to a power of two, then element i
-// paired with i + width/2 at every level.
-float tree_sum(float* buf, int64_t n, int64_t width) {
-  std::fill(buf + n, buf + width, 0.0f);
-  while (width > 1) {
-    width /= 2;
-    for (int64_t i = 0; i < width; ++i) buf[i] = buf[i] + buf[i + width];
-  }
-  return buf[0];
-}
+using fixed_tree::pow2_at_least;
+using fixed_tree::tree_sum;
 
 void check_cpu_float(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, op, ": needs an fp32 CPU tensor, got ",
@@ -1914,6 +1902,11 @@ int64_t parallel_threads(int64_t n) {
 // The constants the ops' dispatch reads (native.constants), by name: the C++ is their one source.
 std::map<std::string, int64_t> constants() { return {{"dot_group", kDotGroup}}; }
 
+// gated_delta.cpp's entry point, registered in this, the library's one module
+std::tuple<at::Tensor, at::Tensor> delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& decay, const at::Tensor& beta,
+                                              const at::Tensor& state, const at::Tensor& lengths);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "threads an at::parallel_for over n items runs on");
   m.def("fixed_sum", &fixed_sum, "ops.fixed_sum for an fp32 CPU tensor");
@@ -1934,4 +1927,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_vml_exp", &use_vml_exp, "use VML's exp (checked to be torch.exp's bits) where it is linked");
   m.def("exp_fp32", &exp_fp32, "exp of an fp32 tensor as the fused attention computes it");
   m.def("chain_matmul", &chain_matmul, "a @ b as the fused attention's fma chains compute it");
+  m.def("delta_rule", &delta_rule, "gated_delta.delta_rule_torch for fp32 CPU tensors");
 }

@@ -1,4 +1,5 @@
-// The CPU core of the consistent Gated DeltaNet: gated_delta.delta_rule_torch's bits in one call.
+// The CPU core of the consistent Gated DeltaNet: gated_delta.delta_rule_torch's bits in one call (part of
+// the one native library: fixed_order.cpp's module registers delta_rule).
 //
 // Per (batch row, head) -- one thread each, tokens in order -- and per state row r (dv rows of dk):
 // S[r] *= decay; kv = tree(S[r] * k); delta = (v[r] - kv) * beta; S[r] += delta * k; o[r] = tree(S[r] * q).
@@ -18,22 +19,12 @@
 #include <tuple>
 #include <vector>
 
+#include "fixed_tree.h"
+
 namespace {
 
-int64_t pow2_at_least(int64_t n) {
-  int64_t width = 1;
-  while (width < n) width <<= 1;
-  return width;
-}
-
-float tree_sum(float* buf, int64_t n, int64_t width) {
-  std::fill(buf + n, buf + width, 0.0f);
-  while (width > 1) {
-    width /= 2;
-    for (int64_t i = 0; i < width; ++i) buf[i] = buf[i] + buf[i + width];
-  }
-  return buf[0];
-}
+using fixed_tree::pow2_at_least;
+using fixed_tree::tree_sum;
 
 void check(const at::Tensor& x, const char* name, at::ScalarType dtype, int64_t dims) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype && x.is_contiguous() && x.dim() == dims,
@@ -116,6 +107,8 @@ bool vector_path(int64_t dk) {
 #endif
 }
 
+}  // namespace
+
 // q, k: (B, T, H, dk); v: (B, T, H, dv); decay, beta: (B, T, H); state: (B, H, dv, dk); lengths: (B,) int64.
 // Returns (out (B, T, H, dv), new state); out is +0.0 past a row's length.
 std::tuple<at::Tensor, at::Tensor> delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -160,10 +153,4 @@ std::tuple<at::Tensor, at::Tensor> delta_rule(const at::Tensor& q, const at::Ten
     }
   });
   return {out, new_state};
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("delta_rule", &delta_rule, "gated_delta.delta_rule_torch for fp32 CPU tensors");
 }
