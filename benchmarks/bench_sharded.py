@@ -48,10 +48,10 @@ REPO = Path(__file__).resolve().parents[1]
 def rollout(args) -> list[dict]:
     from transformers import AutoConfig
 
-    from true_on_policy.cli.logdiff import _model_path, make_prompts
+    from true_on_policy.cli.logdiff import resolve_model, make_prompts
     from true_on_policy.vllm_adapter import engine
 
-    kind, path = _model_path(args.model)
+    kind, path, _ = resolve_model(args.model)
     engines = {tp: engine.start(path, args.dtype, True, tp=tp) for tp in (1, 2)}
     prompts = make_prompts(args.prompts, AutoConfig.from_pretrained(path).vocab_size)
     tokens = args.prompts * args.new_tokens

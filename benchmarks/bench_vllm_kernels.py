@@ -149,12 +149,12 @@ def main() -> None:
                           "new_tokens": new_tokens})
 
     from true_on_policy.cli.json_output import stdout_to_stderr
-    from true_on_policy.cli.logdiff import _model_path
+    from true_on_policy.cli.logdiff import resolve_model
 
     records = []
     with stdout_to_stderr(args.json):  # --json: vLLM's logs to stderr, the JSON alone on stdout
-        targets = [_model_path(m) for m in _csv(args.model)]  # every model refused or resolved before any engine
-        for kind, path in targets:
+        targets = [resolve_model(m) for m in _csv(args.model)]  # every model refused or resolved before any engine
+        for kind, path, _ in targets:
             for dtype in dtypes:
                 records += measure_pair(kind, path, dtype, cases, args.repeats, args.max_model_len)
     if args.json:

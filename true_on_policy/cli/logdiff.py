@@ -135,7 +135,7 @@ def compare_to_baseline(record: dict, samples, baseline_tp: int, baseline_sample
             "greedy_max_abs_diff_to_baseline": 0.0 if pairs and equal else diff}
 
 
-def _model_path(model: str) -> tuple[str, str, dict]:
+def resolve_model(model: str) -> tuple[str, str, dict]:
     """(kind label, checkpoint directory, its parsed config.json -- read once, for the architecture and
     the sharding checks) for a tiny model's name or a path; an uncovered architecture or feature exits
     2, naming it, before any engine starts."""
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     with stdout_to_stderr(args.json):
         patch_transformers()
         if args.engine == "vllm":
-            targets = [_model_path(m) for m in kinds]
+            targets = [resolve_model(m) for m in kinds]
             tps = args.tp or [1]
             _check_sharding(parser, targets, tps, args.ep)
             records = []
