@@ -41,33 +41,22 @@ def parse_sampler_kwargs(sampler_kwargs: Mapping | None) -> dict:
 class SyncReplayBuffer(ReplayBuffer):
     """verl's sync ``ReplayBuffer``, polling TransferQueue every ``poll_interval_s`` (see the module doc)."""
 
-    def __init__(
-        self,
-        trainer_mode: str,
-        trainer_config,
-        max_off_policy_threshold: int | None,
-        max_off_policy_strategy: str,
-        sampler_kwargs,
-        refill_fn=None,
-        **kwargs,
-    ):
+    def __init__(self, trainer_mode: str, sampler_kwargs, **verl_kwargs):
+        """verl builds a sampler by keyword (``trainer_base``: ``sampler_cls(**replay_buffer_kwargs)``); what
+        this buffer does not read (the trainer config, the off-policy settings, ``refill_fn``) goes to verl's."""
         if trainer_mode != "sync":
             raise ValueError(
                 f"{type(self).__name__} is the sync trainer's replay buffer; trainer.v1.trainer_mode={trainer_mode!r} "
                 "needs an async sampler (true_on_policy.verl_adapter.async_sampler.SingleRolloutAsyncSampler)"
             )
-        if "poll_interval" in kwargs:
+        if "poll_interval" in verl_kwargs:
             raise ValueError("pass the poll interval as trainer.v1.sampler.sampler_kwargs.poll_interval_s")
         self.settings = parse_sampler_kwargs(sampler_kwargs)
         super().__init__(
             trainer_mode=trainer_mode,
-            trainer_config=trainer_config,
-            max_off_policy_threshold=max_off_policy_threshold,
-            max_off_policy_strategy=max_off_policy_strategy,
             sampler_kwargs=sampler_kwargs,
             poll_interval=float(self.settings["poll_interval_s"]),
-            refill_fn=refill_fn,
-            **kwargs,
+            **verl_kwargs,
         )
 
 
