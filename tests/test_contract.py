@@ -382,7 +382,7 @@ def test_format_table_is_side_by_side(ascend_cfg):
 
 @pytest.mark.subprocess
 def test_contract_module_does_not_import_verl():
-    code = "import sys; sys.path.insert(0, 'tests'); import true_on_policy.contract.consistency; from contract_helpers import plan_of; " \
+    code = "import sys; sys.path.insert(0, 'tests'); import true_on_policy.contract.consistency; from support.contract_helpers import plan_of; " \
            "v = {'vllm-ascend': 'main', 'mindspeed': '0.16.0', 'vllm': '0.24.0', 'megatron-core': '0.16.0'}; " \
            "plan_of(True, 'ascend', versions=v, training_strategy='megatron', rollout_name='vllm'); plan_of(True, 'cuda', versions=v, importer=lambda n: 1/0, training_strategy='megatron', rollout_name='vllm'); " \
            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('verl','torch','torch_npu','vllm','vllm_ascend')))"
