@@ -3,7 +3,8 @@
 One entry list per key (an env var, a config key's last part, an in-process call as the plan names
 it): the project, its version and commit where known, the file and the snippet found there, and how it
 was read -- ``installed`` (re-read from the installed package by the tests) or ``recorded`` (read from
-the upstream repository and written down; its source is not installed here). A key the plans emit
+the upstream repository at the commit named, or where no commit is named from the PR or tag named,
+and written down; its source is not installed here). A key the plans emit
 without an entry is reported by :func:`unlisted`; docs/stacks.md's citation table is :func:`table`
 (``python -m true_on_policy.contract.upstream_keys`` prints it).
 """
