@@ -6,10 +6,12 @@
 #   scripts/install_ascend.sh --dry-run  print the commands only
 #
 # Build-time switches: vllm-ascend builds its AscendC batch_invariant_ops (package ops-batchinvariant)
-# only when VLLM_BATCH_INVARIANT=1 is set while it builds (csrc/build_aclnn.sh -> build_batch_invariant_ops.sh,
-# vllm-ascend PR #10034, from v0.21.0rc1) and, per its rl_config doc, COMPILE_CUSTOM_KERNELS=1. A failed
-# download there is only logged, and the rollout would then fall back to Triton mm/softmax; so the last
-# step imports batch_invariant_ops and fails naming the package.
+# only when VLLM_BATCH_INVARIANT=1 is set while it builds (csrc/build_aclnn.sh ->
+# build_batch_invariant_ops.sh, vllm-ascend PR #10034, from v0.21.0rc1), with its custom kernels
+# compiled (COMPILE_CUSTOM_KERNELS=1: the default on main, asked for by the rl_config guide of PR
+# #13712; set here so a 0 left in the environment cannot skip them). A failed download there is only
+# logged, and the rollout would then fall back to Triton mm/softmax; so the last step imports
+# batch_invariant_ops and fails naming the package.
 set -euo pipefail
 
 DRY=0

@@ -101,14 +101,14 @@ SOURCES: dict[str, str] = {
     "va_envs": "vllm-project/vllm-ascend vllm_ascend/envs.py",
     "va_cfg": "vllm-project/vllm-ascend vllm_ascend/ascend_config.py",
     "va_platform": "vllm-project/vllm-ascend vllm_ascend/platform.py (_validate_fa3_backend)",
-    "va_rl_doc": "vllm-project/vllm-ascend PR #13748 (commit 2c72a26f35; RlConfig docstring, no published page)",
+    "va_rl_doc": "vllm-project/vllm-ascend docs/source/user_guide/configuration/additional_config.md (rl_config)",
     "va_sp_doc": "https://docs.vllm.ai/projects/ascend/en/latest/user_guide/feature_guide/sequence_parallelism.html",
     "ms_env": "https://www.mindspore.cn/mindformers/docs/en/master/env_variables.html",
     "ms_bi": "Ascend/MindSpeed mindspeed/features_manager/batch_invariant/batch_invariant.py (branch core_r0.16.0)",
     "verl_fd": "verl 0.9.1 verl/workers/engine/utils.py (enable_full_determinism)",
     "verl_va": "verl 0.9.1 verl/workers/rollout/vllm_rollout/utils.py (VLLM_ASCEND_REQUIRED_ENV_VARS)",
-    "verl_asc_doc": "volcengine/verl docs/ascend_tutorial/ascend_consistency.rst (to v0.8); "
-    "docs/ascend_tutorial/dev_guide/precision_analysis/precision_alignment_zh.md (from v0.9.0)",
+    "verl_asc_doc": "volcengine/verl docs/ascend_tutorial/ascend_consistency.rst (commit 17c61be85, v0.7.0); "
+    "later docs/ascend_tutorial/dev_guide/precision_analysis/precision_alignment_zh.md",
     "asc_recipe": "psyloy/verl-ascend-recipe true_on_policy/scripts/grpo/run_grpo_qwen3_30b_megatron_npu.sh (commit 0674dbfa)",
     "verl_ms": "verl 0.9.1 verl/workers/engine/mindspeed/transformer_impl.py (_mindspeed_repatch)",
     "verl_mcore": "verl 0.9.1 verl/workers/engine/megatron/transformer_impl.py (provider_overrides)",
