@@ -7,6 +7,7 @@
 #
 #   scripts/device_check_cuda.sh
 #   DEVICE=cpu PROMPTS=2 NEW_TOKENS=4 REPEATS=1 scripts/device_check_cuda.sh   # smoke test without a GPU
+# Without a GPU and DEVICE=cuda it prints the environment, then stops with exit 4 and says why.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,6 +19,13 @@ out="${out_dir}/device_check_cuda.json"
 
 "${PYTHON}" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'available', torch.cuda.is_available(), 'transformers', transformers.__version__)"
+
+# Everything above runs on a CPU machine; the benchmark below needs the GPU it is asked for.
+if [ "${DEVICE}" = "cuda" ] && ! "${PYTHON}" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "device_check_cuda.sh: stopping here: DEVICE=cuda needs a CUDA GPU and torch.cuda.is_available() is False" \
+        "(DEVICE=cpu runs the same check on the CPU)" >&2
+    exit 4
+fi
 
 PYTHONPATH="${repo}${PYTHONPATH:+:${PYTHONPATH}}" timeout "${TIMEOUT_S:-540}" "${PYTHON}" "${repo}/benchmarks/device_check.py" \
     --device "${DEVICE}" --dtype bfloat16 \

@@ -1,7 +1,8 @@
 """Determinism plan: ``plan(settings, sides, versions)`` -> what every process must run with.
 
 Pure module: no device library is imported at module level. ``torch_npu`` is imported only by
-:func:`~true_on_policy.contract.stack_versions.detect_cann_version` / :func:`run_in_process_calls` on ``platform="ascend"``; ``vllm`` only by
+:func:`~true_on_policy.contract.stack_versions.detect_cann_version` / :func:`run_in_process_calls` on ``platform="ascend"``
+and tried by :func:`require_batch_invariant_ops` (an Ascend machine needs ``batch_invariant_ops``); ``vllm`` only by
 :func:`rollout_forced_env` on ``platform="cuda"``; both inside functions.
 
 A :class:`Plan` says, for one launch: ``worker_env`` (environment of every Ray worker, training and
@@ -27,6 +28,7 @@ from typing import Any
 
 from true_on_policy.config.launch import ENV_PATH, MEGATRON_TC, ROLLOUT_VLLM, ROW_PARALLEL_RS_AG, RolloutView, Sides
 from true_on_policy.config.settings import PLATFORMS, ConfigError, Settings
+from true_on_policy.contract import upstream_keys
 from true_on_policy.contract.stack_versions import (
     VLLM_ADAPTER_VERSION,
     VERSION_GATES,
@@ -74,7 +76,13 @@ VLLM_ASCEND_BATCH_INVARIANT_FORCED_ENV: dict[str, str] = {
 # between the training processes and the rollout engine's processes.
 REDUCTION_ENV_KEYS: dict[str, tuple[str, ...]] = {
     "cpu": (),
-    "ascend": ("HCCL_DETERMINISTIC", "LCCL_DETERMINISTIC", "CLOSE_MATMUL_K_SHIFT"),
+    "ascend": (
+        "HCCL_DETERMINISTIC",
+        "LCCL_DETERMINISTIC",
+        "CLOSE_MATMUL_K_SHIFT",
+        "ATB_MATMUL_SHUFFLE_K_ENABLE",
+        "HCCL_OP_EXPANSION_MODE",
+    ),
     "cuda": (
         "NCCL_ALGO",
         "NCCL_PROTO",
@@ -93,13 +101,15 @@ SOURCES: dict[str, str] = {
     "va_envs": "vllm-project/vllm-ascend vllm_ascend/envs.py",
     "va_cfg": "vllm-project/vllm-ascend vllm_ascend/ascend_config.py",
     "va_platform": "vllm-project/vllm-ascend vllm_ascend/platform.py (_validate_fa3_backend)",
-    "va_rl_doc": "https://docs.vllm.ai/projects/ascend/en/latest/user_guide/feature_guide/rl.html",
+    "va_rl_doc": "vllm-project/vllm-ascend docs/source/user_guide/configuration/additional_config.md (rl_config)",
     "va_sp_doc": "https://docs.vllm.ai/projects/ascend/en/latest/user_guide/feature_guide/sequence_parallelism.html",
     "ms_env": "https://www.mindspore.cn/mindformers/docs/en/master/env_variables.html",
     "ms_bi": "Ascend/MindSpeed mindspeed/features_manager/batch_invariant/batch_invariant.py (branch core_r0.16.0)",
     "verl_fd": "verl 0.9.1 verl/workers/engine/utils.py (enable_full_determinism)",
     "verl_va": "verl 0.9.1 verl/workers/rollout/vllm_rollout/utils.py (VLLM_ASCEND_REQUIRED_ENV_VARS)",
-    "verl_asc_doc": "volcengine/verl docs/ascend_tutorial/ascend_consistency.rst",
+    "verl_asc_doc": "volcengine/verl docs/ascend_tutorial/ascend_consistency.rst (commit 17c61be85, v0.7.0); "
+    "later docs/ascend_tutorial/dev_guide/precision_analysis/precision_alignment_zh.md",
+    "asc_recipe": "psyloy/verl-ascend-recipe true_on_policy/scripts/grpo/run_grpo_qwen3_30b_megatron_npu.sh (commit 0674dbfa)",
     "verl_ms": "verl 0.9.1 verl/workers/engine/mindspeed/transformer_impl.py (_mindspeed_repatch)",
     "verl_mcore": "verl 0.9.1 verl/workers/engine/megatron/transformer_impl.py (provider_overrides)",
     "mcore_tc": "NVIDIA/Megatron-LM megatron/core/transformer/transformer_config.py",
@@ -124,6 +134,8 @@ FIRST_VERSIONS: dict[str, str] = {
     "HCCL_DETERMINISTIC": "CANN 8.2.RC1",
     "LCCL_DETERMINISTIC": "vllm-ascend v0.13.0rc2",
     "CLOSE_MATMUL_K_SHIFT": "verl v0.7.0",
+    "ATB_MATMUL_SHUFFLE_K_ENABLE": "verl v0.7.0",
+    "HCCL_OP_EXPANSION_MODE": "verl v0.7.0",
     "ATB_LLM_LCOC_ENABLE": "verl v0.7.0",
     "VLLM_ASCEND_ENABLE_NZ": "vllm-ascend v0.11.0rc1",
     "VLLM_BATCH_INVARIANT": "vLLM 0.11.1; in `vllm/envs.py` from vLLM 0.19.0; vllm-ascend v0.13.0rc2",
@@ -299,9 +311,12 @@ class _Draft:
         self.settings.append(Setting(path, value, "training_config", source, note))
 
     def deterministic_algorithms(self, source: str) -> None:
-        # warn_only=False: an op without a deterministic implementation fails instead of running anyway
-        self.in_process.append(("torch.use_deterministic_algorithms", {"mode": True, "warn_only": False}))
-        self.settings.append(Setting("torch.use_deterministic_algorithms(True)", True, "in_process", source))
+        # warn_only=True as verl (enable_full_determinism) and vllm-ascend (PR #11818) call it: with False
+        # any op without a deterministic implementation on NPU / Megatron raises, which no run has cleared
+        self.in_process.append(("torch.use_deterministic_algorithms", {"mode": True, "warn_only": True}))
+        self.settings.append(
+            Setting("torch.use_deterministic_algorithms(True)", True, "in_process", source, "warn_only=True, as upstream")
+        )
 
 
 def _plan_ascend(d: _Draft) -> None:
@@ -324,9 +339,21 @@ def _plan_ascend(d: _Draft) -> None:
     d.env("LCCL_DETERMINISTIC", "1", f"{SOURCES['va_bi']}; {SOURCES['ms_env']}")
     d.env("CLOSE_MATMUL_K_SHIFT", "1", f"{SOURCES['verl_fd']}; {SOURCES['verl_asc_doc']}")
     d.env("ATB_LLM_LCOC_ENABLE", "0", SOURCES["verl_asc_doc"])
+    d.env("ATB_MATMUL_SHUFFLE_K_ENABLE", "0", SOURCES["verl_asc_doc"], "listed in every scenario of verl's doc")
+    d.env(
+        "HCCL_OP_EXPANSION_MODE",
+        "AIV",
+        f"{SOURCES['verl_asc_doc']}; {SOURCES['asc_recipe']}",
+        "the LCCL path, the one LCCL_DETERMINISTIC pins",
+    )
+    d.skipped.append(
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0 (verl's Ascend doc lists it): verl 0.9.1's rollout builds vLLM's AsyncLLM "
+        "(vllm_async_server.py), which does not read it; only vLLM's offline LLMEngine (vllm/v1/engine/llm_engine.py) does"
+    )
     d.env("VLLM_BATCH_INVARIANT", "1", f"{SOURCES['vllm_envs']}; {SOURCES['va_bi_doc']}")
     d.forced, provenance = rollout_forced_env("ascend", d.versions, importer=d.importer)
     d.notes.append(f"rollout-forced env ({provenance})")
+    require_batch_invariant_ops(d.importer)
     d.deterministic_algorithms(f"{SOURCES['torch_npu_det']}; {SOURCES['verl_fd']}; {SOURCES['va_bi']}")
     if d.rollout_name == "vllm":
         _plan_vllm_ascend(d)
@@ -442,6 +469,12 @@ def _plan_cuda(d: _Draft) -> None:
         f"{d.forced.get('NCCL_ALGO', '?')} in its own workers under VLLM_BATCH_INVARIANT=1; the training side "
         "uses the same value so both sides reduce in the same order"
     )
+    if d.forced.get("NCCL_ALGO") == "allreduce:tree" and gate_open("nccl.algo_per_collective_reenable", d.versions.effective) is not False:
+        d.notes.append(
+            f"NCCL_ALGO=allreduce:tree names no algorithm for the other collectives; on NCCL >= 2.31 "
+            f"({SOURCES['vllm_58179']}) Megatron's EP all-gather / all-to-all would have none: NCCL "
+            f"{d.versions.effective.get('nccl') or 'unknown'} here; declare true_on_policy.stack_versions.nccl"
+        )
     d.deterministic_algorithms(f"{SOURCES['pt_repro']}; {SOURCES['verl_fd']}")
     if d.rollout_name == "vllm":
         _require_vllm(d, "vllm.attention_backend")
@@ -466,8 +499,41 @@ def _plan_cuda(d: _Draft) -> None:
                 f"training-side batch-invariant kernels need megatron-core >= {gate.min_version} ({gate.evidence}); "
                 "install it or declare its version",
             )
-        d.training(f"{MEGATRON_TC}.batch_invariant_mode", True, SOURCES["mcore_tc"], "Megatron-core batch-invariant kernels")
-        d.ops.append("training: Megatron-core batch_invariant_mode (its own batch-invariant kernels, not vLLM's)")
+        d.training(
+            f"{MEGATRON_TC}.batch_invariant_mode",
+            True,
+            f"{SOURCES['mcore_tc']}; {SOURCES['verl_mcore']}",
+            MEGATRON_BI_MODE_UNDER_VERL,
+        )
+        d.ops.append(f"training: TE / cuBLAS GEMMs; batch_invariant_mode: {MEGATRON_BI_MODE_UNDER_VERL}")
+
+
+# What megatron-core's batch_invariant_mode does when verl builds the engine (checked in
+# upstream_keys.json): the kernels themselves are switched on only by Megatron-LM's training entry.
+MEGATRON_BI_MODE_UNDER_VERL = (
+    "attention num_splits=1 and a flash-backend assertion only; megatron-core's batch-invariant GEMM / RMSNorm "
+    "kernels are switched on by Megatron-LM megatron/training/initialize.py, which verl never calls"
+)
+
+
+def require_batch_invariant_ops(importer: Callable[[str], Any]) -> None:
+    """On an Ascend machine (``torch_npu`` importable), ``batch_invariant_ops`` must import: without it
+    vllm-ascend falls back to Triton mm/softmax (no patch for fused-infer-attention, add_rms_norm, sum)
+    and MindSpeed's use_batch_invariant_ops raises ImportError in the worker. Elsewhere (``check`` on a
+    CPU machine) nothing is imported."""
+    try:
+        importer("torch_npu")
+    except ImportError:
+        return
+    try:
+        importer("batch_invariant_ops")
+    except ImportError as error:
+        raise ConfigError(
+            "true_on_policy.platform",
+            "ascend",
+            f"module batch_invariant_ops (package ops-batchinvariant) is not importable on this Ascend machine ({error}); "
+            "build it with scripts/install_ascend.sh (VLLM_BATCH_INVARIANT=1 COMPILE_CUSTOM_KERNELS=1, docs/stacks.md)",
+        ) from error
 
 
 def _plan_project_kernels(d: _Draft, platform: str) -> None:
@@ -659,7 +725,7 @@ def run_in_process_calls(platform: str, calls) -> list[str]:
         import torch_npu  # noqa: F401, PLC0415 - registers the npu backend the call must reach
     for name, kwargs in calls:
         if name == "torch.use_deterministic_algorithms":
-            torch.use_deterministic_algorithms(kwargs["mode"])  # never warn_only: a nondeterministic op must raise
+            torch.use_deterministic_algorithms(kwargs["mode"], warn_only=kwargs["warn_only"])
             done.append(f"{name}({kwargs['mode']})")
         else:
             raise ValueError(f"unknown in-process setting {name!r}")
@@ -689,4 +755,6 @@ def describe(plan_: Plan) -> str:
         lines.append(f"  not emitted: {item}")
     for note in plan_.notes:
         lines.append(f"  note: {note}")
+    for line in upstream_keys.unlisted((s.key for s in plan_.settings), upstream_keys.load()):
+        lines.append(f"  UNCITED: {line}")
     return "\n".join(lines)

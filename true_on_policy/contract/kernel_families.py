@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from true_on_policy.contract.determinism_plan import SOURCES
+from true_on_policy.contract.determinism_plan import MEGATRON_BI_MODE_UNDER_VERL, SOURCES
 from true_on_policy.config.launch import ENV_PATH, A, MEGATRON_TC, R, RolloutView, TrainingView
 from true_on_policy.contract.names import vllm_batch_invariant
 PROJECT = "true_on_policy.kernels (order-fixed consistent kernels)"
@@ -123,7 +123,7 @@ def _training(t: TrainingView, platform: str, project: bool) -> dict[str, Family
     if mg is not None:
         bi = mg.batch_invariant_mode
         gemm = (
-            Family("megatron-core batch-invariant GEMM", f"{MEGATRON_TC}.batch_invariant_mode=true")
+            _unpinned(f"{MEGATRON_TC}.batch_invariant_mode=true under verl: {MEGATRON_BI_MODE_UNDER_VERL}")
             if bi
             else Family("TE/cuBLAS GEMM (not batch-invariant)", f"{MEGATRON_TC}.batch_invariant_mode unset")
         )
