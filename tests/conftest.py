@@ -1,6 +1,5 @@
 """Test isolation for the whole suite, the shared verl runs, and the pytest-xdist grouping."""
 
-import fnmatch
 import os
 from collections import Counter
 
@@ -41,32 +40,10 @@ def verl_runs(tmp_path_factory) -> SharedRuns:
     return SharedRuns(root / "verl_runs")
 
 
-# The files whose tests launch verl with a vLLM rollout: one verl+vLLM run at a time on a host
-# (tests/verl_run.py, one_vllm_run_at_a_time), so under pytest-xdist they share one lane (one worker)
-# instead of holding two workers of which one waits.
-VLLM_VERL_FILES = "test_vllm_e2e_*.py"
-VLLM_VERL_LANE = "verl runs with a vLLM rollout"
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` with the verl+vLLM files as one work unit (the rest: one unit per file)."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class VllmLaneScheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return VLLM_VERL_LANE if fnmatch.fnmatch(os.path.basename(path), VLLM_VERL_FILES) else path
-
-    return VllmLaneScheduling(config, log)
-
-
 def pytest_collection_modifyitems(config, items):
     """For ``-n N --dist loadfile --no-loadscope-reorder`` (make test): each file runs on one worker
-    (so a module-scoped fixture -- a vLLM engine, a spawn of ranks -- starts once; the verl+vLLM
-    files share one, above), and the files are queued heaviest first -- most vLLM tests, then most verl-launching ones -- so that the longest
+    (so a module-scoped fixture -- a vLLM engine, a spawn of ranks -- starts once), and the files are
+    queued heaviest first -- most vLLM tests, then most verl-launching ones -- so that the longest
     work does not start last. Without xdist the order changes only by whole files, which do not
     depend on each other. (pytest-xdist's ``loadgroup`` is not used: on this pytest it drops the
     groups silently, pytest-dev/pytest-xdist#1386.)"""

@@ -23,12 +23,6 @@ replace ``run_trainer(config, *overrides)`` by ``verl_runs(Run(config, overrides
 Run: a run of more steps serves a test that reads the first few). A test that needs its own process (a SIGTERM, a killed server, a launch expected to fail) uses
 :func:`trainer_command` / :func:`trainer_env`; :func:`run_trainer` and :func:`run_logged` launch
 an unshared run.
-
-One verl run with a vLLM rollout at a time on this host (:func:`one_vllm_run_at_a_time`, around
-every launch here): verl 0.9.1's weight sync binds
-``ipc:///tmp/rl-colocate-zmq-{ray job id}-replica-{r}-rank-{k}.sock``, and a fresh Ray cluster's
-first job id is always ``01000000``, so two such runs at once bind one socket and hang in their
-first weight update (seen under pytest-xdist).
 """
 
 from __future__ import annotations
@@ -134,19 +128,6 @@ def _locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-VLLM_RUN_LOCK = Path(tempfile.gettempdir()) / "true_on_policy-verl-vllm-run.lock"
-
-
-@contextmanager
-def one_vllm_run_at_a_time(config_name: str):
-    """Hold the host-wide lock while a verl run whose rollout is vLLM (a ``*vllm*`` config) runs."""
-    if "vllm" not in config_name:
-        yield
-        return
-    with _locked(VLLM_RUN_LOCK):
-        yield
-
-
 def _launch(run: Run, directory: Path, base: RunResult | None) -> None:
     shutil.rmtree(directory, ignore_errors=True)  # what a launch cut short (a killed worker) left behind
     directory.mkdir(parents=True)
@@ -161,7 +142,7 @@ def _launch(run: Run, directory: Path, base: RunResult | None) -> None:
     env.update(run.env)
     if run.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*run.pythonpath, env.get("PYTHONPATH")]))
-    with open(directory / CONSOLE, "w") as console, one_vllm_run_at_a_time(run.config):
+    with open(directory / CONSOLE, "w") as console:
         # its own session: on a timeout the whole tree (Ray's processes too) is killed, only ours
         process = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=console, stderr=subprocess.STDOUT, start_new_session=True
@@ -247,8 +228,7 @@ def run_trainer(
         path = Path(metrics_path) if metrics_path is not None else Path(scratch) / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         command = trainer_command(config_name, *overrides)
-        with one_vllm_run_at_a_time(config_name):
-            result = subprocess.run(command, cwd=REPO, env=trainer_env(path), capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(command, cwd=REPO, env=trainer_env(path), capture_output=True, text=True, timeout=timeout)
         log = result.stdout + result.stderr
         if result.returncode != 0:
             raise AssertionError(f"trainer exited {result.returncode}; command: {' '.join(command)}\n{log[-6000:]}")
@@ -299,10 +279,9 @@ def read_file_logger(path: Path) -> dict[int, dict]:
 def run_logged(config_name: str, metrics_path: Path, *overrides: str, timeout: int = 900) -> dict[int, dict]:
     """Run the trainer to completion with the file logger at ``metrics_path``; its metrics per step."""
     command = trainer_command(config_name, *overrides)
-    with one_vllm_run_at_a_time(config_name):
-        result = subprocess.run(
-            command, cwd=REPO, env=trainer_env(metrics_path), capture_output=True, text=True, timeout=timeout
-        )
+    result = subprocess.run(
+        command, cwd=REPO, env=trainer_env(metrics_path), capture_output=True, text=True, timeout=timeout
+    )
     if result.returncode != 0:
         log = result.stdout + result.stderr
         raise AssertionError(f"trainer exited {result.returncode}; command: {' '.join(command)}\n{log[-6000:]}")

@@ -63,6 +63,7 @@ def apply_verdict(config, verdict) -> dict[str, str]:
     from omegaconf import OmegaConf, open_dict
 
     from true_on_policy.contract import determinism_plan
+    from true_on_policy.verl_adapter import patches
 
     recipe, plan = verdict.settings, verdict.plan
     # The plan's provenance (versions detected or declared, what was not emitted and why) goes to the log.
@@ -74,6 +75,8 @@ def apply_verdict(config, verdict) -> dict[str, str]:
     if plan.deterministic and plan.in_process:
         env[IN_PROCESS_ENV] = json.dumps([[name, kwargs] for name, kwargs in plan.in_process])
     rollout_name = verdict.contract.rollout_engine
+    if rollout_name == "vllm":
+        env.update(patches.weight_sync_run_env())  # the launch's own weight-sync socket paths
     if recipe.platform == "cpu":
         env.update(CPU_PLATFORM_ENV)
         if rollout_name == "vllm":
@@ -202,12 +205,13 @@ def activate_from_environment() -> Settings | None:
     if recipe is None:
         return None
     from true_on_policy.contract import determinism_plan
-    from true_on_policy.verl_adapter import resume, trainer_hooks
+    from true_on_policy.verl_adapter import patches, resume, trainer_hooks
 
     if os.environ.get(IN_PROCESS_ENV):
         determinism_plan.run_in_process_calls(recipe.platform, json.loads(os.environ[IN_PROCESS_ENV]))
     trainer_hooks.install()
     resume.install()
+    patches.install_launch_weight_sync_socket()
     if recipe.platform == "cpu":
         from true_on_policy.verl_adapter import cpu_platform
 

@@ -21,6 +21,9 @@ target (:data:`TARGETS`)                                            why
 ``verl.utils.distributed.initialize_global_process_group_ray``      plain gloo on the CPU platform
 ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``  the consistent log-softmax (flag on)
 ``verl.workers.rollout.base.get_rollout_class`` / ``_ROLLOUT_REGISTRY``  the worker-side CPU rollout
+``...vllm_rollout.ServerAdapter.__init__`` (sender) and             the vLLM weight-sync socket named per
+``...vllm_rollout.utils.vLLMColocateWorkerExtension._get_zmq_handle``  launch, not per Ray job id
+(receiver)
 =================================================================  ==========================================
 
 Each target is a :class:`true_on_policy.patching.Target` in :data:`TARGETS`, with its parameter
@@ -34,7 +37,9 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
+import os
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +48,8 @@ from true_on_policy.patching import Patch, PatchTargetChanged, Target
 
 VERL_VERSION = "0.9.1"
 _TRAINER = "verl.trainer.ppo.v1.trainer_base.PPOTrainer"
+_VLLM_SENDER_MODULE = "verl.workers.rollout.vllm_rollout.vllm_rollout"
+_VLLM_RECEIVER_MODULE = "verl.workers.rollout.vllm_rollout.utils"
 
 
 def _target(module: str, attribute: str, expected: tuple[str, ...] | type) -> Target:
@@ -70,6 +77,9 @@ TARGETS: dict[str, Target] = {
                 ("logits", "labels", "inplace_backward")),
         _target("verl.workers.rollout.base", "get_rollout_class", ("rollout_name", "mode")),
         _target("verl.workers.rollout.base", "_ROLLOUT_REGISTRY", dict),
+        _target(_VLLM_SENDER_MODULE, "ServerAdapter.__init__",
+                ("self", "config", "model_config", "device_mesh", "replica_rank")),
+        _target(_VLLM_RECEIVER_MODULE, "vLLMColocateWorkerExtension._get_zmq_handle", ("self",)),
     )
 }
 
@@ -272,3 +282,71 @@ def register_worker_rollout(name: str, mode: str, class_path: str) -> None:
     if existing not in (None, class_path):
         raise ValueError(f"rollout ({name!r}, {mode!r}) is already registered to {existing}")
     rollout_base._ROLLOUT_REGISTRY[(name, mode)] = class_path
+
+
+# --------------------------------------------------------------------------- the vLLM weight-sync socket
+
+# The launch's own part of its weight-sync socket paths, exported by the driver to every process.
+WEIGHT_SYNC_RUN_ENV = "TRUE_ON_POLICY_WEIGHT_SYNC_RUN"
+# verl 0.9.1's weight-sync address: this prefix, then "{ray job id}-replica-{r}-rank-{k}.sock".
+WEIGHT_SYNC_SOCKET_PREFIX = "ipc:///tmp/rl-colocate-zmq-"
+
+
+def weight_sync_run_env() -> dict[str, str]:
+    """``{WEIGHT_SYNC_RUN_ENV: "<driver pid>-<random>"}``: a name no other launch on the host has."""
+    return {WEIGHT_SYNC_RUN_ENV: f"{os.getpid()}-{uuid.uuid4().hex[:12]}"}
+
+
+def launch_socket(address: str) -> str:
+    """verl's weight-sync socket ``address`` with this launch's name (:data:`WEIGHT_SYNC_RUN_ENV`) in it.
+
+    verl 0.9.1 names the socket by the Ray job id, and every fresh Ray cluster's first job is
+    ``01000000``: two launches on one host share the path, and the sender removes the file and binds
+    anew at every sync, so overlapping syncs reach the other launch's sender (a hang, or its weights).
+    """
+    run = os.environ.get(WEIGHT_SYNC_RUN_ENV)
+    if not run:
+        raise RuntimeError(
+            f"{WEIGHT_SYNC_RUN_ENV} is not set in this process (pid {os.getpid()}): the true_on_policy launch "
+            "exports it to every process of the run, so its vLLM weight-sync socket cannot be named per launch"
+        )
+    if not address.startswith(WEIGHT_SYNC_SOCKET_PREFIX):
+        raise PatchTargetChanged(
+            f"verl's vLLM weight-sync address is {address!r}, not {WEIGHT_SYNC_SOCKET_PREFIX}... as in verl "
+            f"{VERL_VERSION}; true_on_policy cannot name it per launch"
+        )
+    return f"{WEIGHT_SYNC_SOCKET_PREFIX}{run}-{address[len(WEIGHT_SYNC_SOCKET_PREFIX):]}"
+
+
+def _sender_names_its_socket_per_launch(original):
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.zmq_handle = launch_socket(self.zmq_handle)
+
+    return _presented_as(__init__, original)
+
+
+def _receiver_names_its_socket_per_launch(original):
+    def _get_zmq_handle(self):
+        return launch_socket(original(self))
+
+    return _presented_as(_get_zmq_handle, original)
+
+
+def install_launch_weight_sync_socket() -> None:
+    """verl's vLLM weight sync binds and connects :func:`launch_socket` paths: the sender
+    (``ServerAdapter``, in a training worker) and the receiver (vLLM's worker extension, in the
+    engine's worker) -- each patched when its module is imported (idempotent)."""
+    for module_name, attribute, make in (
+        (_VLLM_SENDER_MODULE, "ServerAdapter.__init__", _sender_names_its_socket_per_launch),
+        (_VLLM_RECEIVER_MODULE, "vLLMColocateWorkerExtension._get_zmq_handle", _receiver_names_its_socket_per_launch),
+    ):
+        when_imported(module_name, functools.partial(_name_socket_per_launch, attribute, make))
+
+
+def _name_socket_per_launch(attribute: str, make: Callable, module: Any) -> None:
+    owner_name, name = attribute.split(".")
+    owner = getattr(module, owner_name)
+    if patching.is_replacement(vars(owner).get(name)):
+        return
+    patching.apply([Patch(TARGETS[f"{module.__name__}.{attribute}"], make=make, owner=owner)])
