@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from verl_run import CPU_TINY, CPU_TINY_ASYNC, REPO, Run, kill_session, read_file_logger, run_trainer, trainer_command, trainer_env
+from verl_run import CPU_TINY, CPU_TINY_ASYNC, REPO, Run, kill_session, read_file_logger, trainer_command, trainer_env
 
 pytestmark = pytest.mark.e2e
 
