@@ -40,15 +40,27 @@ demo: install
 JOBS ?= 2
 XDIST = -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
+# A test run writes nothing into the repository: every file git sees (ignored ones too; the venv, the
+# assets and Python's __pycache__ aside) is the same after pytest as before it, or the target fails
+# naming what appeared. pytest's own cache is off (-p no:cacheprovider).
+REPO_FILES = git status --porcelain --ignored --untracked-files=all -- . ':!$(VENV)' ':!.assets' | grep -v '__pycache__/' | sort
+define PYTEST_LEAVING_THE_REPOSITORY_AS_IT_WAS
+	@before=$$(mktemp) && $(REPO_FILES) > $$before && \
+	$(PY) -m pytest -p no:cacheprovider $(1); status=$$?; \
+	new=$$($(REPO_FILES) | comm -13 $$before -); rm -f $$before; \
+	if [ -n "$$new" ]; then echo "the test run wrote into the repository:"; echo "$$new"; exit 1; fi; \
+	exit $$status
+endef
+
 # --durations=30: the slowest tests, where CI's time goes.
 test: install
 	$(PY) -m true_on_policy build-assets
-	$(PY) -m pytest -q --durations=30 $(XDIST) tests
+	$(call PYTEST_LEAVING_THE_REPOSITORY_AS_IT_WAS,-q --durations=30 $(XDIST) tests)
 
 # The inner loop: in-process tests only (the e2e, vllm and subprocess markers deselected).
 test-fast: install
 	$(PY) -m true_on_policy build-assets
-	$(PY) -m pytest -q $(XDIST) -m "not e2e and not vllm and not subprocess" tests
+	$(call PYTEST_LEAVING_THE_REPOSITORY_AS_IT_WAS,-q $(XDIST) -m "not e2e and not vllm and not subprocess" tests)
 
 logdiff: install
 	$(PY) -m true_on_policy logdiff --json

@@ -109,15 +109,25 @@ def test_request_is_identical_alone_and_in_a_busy_batch(dense_model, consistent,
 def test_default_kernels_twin_batch_composition_changes_log_probs(dense_model, consistent):
     """The problem the consistent kernels fix: with default kernels the batch leaks into a request.
 
-    fp32: on this CPU, default bf16 linears happen to be row-invariant, fp32 ones are not (gemv/gemm).
+    Whether the stock kernels of a given shape happen to be row-invariant depends on the CPU's
+    instruction set (e.g. AVX-512 bf16 linears are, fp32 gemv/gemm are not), so the twin searches a
+    few prompts and dtypes for one where the batch shows; the consistent kernels hold on all of them.
     """
-    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=1234)
-    alone = run_alone(dense_model, prompt(13, 5), params)
-    busy = run_in_busy_batch(dense_model, prompt(13, 5), params)
-    n = min(len(alone.log_probs), len(busy.log_probs))
-    assert alone.token_ids != busy.token_ids or not torch.equal(
-        torch.tensor(alone.log_probs[:n]), torch.tensor(busy.log_probs[:n])
-    )
+    tried = []
+    for dtype, length, seed in [(torch.float32, 13, 1234), (torch.float32, 29, 7), (torch.bfloat16, 13, 1234),
+                                (torch.bfloat16, 61, 99)]:
+        model = dense_model.to(dtype)
+        params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=seed)
+        alone = run_alone(model, prompt(length, 5), params)
+        busy = run_in_busy_batch(model, prompt(length, 5), params)
+        dense_model.to(torch.float32)
+        n = min(len(alone.log_probs), len(busy.log_probs))
+        if alone.token_ids != busy.token_ids or not torch.equal(
+            torch.tensor(alone.log_probs[:n]), torch.tensor(busy.log_probs[:n])
+        ):
+            return
+        tried.append((dtype, length, seed))
+    pytest.fail(f"the default kernels kept every request's bits in a busy batch on this CPU: {tried}")
 
 
 def test_continuous_batching_admits_up_to_max_num_seqs(dense_model, consistent):

@@ -70,10 +70,18 @@ def _base_env():
     return {k: v for k, v in os.environ.items() if not k.startswith("TRUE_ON_POLICY_")}
 
 
-def test_this_machine_is_detected_as_cpu_and_says_why():
+def test_this_machine_is_detected_as_what_torch_sees_and_says_why():
+    """True on a machine with a GPU too: the detection follows torch.cuda (no torch_npu installed here)."""
+    import torch
+
     machine = detect_machine()
-    assert machine.platform == "cpu"
-    assert "torch_npu" in machine.reason and "torch.cuda.is_available() is False" in machine.reason
+    assert "torch_npu" in machine.reason
+    if torch.cuda.is_available():
+        assert machine.platform == "cuda"
+        assert f"torch.cuda.is_available() with {torch.cuda.device_count()} GPU(s)" in machine.reason
+    else:
+        assert machine.platform == "cpu"
+        assert "torch.cuda.is_available() is False" in machine.reason
 
 
 def test_auto_resolves_to_the_machine_and_is_never_exported_unresolved():

@@ -24,12 +24,16 @@ def test_logdiff_cli_reports_zero_only_with_the_flag_on():
     for record in records:
         # 8 prompts x 64 generated tokens, all scored
         assert record["tokens"] == 8 * 64
+        # logdiff reports 0.0 only when torch.equal holds for every token
+        assert (record["max_abs_diff"] == 0.0) == (record["frac_equal"] == 1.0), record
         if record["deterministic"]:
-            # logdiff reports 0.0 only when torch.equal holds for every token
-            assert record["max_abs_diff"] == 0.0 and record["frac_equal"] == 1.0, record
-        else:
-            # the same measurement without the consistent kernels: the check is not vacuous
-            assert record["max_abs_diff"] > 0.0 and record["frac_equal"] < 1.0, record
+            assert record["max_abs_diff"] == 0.0, record
+    # The same measurement without the consistent kernels: the check is not vacuous. Which stock
+    # kernels happen to agree depends on the CPU's instruction set (AVX2 / AVX-512 / AMX), so the
+    # twin asks for a difference somewhere per model, not in every (model, dtype) record.
+    for model in ("dense", "moe", "qwen2", "llama"):
+        off = [r for r in records if r["model"] == model and not r["deterministic"]]
+        assert any(r["max_abs_diff"] > 0.0 for r in off), off
 
 
 def test_prompt_lengths_span_1_to_200():

@@ -16,6 +16,7 @@ from true_on_policy import patching
 from true_on_policy.config.settings import ENV_VAR, Settings, SettingsNotExported
 from true_on_policy.patching import Patch, PatchTargetChanged, Target
 from true_on_policy.verl_adapter import launch, patches
+from verl_run import NO_DASHBOARD_OVERRIDE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -222,7 +223,7 @@ def test_the_plugin_arms_the_start_check_without_importing_the_trainer():
 
 
 @pytest.mark.e2e
-def test_a_run_whose_launch_hook_did_not_run_fails_at_trainer_start():
+def test_a_run_whose_launch_hook_did_not_run_fails_at_trainer_start(tmp_path):
     """verl's launch stops calling the hooked ``auto_set_device`` (a rename in verl): Ray starts, and the
     trainer refuses to start, saying why; with the hook in place the same config trains (other e2e tests)."""
     code = (
@@ -232,7 +233,7 @@ def test_a_run_whose_launch_hook_did_not_run_fails_at_trainer_start():
         "assert patching.is_replacement(main_ppo.auto_set_device)\n"
         "main_ppo.auto_set_device = main_ppo.auto_set_device.__wrapped__  # the launch calls verl's own function\n"
         f"sys.argv = ['main_ppo', '--config-path={REPO / 'configs'}', '--config-name=cpu_tiny',\n"
-        "            'trainer.total_training_steps=1']\n"
+        f"            'trainer.total_training_steps=1', '{NO_DASHBOARD_OVERRIDE}', 'hydra.run.dir={tmp_path}']\n"
         "main_ppo.main()\n"
     )
     env = {key: value for key, value in os.environ.items() if key != ENV_VAR}

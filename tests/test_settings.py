@@ -138,9 +138,10 @@ def test_without_exported_settings_nothing_runs_on_defaults(monkeypatch):
     ],
 )
 @pytest.mark.subprocess
-def test_main_ppo_exits_2_before_ray_naming_key_and_value(config_name, override, message):
+def test_main_ppo_exits_2_before_ray_naming_key_and_value(config_name, override, message, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIGS}", f"--config-name={config_name}", override],
+        [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIGS}", f"--config-name={config_name}", override,
+         f"hydra.run.dir={tmp_path}"],  # Hydra's run folder, which it creates before the task runs
         cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         capture_output=True,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import time
 from pathlib import Path
@@ -34,10 +35,34 @@ def _tool(**config) -> LatencyTool:
     return LatencyTool({**shipped["config"], **config}, OpenAIFunctionToolSchema.model_validate(shipped["tool_schema"]))
 
 
+KEYS = [(prompt, attempt, turn) for prompt in range(50) for attempt in (1, 2) for turn in (0, 1)]
+
+
+def draws_are_a_function_of_their_key(latency) -> bool:
+    """Not a stream: the draws in another order, with the process's own random state moved between
+    them, are the same numbers (a generator shared across calls, or the global one, would not be)."""
+    in_order = [latency(*key) for key in KEYS]
+    again = {}
+    for key in random.Random(0).sample(KEYS, len(KEYS)):
+        random.random()
+        again[key] = latency(*key)
+    return [again[key] for key in KEYS] == in_order
+
+
+def test_twin_a_latency_drawn_from_a_shared_generator_is_not_a_function_of_its_key():
+    shared = random.Random(7)
+    assert not draws_are_a_function_of_their_key(lambda prompt, attempt, turn: 0.3 * shared.paretovariate(1.5))
+    assert not draws_are_a_function_of_their_key(lambda prompt, attempt, turn: 0.3 * random.paretovariate(1.5))
+
+
 def test_latency_is_a_pure_function_of_seed_prompt_attempt_and_turn():
     settings = parse_tool_config({"min_s": 0.3, "alpha": 1.5, "seed": 7})
-    draws = [tool_latency_s(settings, prompt, attempt, turn) for prompt in range(50) for attempt in (1, 2) for turn in (0, 1)]
-    assert draws == [tool_latency_s(settings, p, a, t) for p in range(50) for a in (1, 2) for t in (0, 1)]
+    draws = [tool_latency_s(settings, *key) for key in KEYS]
+    assert draws_are_a_function_of_their_key(lambda *key: tool_latency_s(settings, *key))
+    # The same in every process and trainer mode (the e2e test compares two runs' tool waits):
+    # pinned values, exact.
+    assert [draws[0], tool_latency_s(settings, 49, 2, 1), tool_latency_s(settings, 3, 1, 1)] == [
+        0.38835279557314767, 0.503456050444353, 0.6886931734944188]
     assert min(draws) >= 0.3 and len(set(draws)) == len(draws)
     assert tool_latency_s({**settings, "seed": 8}, 0, 1, 0) != tool_latency_s(settings, 0, 1, 0)
     lognormal = parse_tool_config({"distribution": "lognormal", "min_s": 0.3, "sigma": 1.0})

@@ -395,6 +395,23 @@ def test_the_reordered_batch_is_the_same_whatever_the_put_order(tq, seed):
     assert len(batch) == len(samples)
 
 
+def test_twin_without_the_canonical_order_a_sum_over_the_batch_depends_on_the_completion_order(tq):
+    """What the canonical order is for: the same trajectories put in other orders (completion order
+    varies from run to run), reduced row by row as a gradient or a metric mean is. Without the
+    reorder the bits depend on the order; after it they do not."""
+    # per-row values whose float sum depends on the order of addition (cancellation around 1e16)
+    value = dict(zip([key for key, _, _ in DISTINCT], [1e16, 1.0, -1e16, 3.0, 0.5, 2.0]))
+    as_put, canonical = set(), set()
+    for seed in range(8):
+        samples = random.Random(seed).sample(DISTINCT, len(DISTINCT))
+        batch = put_in_order(tq, samples)
+        as_put.add(sum(value[key] for key in batch.keys))
+        batch.reorder(trainer_hooks.canonical_order(batch, tq))
+        canonical.add(sum(value[key] for key in batch.keys))
+    assert len(as_put) > 1, f"every put order summed to the same bits {as_put}: the twin shows nothing"
+    assert len(canonical) == 1, canonical
+
+
 # --- the installed wrapper on verl's real trainer ----------------------------------------------------------
 
 

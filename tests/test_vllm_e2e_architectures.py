@@ -3,8 +3,10 @@
 configs/cpu_tiny_qwen2_vllm.yaml (QKV bias, tied embeddings) and configs/cpu_tiny_llama_vllm.yaml
 (Llama-3 RoPE scaling, GQA 4:1): verl's own ``training/rollout_probs_diff_max`` (its recompute
 against vLLM's recorded sampling log-probs, after the step's weight sync) is exactly 0.0 at every
-step with ``true_on_policy.deterministic=true``; the flag-off twin (stock vLLM-CPU kernels) differs.
-One launch per distinct config, shared by every assertion about it.
+step with ``true_on_policy.deterministic=true``. One launch per distinct config, shared by every
+assertion about it. The flag-off twin of the end-to-end check is one launch for all vLLM configs
+(tests/test_vllm_e2e_trainer.py); for these two architectures the stock kernels' difference is shown
+at the engine (tests/test_vllm_logdiff.py: the qwen2 and llama checkpoints, flag on 0, flag off > 0).
 """
 
 import pytest
@@ -28,11 +30,6 @@ def qwen2_on(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def qwen2_off(tmp_path_factory):
-    return _steps(tmp_path_factory, "cpu_tiny_qwen2_vllm", "true_on_policy.deterministic=false")
-
-
-@pytest.fixture(scope="module")
 def llama_on(tmp_path_factory):
     return _steps(tmp_path_factory, "cpu_tiny_llama_vllm")
 
@@ -44,7 +41,3 @@ def test_zero_logdiff_at_every_step(run, request):
     for step, metrics in steps.items():
         assert metrics["training/rollout_probs_diff_max"] == 0.0, (run, step, metrics["training/rollout_probs_diff_max"])
 
-
-def test_flag_off_twin_differs(qwen2_off):
-    assert sorted(qwen2_off) == list(range(1, STEPS + 1))
-    assert max(m["training/rollout_probs_diff_max"] for m in qwen2_off.values()) > 0.0

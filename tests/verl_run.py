@@ -179,11 +179,11 @@ def train_steps(n: int, save_every: int | None = None) -> tuple[str, ...]:
 STEPS, SAVE_EVERY = 6, 3
 FLAG_OFF = "true_on_policy.deterministic=false"
 CPU_TINY = Run("cpu_tiny", train_steps(STEPS, SAVE_EVERY))
-CPU_TINY_AGAIN = dataclasses.replace(CPU_TINY, copy=1)  # the same launch, again
 CPU_TINY_MOE = Run("cpu_tiny_moe", train_steps(STEPS, SAVE_EVERY))
 CPU_TINY_MOE_RESUMED = dataclasses.replace(CPU_TINY_MOE, resume_from=(CPU_TINY_MOE, SAVE_EVERY))
 CPU_TINY_FLAG_OFF = Run("cpu_tiny", train_steps(STEPS, SAVE_EVERY) + (FLAG_OFF,))
 CPU_TINY_FLAG_OFF_RESUMED = dataclasses.replace(CPU_TINY_FLAG_OFF, resume_from=(CPU_TINY_FLAG_OFF, SAVE_EVERY))
+CPU_TINY_ASYNC = Run("cpu_tiny_async", train_steps(4))  # the async sampler's checks read 4 steps
 
 
 # ---------------------------------------------------------------- comparing metrics
@@ -238,6 +238,11 @@ def run_trainer(
 
 
 def trainer_command(config_name: str, *overrides: str) -> list[str]:
+    """``python -m verl.trainer.main_ppo`` for ``config_name``, run from the repository: Hydra's run
+    folder (its ``outputs/``) goes to a fresh temporary folder unless ``overrides`` name one, so that
+    no launch writes into the repository."""
+    if not any(override.startswith("hydra.run.dir=") for override in overrides):
+        overrides = (*overrides, f"hydra.run.dir={tempfile.mkdtemp(prefix='verl_hydra_')}")
     return [
         sys.executable,
         "-m",
