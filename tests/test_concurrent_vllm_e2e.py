@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from support.overlapping_weight_sync.sitecustomize import OVERLAP_ENV
-from verl_run import Run, differing, train_steps
+from verl_run import Run, differing, train_steps, whole_host
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -38,7 +38,7 @@ def test_two_launches_at_once_both_zero_logdiff_every_step(verl_runs, tmp_path):
             env=((OVERLAP_ENV, str(meeting)),), pythonpath=(str(OVERLAPPING),), timeout=1800)
         for lr in LEARNING_RATES
     ]
-    with ThreadPoolExecutor(len(runs)) as pool:
+    with whole_host(), ThreadPoolExecutor(len(runs)) as pool:  # no third vLLM launch beside these two
         first, second = pool.map(verl_runs, runs)
     # every sync of each launch met the other launch's, none went on alone
     names = os.listdir(meeting)

@@ -23,6 +23,12 @@ replace ``run_trainer(config, *overrides)`` by ``verl_runs(Run(config, overrides
 Run: a run of more steps serves a test that reads the first few). A test that needs its own process (a SIGTERM, a killed server, a launch expected to fail) uses
 :func:`trainer_command` / :func:`trainer_env`; :func:`run_trainer` and :func:`run_logged` launch
 an unshared run.
+
+Host memory: a verl launch with a vLLM rollout takes about 8 GiB (Ray, two training ranks, vLLM's
+processes), so two fit this 24 GiB host and three do not. Such launches share the host
+(:func:`vllm_launch_share`, a shared file lock); a test that runs two at once itself takes the host
+whole (:func:`whole_host`), so no third starts beside them. (Two at once are otherwise safe: each
+names its own weight-sync socket, verl_adapter/patches.py ``launch_socket``.)
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -128,6 +135,41 @@ def _locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+HOST_MEMORY_LOCK = Path(tempfile.gettempdir()) / "true_on_policy-vllm-host-memory.lock"
+_whole_host_held = threading.Event()  # set while this process holds the host whole (its launches pass)
+
+
+@contextmanager
+def _flocked(path: Path, mode: int):
+    with open(path, "a") as handle:
+        fcntl.flock(handle, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def vllm_launch_share(config_name: str):
+    """Around a launch: a ``*vllm*`` config holds the host-memory lock shared (see the module doc)."""
+    if "vllm" not in config_name or _whole_host_held.is_set():
+        yield
+        return
+    with _flocked(HOST_MEMORY_LOCK, fcntl.LOCK_SH):
+        yield
+
+
+@contextmanager
+def whole_host():
+    """Hold the host-memory lock exclusively: for a test whose own launches are two vLLM runs at once."""
+    with _flocked(HOST_MEMORY_LOCK, fcntl.LOCK_EX):
+        _whole_host_held.set()
+        try:
+            yield
+        finally:
+            _whole_host_held.clear()
+
+
 def _launch(run: Run, directory: Path, base: RunResult | None) -> None:
     shutil.rmtree(directory, ignore_errors=True)  # what a launch cut short (a killed worker) left behind
     directory.mkdir(parents=True)
@@ -142,7 +184,7 @@ def _launch(run: Run, directory: Path, base: RunResult | None) -> None:
     env.update(run.env)
     if run.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*run.pythonpath, env.get("PYTHONPATH")]))
-    with open(directory / CONSOLE, "w") as console:
+    with open(directory / CONSOLE, "w") as console, vllm_launch_share(run.config):
         # its own session: on a timeout the whole tree (Ray's processes too) is killed, only ours
         process = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=console, stderr=subprocess.STDOUT, start_new_session=True
@@ -228,7 +270,10 @@ def run_trainer(
         path = Path(metrics_path) if metrics_path is not None else Path(scratch) / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         command = trainer_command(config_name, *overrides)
-        result = subprocess.run(command, cwd=REPO, env=trainer_env(path), capture_output=True, text=True, timeout=timeout)
+        with vllm_launch_share(config_name):
+            result = subprocess.run(
+                command, cwd=REPO, env=trainer_env(path), capture_output=True, text=True, timeout=timeout
+            )
         log = result.stdout + result.stderr
         if result.returncode != 0:
             raise AssertionError(f"trainer exited {result.returncode}; command: {' '.join(command)}\n{log[-6000:]}")
@@ -284,9 +329,10 @@ def read_file_logger(path: Path) -> dict[int, dict]:
 def run_logged(config_name: str, metrics_path: Path, *overrides: str, timeout: int = 900) -> dict[int, dict]:
     """Run the trainer to completion with the file logger at ``metrics_path``; its metrics per step."""
     command = trainer_command(config_name, *overrides)
-    result = subprocess.run(
-        command, cwd=REPO, env=trainer_env(metrics_path), capture_output=True, text=True, timeout=timeout
-    )
+    with vllm_launch_share(config_name):
+        result = subprocess.run(
+            command, cwd=REPO, env=trainer_env(metrics_path), capture_output=True, text=True, timeout=timeout
+        )
     if result.returncode != 0:
         log = result.stdout + result.stderr
         raise AssertionError(f"trainer exited {result.returncode}; command: {' '.join(command)}\n{log[-6000:]}")
