@@ -2,7 +2,8 @@
 
 Nothing here touches a model hub. Models are transformers' own ``Qwen3ForCausalLM``,
 ``Qwen3MoeForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias, tied embeddings) and
-``LlamaForCausalLM`` (Llama-3 RoPE scaling, GQA 4:1, untied) with random weights from a fixed seed; the tokenizer is a character-level
+``LlamaForCausalLM`` (Llama-3 RoPE scaling, GQA 4:1, untied), and the hybrid ``Qwen3_5ForCausalLM`` /
+``Qwen3_5MoeForCausalLM`` (Gated DeltaNet + gated attention) with random weights from a fixed seed; the tokenizer is a character-level
 ``tokenizers`` model with a Qwen-style chat template; the task is string reversal with a verifiable
 reward in [0, 1] (:func:`compute_score`). Everything is built deterministically and cached:
 :func:`ensure_assets` is idempotent.
@@ -27,8 +28,9 @@ import string
 from pathlib import Path
 
 ASSETS_ENV = "TRUE_ON_POLICY_ASSETS"
-MODEL_KINDS = ("dense", "moe", "qwen2", "llama")
-MODEL_DIRS = {"dense": "qwen3_tiny", "moe": "qwen3_moe_tiny", "qwen2": "qwen2_tiny", "llama": "llama_tiny"}
+MODEL_KINDS = ("dense", "moe", "qwen2", "llama", "qwen35", "qwen35_moe")
+MODEL_DIRS = {"dense": "qwen3_tiny", "moe": "qwen3_moe_tiny", "qwen2": "qwen2_tiny", "llama": "llama_tiny",
+              "qwen35": "qwen35_tiny", "qwen35_moe": "qwen35_moe_tiny"}
 WARM_START_DIR = "qwen3_tiny_reverse"
 WARM_START_TARGET_LOSS = 0.05  # mean response-token cross-entropy over the last 20 steps
 WARM_START_MAX_STEPS = 2000
@@ -58,7 +60,9 @@ def tiny_model_config(kind: str):
 
     ``dense`` / ``moe``: Qwen3 / Qwen3-MoE (q/k norm), GQA 4/2, untied. ``qwen2``: Qwen2 (QKV bias),
     GQA 4/2, tied embeddings. ``llama``: Llama with Llama-3 RoPE scaling (its low/high-frequency
-    bands fall inside the 1024 positions), GQA 4/1, untied.
+    bands fall inside the 1024 positions), GQA 4/1, untied. ``qwen35`` / ``qwen35_moe``: Qwen3.5's text
+    model (dense / MoE with a shared expert), 4 layers (three Gated DeltaNet, one gated full attention,
+    Qwen3.5's 3:1 order), GDN 2 key heads / 4 value heads of 16, attention head_dim 32 with partial RoPE 0.25.
     """
     common = dict(
         vocab_size=VOCAB_SIZE,
@@ -102,7 +106,33 @@ def tiny_model_config(kind: str):
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         return LlamaConfig(intermediate_size=128, rope_parameters=rope, **{**common, "num_key_value_heads": 1})
+    if kind in ("qwen35", "qwen35_moe"):
+        return _qwen35_config(kind, common)
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {MODEL_KINDS}")
+
+
+def _qwen35_config(kind: str, common: dict):
+    hybrid = dict(
+        common,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        head_dim=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    )
+    del hybrid["rope_theta"]
+    if kind == "qwen35":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(intermediate_size=128, architectures=["Qwen3_5ForCausalLM"], **hybrid)
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, architectures=["Qwen3_5MoeForCausalLM"], **hybrid)
 
 
 def build_model(kind: str, seed: int = 0):
