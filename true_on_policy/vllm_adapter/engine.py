@@ -16,6 +16,7 @@ import torch
 
 from true_on_policy.config.settings import ENV_VAR, Settings
 from true_on_policy.kernels.ops import DTYPES
+from true_on_policy.vllm_adapter.patches import SSM_STATE_DTYPE
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the engine core in its own process
@@ -24,11 +25,6 @@ ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (weight reload)
 }
-
-
-# Gated DeltaNet's recurrent state in vLLM's cache (``mamba_ssm_cache_dtype``): the consistent op's
-# state is fp32 (vLLM's default is the model dtype, which vLLM-CPU's own decode kernel rejects too).
-SSM_STATE_DTYPE = "float32"
 
 
 @contextlib.contextmanager
@@ -48,7 +44,8 @@ def _environment(values: dict[str, str]):
 def start(path: str, dtype: str, deterministic: bool, tp: int = 1, ep: bool = False, **engine_kwargs):
     """``vllm.LLM`` on the checkpoint ``path`` (eager, block size 16, chunked prefill, prefix caching
     except on hybrid models -- Gated DeltaNet layers -- where it is refused with the flag on; the
-    recurrent state in fp32, :data:`SSM_STATE_DTYPE`), at tensor-parallel size ``tp`` (worker
+    recurrent state in fp32, :data:`.patches.SSM_STATE_DTYPE`: vLLM-CPU's own
+    decode kernel needs it too), at tensor-parallel size ``tp`` (worker
     processes) with expert parallelism iff ``ep``. A TP / EP the consistent kernels do not keep
     bitwise is refused, naming it, before the engine starts."""
     from transformers import AutoConfig
