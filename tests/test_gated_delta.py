@@ -168,6 +168,37 @@ def test_the_trainers_forward_under_autograd_gives_the_rollouts_bits(dtype):
     assert_same(rollout, (trainer[0].detach(), gated_delta.GatedDeltaState(*(s.detach() for s in trainer[1]))))
 
 
+def packed(pieces):
+    """The rows of ``pieces`` (each ``{name: (1, T_i, ...)}``) laid end to end, and their cu_seqlens."""
+    flat = {name: torch.cat([p[name][0] for p in pieces]) for name in pieces[0]}
+    bounds = torch.tensor([0] + [p["a"].shape[1] for p in pieces]).cumsum(0)
+    return flat, bounds
+
+
+def test_packed_sequences_have_each_sequences_bits_alone(dtype):
+    """gated_delta_net_varlen: sequences laid end to end (training's packed row, vLLM's batch), each with its
+    own entering state (fresh or carried), == each sequence alone; the twin: the same tokens as one sequence
+    (no split at the boundaries) let the state leak and differ."""
+    weights = layer_weights(dtype)
+    pieces = [layer_inputs(dtype, steps=n, seed=10 + n) for n in (23, 5, 30)]
+    _, carried = gated_delta.gated_delta_net(**layer_inputs(dtype, steps=9, seed=3), **weights)
+    entering = [None, carried, None]
+    alone = [gated_delta.gated_delta_net(**p, **weights, state=s) for p, s in zip(pieces, entering)]
+    fresh = gated_delta.gated_delta_net(**layer_inputs(dtype, steps=0), **weights)[1]
+    states = [fresh if s is None else s for s in entering]
+    batched = gated_delta.GatedDeltaState(*(torch.cat(parts) for parts in zip(*states)))
+    flat, bounds = packed(pieces)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            inputs = {name: x.clone().requires_grad_(grad) for name, x in flat.items()}
+            y, state = gated_delta.gated_delta_net_varlen(**inputs, **weights, cu_seqlens=bounds, state=batched)
+        assert torch.equal(y.detach(), torch.cat([out[0][0] for out in alone]))
+        for i, (_, s) in enumerate(alone):
+            assert torch.equal(state.conv[i], s.conv[0]) and torch.equal(state.recurrent[i], s.recurrent[0])
+    leaked, _ = gated_delta.gated_delta_net_varlen(**flat, **weights, cu_seqlens=bounds[[0, -1]])
+    assert not torch.equal(leaked[23:], y.detach()[23:])
+
+
 # ----------------------------------------------------------------------------------------------
 # Against transformers' references (close, not bitwise)
 # ----------------------------------------------------------------------------------------------
@@ -250,7 +281,7 @@ def test_twin_transformers_torch_paths_depend_on_the_split(dtype, twin):
         f"no inputs found where transformers' chunked full sequence and its {twin} differ"
 
 
-@pytest.mark.parametrize("kernel, ours", [(torch.sigmoid, gated_delta.sigmoid), (F.softplus, gated_delta.softplus)],
+@pytest.mark.parametrize("kernel, ours", [(torch.sigmoid, ops.sigmoid), (F.softplus, gated_delta.softplus)],
                          ids=["sigmoid", "softplus"])
 def test_twin_torchs_kernels_depend_on_the_position(kernel, ours):
     x = torch.randn(4096, generator=gen(11)) * 8

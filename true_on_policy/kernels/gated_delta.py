@@ -16,7 +16,7 @@ the causal depthwise conv (fp32 taps in order, SiLU, cast to the input dtype; it
 core), gating (``g`` fp32; ``beta`` rounded to ``b``'s dtype), the core (fp32; output cast to the
 input dtype) and the gated RMSNorm (transformers' casts). Only position-invariant torch kernels are
 used: correctly rounded ``+ - * /``, fp32 ``exp``/``log``/``sqrt`` (measured); sigmoid and softplus are
-built from them (torch's ``sigmoid``, ``softplus``, ``log1p`` and bf16 ``rsqrt`` are not position-invariant).
+built from them (:func:`ops.sigmoid`; torch's ``sigmoid``, ``softplus``, ``log1p`` and bf16 ``rsqrt`` are not position-invariant).
 
 On CPU the core runs in C++ (``csrc/gated_delta.cpp`` in :mod:`.native`'s library, the same bits) when no
 gradient is needed (:data:`ops.ROUTES`); ``ops.switched(native=False)`` forces the torch code. The
@@ -54,11 +54,6 @@ class GatedDeltaState(NamedTuple):
 # ----------------------------------------------------------------------------------------------
 
 
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """``1 / (1 + exp(-x))`` in fp32 (torch's sigmoid kernel is not position-invariant)."""
-    return 1.0 / (1.0 + torch.exp(-x.to(torch.float32)))
-
-
 def softplus(x: torch.Tensor) -> torch.Tensor:
     """torch's ``softplus`` (threshold 20) as ``log(1 + exp(x))`` in fp32: torch's softplus and log1p
     kernels are not position-invariant, exp and log are. Below about -17 the result rounds to 0
@@ -73,7 +68,7 @@ def gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch
     """``(g, beta)``: ``g = -exp(A_log) * softplus(a + dt_bias)`` in fp32 (transformers' ``.float()``),
     ``beta = sigmoid(b)`` computed in fp32 and rounded to ``b``'s dtype (transformers' ``b.sigmoid()``)."""
     g = -torch.exp(A_log.to(torch.float32)) * softplus(a.to(torch.float32) + dt_bias.to(torch.float32))
-    return g, sigmoid(b).to(b.dtype)
+    return g, ops.sigmoid(b).to(b.dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -230,12 +225,45 @@ def gated_delta_net(mixed_qkv, z, a, b, *, conv_weight, A_log, dt_bias, norm_wei
                          f"{(batch, steps, value_dim)} / {tuple(a.shape)}")
     mixed, conv_state = causal_conv1d(mixed_qkv, conv_weight, None if state is None else state.conv, lengths)
     query, key, value = torch.split(mixed, [key_dim, key_dim, value_dim], dim=-1)
-    repeat = v_heads // (key_dim // head_k_dim)
-    query = query.reshape(batch, steps, -1, head_k_dim).repeat_interleave(repeat, dim=2)
-    key = key.reshape(batch, steps, -1, head_k_dim).repeat_interleave(repeat, dim=2)
+    k_heads = key_dim // head_k_dim
+    repeat = v_heads // k_heads
+    query = query.reshape(batch, steps, k_heads, head_k_dim).repeat_interleave(repeat, dim=2)
+    key = key.reshape(batch, steps, k_heads, head_k_dim).repeat_interleave(repeat, dim=2)
     value = value.reshape(batch, steps, v_heads, head_v_dim)
     g, beta = gating(a, b, A_log, dt_bias)
     out, recurrent = gated_delta_rule(query, key, value, g, beta, None if state is None else state.recurrent,
                                       lengths)
     y = gated_rms_norm(out, z.reshape(batch, steps, v_heads, head_v_dim), norm_weight, eps)
     return y.reshape(batch, steps, value_dim), GatedDeltaState(conv_state, recurrent)
+
+
+def gated_delta_net_varlen(mixed_qkv, z, a, b, *, cu_seqlens, conv_weight, A_log, dt_bias, norm_weight,
+                           head_k_dim: int, head_v_dim: int, eps: float, state: GatedDeltaState | None = None):
+    """:func:`gated_delta_net` over the tokens of several sequences laid end to end: ``(y, new_state)``.
+
+    ``mixed_qkv``: ``(T, C)``, ``z``: ``(T, Hv * dv)``, ``a``, ``b``: ``(T, Hv)`` -- sequence ``i`` is
+    rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` (``cu_seqlens``: ``(S + 1,)`` from 0, non-decreasing; an empty
+    sequence keeps its state). ``state``: each sequence's entering state, batched ``conv (S, C, K - 1)``,
+    ``recurrent (S, Hv, dv, dk)`` fp32 (zeros: a fresh sequence; None: all fresh). No state crosses
+    from one sequence to the next, and each token has the bits it has in :func:`gated_delta_net` of its
+    sequence alone (the sequences run as one right-padded batch). ``y``: ``(T, Hv * dv)``.
+    """
+    bounds = cu_seqlens.to(device=mixed_qkv.device, dtype=torch.int64)
+    lengths = bounds[1:] - bounds[:-1]
+    total = mixed_qkv.shape[0]
+    if bounds.dim() != 1 or bounds.numel() < 2 or int(bounds[0]) != 0 or int(bounds[-1]) != total \
+            or bool((lengths < 0).any()):
+        raise ValueError(f"gated_delta_net_varlen: cu_seqlens {bounds.tolist()} must rise from 0 to {total} tokens")
+    count, steps = lengths.numel(), int(lengths.max())
+    seq = torch.repeat_interleave(torch.arange(count, device=bounds.device), lengths)
+    local = torch.arange(total, device=bounds.device) - bounds[:-1][seq]
+
+    def padded(x):
+        grid = x.new_zeros(count, steps, *x.shape[1:])
+        grid[seq, local] = x
+        return grid
+
+    y, new_state = gated_delta_net(padded(mixed_qkv), padded(z), padded(a), padded(b), conv_weight=conv_weight,
+                                   A_log=A_log, dt_bias=dt_bias, norm_weight=norm_weight, head_k_dim=head_k_dim,
+                                   head_v_dim=head_v_dim, eps=eps, state=state, lengths=lengths)
+    return y[seq, local], new_state

@@ -17,7 +17,7 @@ from true_on_policy.kernels import ops
 from true_on_policy.kernels.architectures import UnsupportedFeatureError
 from true_on_policy.kernels.row_parallel import Gather
 
-__all__ = ["EXPERT_LAYOUT", "check_expert_layout", "route", "select_owned", "experts_forward"]
+__all__ = ["EXPERT_LAYOUT", "check_expert_layout", "route", "select_owned", "experts_forward", "shared_expert"]
 
 # The transformers experts' layout the consistent experts read: gate_up_proj [E, 2I, H] (gate rows
 # first), down_proj [E, H, I], no bias. (attribute, the value read; a module without it has that value)
@@ -34,7 +34,8 @@ def check_expert_layout(experts) -> None:
 def route(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, pack=None):
     """fp32 router logits (:func:`ops.linear`) and their stable top-k (:func:`ops.moe_route`):
     ``(logits [T, E], weights fp32 [T, k], expert ids [T, k])``. ``pack``: the router weight's
-    :func:`ops.pack_weight` (an inference engine's), the same bits."""
+    :func:`ops.pack_weight` (an inference engine's), the same bits. Qwen3-MoE renormalizes as its
+    ``norm_topk_prob`` says; Qwen3.5-MoE's router (``Qwen3_5MoeTopKRouter``: softmax, top-k) always does."""
     logits = ops.linear(hidden, router_weight, out_dtype=torch.float32, pack=pack)
     weights, experts = ops.moe_route(logits, top_k, renormalize)
     return logits, weights, experts
@@ -81,3 +82,23 @@ def experts_forward(hidden, top_k_index, top_k_weights, gate_up, down, *, packs=
     if select is not None:
         per_slot = select(per_slot)
     return ops.moe_combine(per_slot, top_k_weights).to(hidden.dtype)
+
+
+def shared_expert(hidden, gate_up, down, gate_weight, *, packs=None) -> torch.Tensor:
+    """Qwen3.5-MoE's shared expert: ``sigmoid(hidden @ gate_weight^T) * down(silu(gate) * up)``, [T, H] in
+    ``hidden``'s dtype (:func:`ops.linear`, :func:`ops.silu_mul`, :func:`ops.sigmoid_gate`).
+
+    ``gate_up``: one ``[2I, H]`` weight (gate rows first: vLLM's merged projection) or the pair
+    ``(gate [I, H], up [I, H])`` (transformers' two linears) -- the same bits, every output entry of
+    :func:`ops.linear` is computed alone. ``gate_weight``: ``[1, H]``. ``packs``: optional
+    :func:`ops.pack_weight` of ``(gate_up, down, gate_weight)``. The MoE block's output is
+    ``routed + shared``, both in ``hidden``'s dtype (transformers' ``expert_output + shared_expert_output``;
+    one correctly rounded add, so its order cannot change the bits).
+    """
+    gate_up_pack, down_pack, gate_pack = (None, None, None) if packs is None else packs
+    if isinstance(gate_up, torch.Tensor):
+        gate, up = ops.linear(hidden, gate_up, pack=gate_up_pack).chunk(2, dim=-1)
+    else:
+        gate, up = (ops.linear(hidden, weight) for weight in gate_up)
+    out = ops.linear(ops.silu_mul(gate, up), down, pack=down_pack)
+    return ops.sigmoid_gate(out, ops.linear(hidden, gate_weight, pack=gate_pack))

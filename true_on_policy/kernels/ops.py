@@ -60,7 +60,11 @@ __all__ = [
     "rms_norm",
     "silu",
     "silu_mul",
+    "sigmoid",
+    "sigmoid_gate",
     "rope_table",
+    "rotary_dim",
+    "text_positions",
     "apply_rope",
     "attention",
     "attention_plan",
@@ -197,8 +201,8 @@ def _fits_fixed_sum(x):
     return x.dtype == torch.float32 and native.lib()
 
 
-def _fits_rms_norm(x, weight):
-    return _inference(x, weight) and native.lib()
+def _fits_rms_norm(x, weight, unit_offset):  # the C++ kernel multiplies by the weight itself, not 1 + weight
+    return not unit_offset and _inference(x, weight) and native.lib()
 
 
 def _fits_silu_mul(gate, up):
@@ -640,18 +644,24 @@ def linear(
 # ----------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
     """Qwen3RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype)``, fp32 inside.
 
     Invariant: the sum of squares is :func:`fixed_sum` (fixed tree) and HF's ``x * rsqrt(v)``
     is ``x / sqrt(v)`` (div is correctly rounded, torch's fp32 sqrt measured position-invariant;
     torch's rsqrt kernel is not position-invariant in bf16). The casts are exactly HF's: fp32
     inside, back to the input dtype before the weight multiply (whose dtype promotion is HF's too).
+
+    ``unit_offset``: Qwen3.5's RMSNorm (Gemma's): the normalized fp32 row times ``1.0 + weight.float()``
+    in fp32, then one cast to ``x``'s dtype (the same normalization; only the weight step differs).
     """
-    if (kernel := _route("rms_norm", x.device, x, weight)).run:
+    if (kernel := _route("rms_norm", x.device, x, weight, unit_offset)).run:
         return kernel.run(x, weight, eps)
     input_dtype = x.dtype
     h = x.to(torch.float32)
+    if unit_offset:
+        normed = h / torch.sqrt(fixed_sum(h * h) / h.shape[-1] + eps)
+        return (normed * (1.0 + weight.to(torch.float32))).to(input_dtype)
     if not _inference(x, weight):
         variance = fixed_sum(h * h) / h.shape[-1]
         return weight * (h / torch.sqrt(variance + eps)).to(input_dtype)
@@ -680,25 +690,55 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu(gate) * up
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))`` in fp32 (torch's sigmoid kernel is not position-invariant; fp32 ``exp`` and
+    correctly rounded ``+ /`` are)."""
+    return 1.0 / (1.0 + torch.exp(-x.to(torch.float32)))
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` (Qwen3.5's gated attention output, the shared expert's gate), in ``x``'s dtype.
+
+    transformers' rounding points: the sigmoid rounded to the operands' dtype (``torch.sigmoid`` of a
+    tensor of that dtype), then the product in that dtype; the sigmoid itself is :func:`sigmoid`. ``x``
+    and ``gate`` must share a dtype; ``gate`` broadcasts (the shared expert's gate is one column).
+    """
+    if gate.dtype != x.dtype:
+        raise ValueError(f"sigmoid_gate: x is {x.dtype}, gate is {gate.dtype}; they must share a dtype")
+    return x * sigmoid(gate).to(x.dtype)
+
+
+def rotary_dim(config) -> int:
+    """The rotated features of a head: ``int(head_dim * partial_rotary_factor)`` (factor from the RoPE
+    parameters or the config, default 1.0), as transformers computes it."""
+    config = architectures.config_dict(config)
+    params = architectures.rope_parameters(config)
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    dim = int(head_dim * (1.0 if partial is None else float(partial)))
+    if dim <= 0 or dim % 2 or dim > head_dim:
+        raise NotImplementedError(f"consistent ops: partial_rotary_factor={partial} gives {dim} rotated features "
+                                  f"of head_dim {head_dim}; an even number in (0, head_dim] is needed")
+    return dim
+
+
 def rope_table(config, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``(cos, sin)`` of shape [max_position_embeddings, head_dim], computed once per model.
+    """fp32 ``(cos, sin)`` of shape [max_position_embeddings, :func:`rotary_dim`], computed once per model.
 
     Invariant: both engines index the SAME table by absolute position, so a position's rotation
     never depends on which other positions were computed with it (torch's ``cos``/``sin`` kernels
     are not guaranteed position-invariant). ``config``: a model config (mapping or transformers
     config). The frequencies are HF's: default RoPE, ``linear`` scaling (divided by its factor) or
-    Llama-3's ``llama3`` scaling; any other rope type raises.
+    Llama-3's ``llama3`` scaling; any other rope type raises. Partial RoPE (Qwen3.5): the frequencies
+    of ``rotary_dim`` features, as transformers' ``compute_default_rope_parameters``.
     """
     config = architectures.config_dict(config)
     params = architectures.rope_parameters(config)
     rope_type = params.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise NotImplementedError(f"consistent ops: rope type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        raise NotImplementedError(f"consistent ops: partial_rotary_factor={partial} is not supported")
     base = float(params["rope_theta"])
-    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    dim = rotary_dim(config)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float32) / dim))
     if rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])
@@ -708,6 +748,18 @@ def rope_table(config, device: torch.device | str | None = None) -> tuple[torch.
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(device), emb.sin().to(device)
+
+
+def text_positions(positions: torch.Tensor) -> torch.Tensor:
+    """The 1-D positions of multimodal RoPE's position rows ``(3, ...)`` (temporal, height, width) for
+    text: interleaved mRoPE of three equal rows is 1-D RoPE, so the first row. Rows that differ (image
+    or video tokens) are refused: the consistent RoPE is 1-D."""
+    if positions.dim() < 2 or positions.shape[0] != 3:
+        raise ValueError(f"text_positions: expected mRoPE position rows (3, ...), got {tuple(positions.shape)}")
+    if not (torch.equal(positions[0], positions[1]) and torch.equal(positions[0], positions[2])):
+        raise NotImplementedError("consistent ops: multimodal RoPE with position rows that differ (image or video "
+                                  "tokens) is not supported; text tokens only")
+    return positions[0]
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -736,11 +788,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_
 
     Invariant: elementwise, correctly rounded ops on fp32 values; ``cos``/``sin`` are rows of
     :func:`rope_table` (already broadcast by position), unsqueezed at ``unsqueeze_dim`` as HF does.
+    Partial RoPE: only the first ``cos.shape[-1]`` features of a head rotate, the rest pass through
+    unchanged (transformers' Qwen3.5 ``apply_rotary_pos_emb``).
     """
-    h = x.to(torch.float32)
     c = cos.to(torch.float32).unsqueeze(unsqueeze_dim)
     s = sin.to(torch.float32).unsqueeze(unsqueeze_dim)
-    return (h * c + _rotate_half(h) * s).to(x.dtype)
+    rotated = c.shape[-1]
+    if rotated == x.shape[-1]:
+        h = x.to(torch.float32)
+        return (h * c + _rotate_half(h) * s).to(x.dtype)
+    h = x[..., :rotated].to(torch.float32)
+    return torch.cat(((h * c + _rotate_half(h) * s).to(x.dtype), x[..., rotated:]), dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------
