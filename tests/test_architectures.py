@@ -49,6 +49,12 @@ def test_every_entry_has_a_tiny_model():
         ("moe", dict(architecture="Qwen3MoeForCausalLM", moe=True, qk_norm=True)),
         ("qwen2", dict(architecture="Qwen2ForCausalLM", qkv_bias=True, o_bias=False, qk_norm=False, tied_embeddings=True)),
         ("llama", dict(architecture="LlamaForCausalLM", qkv_bias=False, rope_type="llama3", num_heads=4, num_kv_heads=1)),
+        ("qwen35", dict(architecture="Qwen3_5ForCausalLM", qk_norm=True, moe=False, head_dim=32, rotary_dim=8,
+                        linear_attention=(2, 4, 16, 16, 4), shared_expert=False,
+                        layer_types=("linear_attention",) * 3 + ("full_attention",))),
+        ("qwen35_moe", dict(architecture="Qwen3_5MoeForCausalLM", moe=True, shared_expert=True, rotary_dim=8,
+                            linear_attention=(2, 4, 16, 16, 4))),
+        ("dense", dict(rotary_dim=16, linear_attention=None, shared_expert=False)),
     ],
 )
 def test_the_tiny_models_features(kind, expected):
@@ -96,6 +102,22 @@ REFUSED = [
      "LlamaForCausalLM: sliding window attention"),
     ("llama", {"kv_lora_rank": 512}, "LlamaForCausalLM: multi-head latent attention"),
     ("moe", {"shared_expert_intermediate_size": 64}, "Qwen3MoeForCausalLM: shared experts"),
+    ("qwen35", {"layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+                "sliding_window": 8}, "Qwen3_5ForCausalLM: sliding window attention"),
+    ("qwen35", {"layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]},
+     "Qwen3_5ForCausalLM: layer types ['mamba']"),
+    ("dense", {"layer_types": ["linear_attention", "full_attention"]}, "Qwen3ForCausalLM: layer types ['linear_attention']"),
+    ("qwen35", {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5"},
+     "Qwen3_5ForConditionalGeneration (a vision-language checkpoint, model_type 'qwen3_5') is not covered; pass its "
+     "text model"),
+    ("qwen35_moe", {"architectures": [], "model_type": "qwen3_5_moe"}, "Qwen3_5MoeForConditionalGeneration"),
+    ("qwen35", {"attn_output_gate": False}, "Qwen3_5ForCausalLM: attn_output_gate=false"),
+    ("qwen35_moe", {"norm_topk_prob": False}, "Qwen3_5MoeForCausalLM: norm_topk_prob=false"),
+    ("qwen35", {"attention_bias": True}, "Qwen3_5ForCausalLM: attention_bias=true"),
+    ("qwen35", {"linear_num_value_heads": 3}, "Qwen3_5ForCausalLM: 3 Gated DeltaNet value heads over 2 key heads"),
+    ("qwen35", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}},
+     "Qwen3_5ForCausalLM: partial_rotary_factor=0.1 gives 3 rotated features"),
+    ("qwen35", {"num_experts": 8}, "Qwen3_5ForCausalLM: num_experts=8 on a dense architecture"),
     ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "Qwen2ForCausalLM: RoPE scaling 'yarn'"),
     ("qwen2", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
@@ -197,7 +219,9 @@ def test_every_transformers_target_matches_5_9_0():
         prefix = f"{arch.transformers_module}.{arch.transformers_prefix}"
         assert {f"{prefix}RMSNorm.forward", f"{prefix}ForCausalLM.__init__", f"{prefix}Attention.forward",
                 f"{arch.transformers_module}.apply_rotary_pos_emb"} <= set(names)
-    assert len(names) == len(set(names)) == 8 * len(architectures.TABLE) + 2  # + router and experts of the MoE
+    # 8 roles each; + router and experts of an MoE, + its shared-expert block, + 3 for Gated DeltaNet layers
+    assert len(names) == len(set(names)) == sum(len(patches.classes(arch)) for arch in architectures.TABLE)
+    assert len(names) == 8 * len(architectures.TABLE) + 2 * 2 + 1 + 3 * 2
 
 
 def test_a_changed_target_is_refused_by_name_before_anything_is_patched(monkeypatch):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from true_on_policy.kernels import moe, ops
+from true_on_policy.kernels import architectures, moe, ops
 
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 hf_moe = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
@@ -61,7 +61,7 @@ TINY = {"head_dim": 32, "hidden_size": 64, "num_attention_heads": 4, "max_positi
 @torch.no_grad()
 def test_partial_rope_is_transformers_table_and_rotation():
     cos, sin = ops.rope_table(TINY)
-    assert cos.shape == (256, 8) and ops.rotary_dim(TINY) == 8
+    assert cos.shape == (256, 8) and architectures.rotary_dim(TINY) == 8
     config = hf.Qwen3_5TextConfig(**{k: v for k, v in TINY.items()})
     their_cos, their_sin = hf.Qwen3_5TextRotaryEmbedding(config)(torch.zeros(1), torch.arange(256)[None])
     assert torch.equal(their_cos[0], cos) and torch.equal(their_sin[0], sin)

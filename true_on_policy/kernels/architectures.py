@@ -7,7 +7,7 @@ whether queries and keys are RMS-normed, which RoPE scalings, whether the engine
 shared. Readers:
 
 * transformers (:mod:`true_on_policy.transformers_adapter.patches`): the classes to patch,
-  ``transformers.models.<model_type>.modeling_<model_type>.<prefix><Role>``;
+  ``transformers.models.<dir>.modeling_<dir>.<prefix><Role>`` (``dir``: the model_type unless the entry names it);
 * vLLM (:mod:`true_on_policy.vllm_adapter.patches`): the model classes it admits (named
   :attr:`Architecture.name`, as vLLM's registry names them) and the MoE block;
 * both, before a model is built: :func:`check_config` refuses, naming the architecture and the
@@ -31,6 +31,7 @@ from typing import Any
 __all__ = [
     "Architecture",
     "Features",
+    "LinearAttention",
     "Moe",
     "TABLE",
     "UncoveredModelError",
@@ -42,6 +43,7 @@ __all__ = [
     "config_dict",
     "names",
     "rope_parameters",
+    "rotary_dim",
 ]
 
 
@@ -61,11 +63,32 @@ Bias = bool | str  # always / never, or the config key (read as a bool) that swi
 
 @dataclass(frozen=True)
 class Moe:
-    """A sparse MoE block: router + experts in transformers, one fused block in vLLM."""
+    """A sparse MoE block: router + experts in transformers, one fused block in vLLM.
+
+    ``shared_expert``: transformers' block class (Qwen3.5-MoE: routed + a sigmoid-gated shared expert), whose
+    forward is replaced; None: no shared expert. ``always_renormalize``: the router renormalizes its top-k
+    weights with no switch (Qwen3.5-MoE), else it reads ``norm_topk_prob``.
+    """
 
     transformers_router: str  # class in the architecture's transformers module
     transformers_experts: str
     vllm_block: str  # class in the architecture's vLLM module
+    shared_expert: str | None = None
+    always_renormalize: bool = False
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet layers (``layer_types`` entries ``linear_attention``): the transformers classes patched.
+
+    ``layer``: its forward becomes :func:`true_on_policy.kernels.gated_delta.gated_delta_net_varlen` between
+    consistent linears; ``norm``: the gated RMSNorm; ``text_model``: its forward hands the layers the
+    packed sequences' boundaries (from the position ids, which transformers does not pass to the layer).
+    """
+
+    layer: str
+    norm: str
+    text_model: str
 
 
 @dataclass(frozen=True)
@@ -88,11 +111,32 @@ class Architecture:
     honours_head_dim: bool = True  # False: vLLM derives head_dim = hidden_size // num_attention_heads
     moe: Moe | None = None
     refused: tuple[tuple[str, str], ...] = ()
+    refused_values: tuple[tuple[str, Any, str], ...] = ()  # (config key, value, feature): refused at that value
+    transformers_dir: str | None = None  # the modeling module's directory, where it is not the model_type
+    unit_offset_norm: bool = False  # RMSNorm multiplies by (1 + weight) in fp32 before the cast (Qwen3.5)
+    gated_attention: bool = False  # q_proj also yields a per-head gate: output * sigmoid(gate) (Qwen3.5)
+    partial_rotary: bool = False  # partial_rotary_factor < 1 (only the first features of a head rotate)
+    layer_types: tuple[str, ...] = ("full_attention",)  # the config's layer_types entries covered
+    linear_attention: LinearAttention | None = None
+    rotary_class: str = "RotaryEmbedding"  # the rotary embedding's class, after the prefix
 
     @property
     def transformers_module(self) -> str:
-        return f"transformers.models.{self.model_type}.modeling_{self.model_type}"
+        directory = self.transformers_dir or self.model_type
+        return f"transformers.models.{directory}.modeling_{directory}"
 
+
+# What Qwen3.5's text models (dense and MoE) share: 3 Gated DeltaNet layers to 1 gated full-attention layer
+_QWEN35_REFUSED = (
+    ("attention_bias", "attention_bias=true (transformers biases q/k/v/o_proj, vLLM reads qkv_bias)"),
+    ("qkv_bias", "qkv_bias (vLLM reads it, transformers' Qwen3.5 does not)"),
+    ("layer_scale", "layer_scale (vLLM reads it, transformers' Qwen3.5 does not)"),
+)
+_QWEN35_REFUSED_VALUES = (
+    ("attn_output_gate", False, "attn_output_gate=false (transformers' Qwen3.5 attention is always gated)"),
+)
+_QWEN35 = dict(qk_norm=True, rope_types=("default",), unit_offset_norm=True, gated_attention=True, partial_rotary=True,
+               layer_types=("linear_attention", "full_attention"), rotary_class="TextRotaryEmbedding")
 
 TABLE: tuple[Architecture, ...] = (
     Architecture(
@@ -138,7 +182,40 @@ TABLE: tuple[Architecture, ...] = (
             ("bias", "bias (vLLM reads it, transformers' Llama does not)"),
         ),
     ),
+    Architecture(  # Qwen3.5 dense text model (Qwen3_5ForConditionalGeneration's text_config)
+        name="Qwen3_5ForCausalLM",
+        model_type="qwen3_5_text",
+        transformers_prefix="Qwen3_5",
+        transformers_dir="qwen3_5",
+        vllm_module="vllm.model_executor.models.qwen3_5",
+        linear_attention=LinearAttention("Qwen3_5GatedDeltaNet", "Qwen3_5RMSNormGated", "Qwen3_5TextModel"),
+        refused=_QWEN35_REFUSED,
+        refused_values=_QWEN35_REFUSED_VALUES,
+        **_QWEN35,
+    ),
+    Architecture(  # Qwen3.5 / 3.6 MoE text model (Qwen3.5-35B-A3B's text_config)
+        name="Qwen3_5MoeForCausalLM",
+        model_type="qwen3_5_moe_text",
+        transformers_prefix="Qwen3_5Moe",
+        transformers_dir="qwen3_5_moe",
+        vllm_module="vllm.model_executor.models.qwen3_5",
+        moe=Moe("Qwen3_5MoeTopKRouter", "Qwen3_5MoeExperts", "Qwen3NextSparseMoeBlock",
+                shared_expert="Qwen3_5MoeSparseMoeBlock", always_renormalize=True),
+        linear_attention=LinearAttention("Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeRMSNormGated", "Qwen3_5MoeTextModel"),
+        refused=_QWEN35_REFUSED + (("mlp_only_layers", "mlp_only_layers (vLLM reads it, transformers' Qwen3.5-MoE "
+                                                       "has MoE in every layer)"),),
+        refused_values=_QWEN35_REFUSED_VALUES + (
+            ("norm_topk_prob", False, "norm_topk_prob=false (transformers' Qwen3.5-MoE router always renormalizes)"),
+        ),
+        **_QWEN35,
+    ),
 )
+
+# Vision-language checkpoints whose text model is covered: refused by name, pointing at the text model.
+_TEXT_MODEL_OF = {
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+}
 
 _BY_NAME = {arch.name: arch for arch in TABLE}
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in TABLE}
@@ -167,6 +244,11 @@ class Features:
     num_kv_heads: int
     head_dim: int
     moe: bool
+    layer_types: tuple[str, ...] = ("full_attention",)
+    rotary_dim: int = 0  # the rotated features of a head (head_dim unless partial)
+    # Gated DeltaNet: (key heads, value heads, key head dim, value head dim, conv taps); None: no such layers
+    linear_attention: tuple[int, int, int, int, int] | None = None
+    shared_expert: bool = False
 
 
 # Config keys of features no covered architecture has; a non-empty value is refused by name.
@@ -220,6 +302,16 @@ def _flag(config: Mapping, bias: Bias) -> bool:
 def _architecture(config: Mapping) -> Architecture:
     listed = config.get("architectures") or []
     model_type = config.get("model_type")
+    vision = [(name, text) for name, (vl_type, text) in _TEXT_MODEL_OF.items()
+              if (listed and listed[0] == name) or (not listed and model_type == vl_type)]
+    if vision:
+        name, text = vision[0]
+        covered = by_name(text)
+        raise UncoveredModelError(
+            f"true_on_policy: {name} (a vision-language checkpoint, model_type {_TEXT_MODEL_OF[name][0]!r}) is not "
+            f"covered; pass its text model: a checkpoint whose config.json is its text_config, with architectures "
+            f"[{text!r}] and model_type {covered.model_type!r}"
+        )
     arch = by_name(listed[0]) if listed else _BY_MODEL_TYPE.get(model_type)
     if arch is None:
         named = listed[0] if listed else f"model_type {model_type!r}"
@@ -256,18 +348,19 @@ def check_config(config: Any) -> Features:
             f"true_on_policy: {arch.name}: {feature} is not covered by the consistent kernels (deterministic=true)"
         )
 
+    shared = arch.moe is not None and arch.moe.shared_expert is not None
     for key, feature in _UNCOVERED_KEYS:
-        if config.get(key):
+        if config.get(key) and not (shared and key == "shared_expert_intermediate_size"):
             refuse(feature)
     for key, feature in arch.refused:
         if config.get(key):
             refuse(feature)
+    for key, value, feature in arch.refused_values:
+        if key in config and config[key] == value:
+            refuse(feature)
     act = config.get("hidden_act", "silu")
     if act != "silu":
         refuse(f"activation {act!r} (only 'silu')")
-    sliding = _sliding_layers(config)
-    if sliding:
-        refuse(f"sliding window attention (window {config.get('sliding_window')}, layers {sliding})")
     if config.get("is_causal") is False:
         refuse("non-causal attention (is_causal=false)")
     if config.get("attention_dropout"):
@@ -275,15 +368,8 @@ def check_config(config: Any) -> Features:
     scale = config.get("logit_scale")
     if scale is not None and float(scale) != 1.0:
         refuse(f"logit scale {scale}")
-    rope = rope_parameters(config)
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in arch.rope_types:
-        refuse(f"RoPE scaling {rope_type!r} (covered: {', '.join(arch.rope_types)})")
-    if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) not in (None, 1.0):
-        refuse(f"partial rotary factor {rope.get('partial_rotary_factor', config.get('partial_rotary_factor'))}")
-    missing = [k for k in _ROPE_KEYS.get(rope_type, ()) if rope.get(k) is None]
-    if missing:
-        refuse(f"RoPE scaling {rope_type!r} without {missing}")
+    layer_types = _layer_types(config, arch, refuse)
+    rope_type, rotated = _check_rope(config, arch, refuse)
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
     derived = int(config["hidden_size"]) // heads
@@ -308,7 +394,76 @@ def check_config(config: Any) -> Features:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         moe=arch.moe is not None,
+        layer_types=layer_types,
+        rotary_dim=rotated,
+        linear_attention=_linear_attention_dims(config, refuse) if "linear_attention" in layer_types else None,
+        shared_expert=shared,
     )
+
+
+def _layer_types(config: Mapping, arch: Architecture, refuse) -> tuple[str, ...]:
+    """Each layer's type, as transformers builds them (Qwen3.5 without ``layer_types``: every
+    ``full_attention_interval``-th layer full, the others linear); a type the entry does not cover is refused."""
+    sliding = _sliding_layers(config)
+    if sliding:
+        refuse(f"sliding window attention (window {config.get('sliding_window')}, layers {sliding})")
+    count = int(config.get("num_hidden_layers") or 0)
+    types = config.get("layer_types")
+    if types is None and arch.linear_attention is not None:
+        interval = int(config.get("full_attention_interval") or 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(count)]
+    types = tuple(types) if types is not None else ("full_attention",) * count
+    other = sorted({kind for kind in types if kind not in arch.layer_types})
+    if other:
+        refuse(f"layer types {other} (covered: {', '.join(arch.layer_types)})")
+    return types
+
+
+def _check_rope(config: Mapping, arch: Architecture, refuse) -> tuple[str, int]:
+    """The RoPE type and the rotated features of a head (:func:`rotary_dim`), each checked."""
+    rope = rope_parameters(config)
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in arch.rope_types:
+        refuse(f"RoPE scaling {rope_type!r} (covered: {', '.join(arch.rope_types)})")
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if factor not in (None, 1.0) and not arch.partial_rotary:
+        refuse(f"partial rotary factor {factor}")
+    missing = [k for k in _ROPE_KEYS.get(rope_type, ()) if rope.get(k) is None]
+    if missing:
+        refuse(f"RoPE scaling {rope_type!r} without {missing}")
+    try:
+        return rope_type, rotary_dim(config)
+    except ValueError as error:
+        refuse(str(error))
+
+
+def rotary_dim(config: Mapping) -> int:
+    """The rotated features of a head: ``int(head_dim * partial_rotary_factor)`` (the factor from the RoPE
+    parameters or the config, default 1.0), as transformers computes it; ValueError unless even and in
+    (0, head_dim]."""
+    config = config_dict(config)
+    factor = rope_parameters(config).get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+    dim = int(head_dim * (1.0 if factor is None else float(factor)))
+    if dim <= 0 or dim % 2 or dim > head_dim:
+        raise ValueError(f"partial_rotary_factor={factor} gives {dim} rotated features of head_dim {head_dim} "
+                         "(an even number in (0, head_dim] is needed)")
+    return dim
+
+
+_LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim")
+
+
+def _linear_attention_dims(config: Mapping, refuse) -> tuple[int, int, int, int, int]:
+    """The Gated DeltaNet dims (:data:`_LINEAR_KEYS`), each present and positive, value heads a multiple of key heads."""
+    missing = [key for key in _LINEAR_KEYS if not config.get(key)]
+    if missing:
+        refuse(f"linear attention layers without {missing}")
+    dims = tuple(int(config[key]) for key in _LINEAR_KEYS)
+    if dims[1] % dims[0]:
+        refuse(f"{dims[1]} Gated DeltaNet value heads over {dims[0]} key heads")
+    return dims
 
 
 _ROPE_KEYS = {

@@ -15,12 +15,15 @@ an error naming it, never a silent fallback. Details: docs/true_on_policy.md.
 from __future__ import annotations
 
 import functools
+import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from true_on_policy.kernels import architectures, moe, ops
+from true_on_policy import patching
+from true_on_policy.kernels import architectures, gated_delta, moe, ops
 from true_on_policy.kernels.architectures import UnsupportedFeatureError
 from true_on_policy.transformers_adapter import patches
 
@@ -108,6 +111,28 @@ def make_rms_norm_forward(original):
     return forward
 
 
+def make_unit_offset_norm_forward(original):
+    @functools.wraps(original)
+    def forward(self, x):
+        if not ops.enabled():
+            return original(self, x)
+        return ops.rms_norm(x, self.weight, self.eps, unit_offset=True)
+
+    return forward
+
+
+def make_gated_rms_norm_forward(original):
+    @functools.wraps(original)
+    def forward(self, hidden_states, gate=None):
+        if not ops.enabled():
+            return original(self, hidden_states, gate)
+        if gate is None:
+            raise UnsupportedFeatureError(f"true_on_policy: {type(self).__name__} without a gate is not covered")
+        return gated_delta.gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon)
+
+    return forward
+
+
 def _check_attn_implementation(config) -> None:
     impl = getattr(config, "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
@@ -148,6 +173,8 @@ def make_rotary_forward(original):
         if not ops.enabled():
             return original(self, x, position_ids)
         _check_attn_implementation(self.config)
+        if position_ids.dim() == 3:  # Qwen3.5's mRoPE rows (temporal, height, width): one row for text
+            position_ids = ops.text_positions(position_ids)
         cos, sin = _rope_rows(self, position_ids)
         return cos.view(ROPE_CARRIER), sin.view(ROPE_CARRIER)
 
@@ -195,14 +222,24 @@ def make_mlp_forward(original):
     return forward
 
 
-def make_router_forward(original):
+def _router_forward(original, renormalize: bool | None):
     @functools.wraps(original)
     def forward(self, hidden_states):
         if not ops.enabled():
             return original(self, hidden_states)
-        return moe.route(hidden_states.reshape(-1, self.hidden_dim), self.weight, self.top_k, self.norm_topk_prob)
+        keep = self.norm_topk_prob if renormalize is None else renormalize
+        return moe.route(hidden_states.reshape(-1, self.hidden_dim), self.weight, self.top_k, keep)
 
     return forward
+
+
+def make_router_forward(original):
+    return _router_forward(original, None)
+
+
+def make_renormalizing_router_forward(original):
+    """Qwen3.5-MoE's router: no ``norm_topk_prob`` switch, it always renormalizes its top-k weights."""
+    return _router_forward(original, True)
 
 
 def make_experts_forward(original):
@@ -213,6 +250,28 @@ def make_experts_forward(original):
         require_silu(self)
         moe.check_expert_layout(self)
         return moe.experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+    return forward
+
+
+def make_shared_expert_moe_forward(original):
+    """Qwen3.5-MoE's block: the (patched) router and experts, plus :func:`moe.shared_expert`, added in the
+    hidden dtype as transformers adds them."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        if not ops.enabled():
+            return original(self, hidden_states)
+        shared = self.shared_expert
+        require_silu(shared)
+        _require_consistent_linears(shared, ("gate_proj", "up_proj", "down_proj"))
+        _require_consistent_linears(self, ("shared_expert_gate",))
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        _, weights, experts = self.gate(flat)
+        routed = self.experts(flat, experts, weights)
+        added = moe.shared_expert(flat, (shared.gate_proj.weight, shared.up_proj.weight), shared.down_proj.weight,
+                                  self.shared_expert_gate.weight)
+        return (routed + added).reshape(hidden_states.shape)
 
     return forward
 
@@ -253,7 +312,7 @@ _CHECKED = "_true_on_policy_checked"
 
 def built_features(model: nn.Module) -> dict[str, bool]:
     """What the transformers model built, in the terms of :class:`architectures.Features`."""
-    attention = next(m for m in model.modules() if isinstance(m, patches.covered("attention")))
+    attention = next(m for m in model.modules() if isinstance(m, patches.covered(*_ATTENTION_ROLES)))
     built = {
         "qkv_bias": getattr(attention.q_proj, "bias", None) is not None,
         "o_bias": getattr(attention.o_proj, "bias", None) is not None,
@@ -262,7 +321,26 @@ def built_features(model: nn.Module) -> dict[str, bool]:
     mlp = next((m for m in model.modules() if isinstance(m, patches.covered("mlp"))), None)
     if mlp is not None:  # none in a model of MoE layers only
         built["mlp_bias"] = getattr(mlp.gate_proj, "bias", None) is not None
+    linear = next((m for m in model.modules() if isinstance(m, patches.covered("gated_delta_net"))), None)
+    built["linear_attention"] = None if linear is None else (
+        linear.num_k_heads, linear.num_v_heads, linear.head_k_dim, linear.head_v_dim, linear.conv_kernel_size)
+    built["shared_expert"] = any(isinstance(m, patches.covered("shared_expert_moe")) for m in model.modules())
     return built
+
+
+_ATTENTION_ROLES = ("attention", "gated_attention")
+
+
+def _check_still_patched(model: nn.Module) -> None:
+    """A Gated DeltaNet forward replaced after patch_transformers() (e.g. by verl's monkey patch for the
+    vision-language model types) would run instead of the consistent one: refused, naming it."""
+    for module in model.modules():
+        if isinstance(module, patches.covered("gated_delta_net")) and not patching.is_replacement(type(module).forward):
+            found = type(module).forward
+            raise UnsupportedFeatureError(
+                f"true_on_policy: {type(module).__name__}.forward is {found.__module__}.{found.__qualname__}, "
+                "set after patch_transformers(): the consistent Gated DeltaNet would not run"
+            )
 
 
 def check_model(model: nn.Module) -> None:
@@ -278,6 +356,7 @@ def check_model(model: nn.Module) -> None:
                 "not a plain nn.Linear that could become a ConsistentLMHead"
             )
     architectures.check_built(features, built_features(model), "transformers")
+    _check_still_patched(model)
     model.__dict__[_CHECKED] = True
 
 
@@ -296,11 +375,11 @@ def mask_function(
 
 
 def _check_attention_call(module, attention_mask, dropout, sliding_window, kwargs) -> None:
-    if not isinstance(module, patches.covered("attention")):
+    if not isinstance(module, patches.covered(*_ATTENTION_ROLES)):
         architectures.check_config(module.config)  # names the architecture
         raise UnsupportedFeatureError(
             f"true_on_policy: attention module {type(module).__name__} is not covered "
-            f"(covered: {[c.__name__ for c in patches.covered('attention')]})"
+            f"(covered: {[c.__name__ for c in patches.covered(*_ATTENTION_ROLES)]})"
         )
     _require_consistent_linears(module, ("q_proj", "k_proj", "v_proj", "o_proj"))
     if sliding_window is not None:
@@ -450,6 +529,154 @@ def attention_function(
 
 
 # ----------------------------------------------------------------------------------------------
+# Qwen3.5: gated attention, Gated DeltaNet layers and the packed sequences they need
+# ----------------------------------------------------------------------------------------------
+
+
+def make_gated_attention_forward(original):
+    """Qwen3.5's attention: transformers' steps, on the consistent ops; its ``sigmoid(gate)`` through
+    :func:`ops.sigmoid_gate` (torch's sigmoid kernel is not position-invariant)."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        if not ops.enabled():
+            return original(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        shape = hidden_states.shape[:-1]
+        query, gate = torch.chunk(self.q_proj(hidden_states).view(*shape, -1, 2 * self.head_dim), 2, dim=-1)
+        query = self.q_norm(query).transpose(1, 2)
+        key = self.k_norm(self.k_proj(hidden_states).view(*shape, -1, self.head_dim)).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(*shape, -1, self.head_dim).transpose(1, 2)
+        rotate = sys.modules[type(self).__module__].apply_rotary_pos_emb  # the module's own: patched (and recorded)
+        query, key = rotate(query, key, *position_embeddings)
+        if past_key_values is not None:  # HF caches: refused by the attention function on the continuation
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        dropout = self.attention_dropout if self.training else 0.0
+        out, weights = attention_function(self, query, key, value, attention_mask, self.scaling, dropout, **kwargs)
+        gated = ops.sigmoid_gate(out.reshape(*shape, -1), gate.reshape(*shape, -1))
+        return self.o_proj(gated), weights
+
+    return forward
+
+
+PACKING_KWARG = "true_on_policy_packing"  # the text model hands its Gated DeltaNet layers a _Packing
+
+
+class _Packing(NamedTuple):
+    """The sequences of a training batch [B, T]: ``index`` the flat positions (into B * T) of its valid
+    tokens in order (None: every token), ``bounds`` the cu_seqlens of the sequences over them."""
+
+    index: torch.Tensor | None
+    bounds: torch.Tensor
+
+
+def _packing(position_ids, attention_mask, batch: int, length: int, device) -> _Packing:
+    """Sequences as the attention sees them (:func:`_training_layout`): a padded row is one sequence, a
+    packed row (verl's remove-padding layout) splits where its positions do not continue (e.g. restart at 0)."""
+    if position_ids is not None and position_ids.dim() == 3:  # mRoPE rows: the text row
+        position_ids = position_ids[0]
+    seg, _, valid = _training_layout(position_ids, attention_mask, batch, length, device)
+    valid = valid.reshape(-1)
+    counts = torch.unique_consecutive(seg.reshape(-1)[valid], return_counts=True)[1]
+    bounds = F.pad(counts.cumsum(0), (1, 0))
+    return _Packing(None if bool(valid.all()) else torch.nonzero(valid)[:, 0], bounds)
+
+
+def make_text_model_forward(original):
+    """The text model computes each layer's packed sequences once from ``position_ids`` (transformers hands
+    the Gated DeltaNet layers neither them nor ``cu_seqlens``) and passes them on in ``PACKING_KWARG``."""
+
+    @functools.wraps(original)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, **kwargs):
+        if ops.enabled() and kwargs.get(ROLLOUT_KWARG) is None:
+            source = input_ids if input_ids is not None else inputs_embeds
+            kwargs[PACKING_KWARG] = _packing(position_ids, attention_mask, source.shape[0], source.shape[1],
+                                             source.device)
+        return original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+
+    return forward
+
+
+def _gated_delta_weights(module) -> dict:
+    return dict(conv_weight=module.conv1d.weight, A_log=module.A_log, dt_bias=module.dt_bias,
+                norm_weight=module.norm.weight, head_k_dim=module.head_k_dim, head_v_dim=module.head_v_dim,
+                eps=module.layer_norm_epsilon)
+
+
+def _check_gated_delta_call(module, cache_params) -> None:
+    _require_consistent_linears(module, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"))
+    if module.activation != "silu" or module.conv1d.bias is not None:
+        raise UnsupportedFeatureError(f"true_on_policy: {type(module).__name__} with activation "
+                                      f"{module.activation!r} / a conv bias is not covered (silu, no bias)")
+    if cache_params is not None and cache_params.has_previous_state(module.layer_idx):
+        raise UnsupportedFeatureError(
+            "true_on_policy: HF Cache objects / past_key_values are not supported; use consistent_model.forward_packed"
+        )
+
+
+def _layer_packing(kwargs, batch: int) -> _Packing:
+    packing = kwargs.get(PACKING_KWARG)
+    if packing is not None:
+        return packing
+    if kwargs.get("cu_seqlens") is not None and batch == 1:  # verl's decoder layer (its Qwen3.5 patch) passes these
+        return _Packing(None, kwargs["cu_seqlens"].reshape(-1))
+    raise UnsupportedFeatureError(
+        "true_on_policy: a Gated DeltaNet layer was called without its sequences' boundaries (the text model's "
+        "forward hands them over): call the model, not the layer alone"
+    )
+
+
+def make_gated_delta_net_forward(original):
+    """The Gated DeltaNet layer on :func:`gated_delta.gated_delta_net_varlen` between consistent linears: each
+    packed sequence from a fresh state, none leaking into the next. In the rollout (:func:`forward_packed`) each
+    request carries its state (flag off there: transformers' own torch code per request)."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        rollout = kwargs.get(ROLLOUT_KWARG)
+        if not ops.enabled() and rollout is None:
+            return original(self, hidden_states, cache_params, attention_mask, **kwargs)
+        if ops.enabled():
+            _check_gated_delta_call(self, cache_params)
+        batch, length, _ = hidden_states.shape
+        projected = [projection(hidden_states).reshape(batch * length, -1)
+                     for projection in (self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b)]
+        if rollout is not None:
+            return self.out_proj(rollout.gated_delta(self, projected)[None])
+        packing = _layer_packing(kwargs, batch)
+        if packing.index is not None:
+            projected = [x[packing.index] for x in projected]
+        y, _ = gated_delta.gated_delta_net_varlen(*projected, cu_seqlens=packing.bounds, **_gated_delta_weights(self))
+        if packing.index is not None:
+            y = y.new_zeros(batch * length, y.shape[-1]).index_copy(0, packing.index, y)
+        return self.out_proj(y.reshape(batch, length, -1))
+
+    return forward
+
+
+def _stock_gated_delta(module, mixed, z, a, b, state):
+    """Flag off, in the rollout: one request's new tokens through transformers' own torch code, as its cached
+    forward runs them (chunked for several tokens, recurrent for one) -- a serving engine's default numerics.
+    ``state``: (conv (1, C, K - 1), recurrent in transformers' layout) or None."""
+    steps, taps = mixed.shape[0], module.conv_kernel_size
+    conv = mixed.new_zeros(1, mixed.shape[1], taps - 1) if state is None else state.conv
+    full = torch.cat([conv, mixed.T[None]], dim=-1)
+    x = F.silu(F.conv1d(full, module.conv1d.weight, module.conv1d.bias, groups=full.shape[1])).transpose(1, 2)
+    query, key, value = torch.split(x, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    repeat = module.num_v_heads // module.num_k_heads
+    query = query.reshape(1, steps, -1, module.head_k_dim).repeat_interleave(repeat, dim=2)
+    key = key.reshape(1, steps, -1, module.head_k_dim).repeat_interleave(repeat, dim=2)
+    g = -module.A_log.float().exp() * F.softplus(a[None].float() + module.dt_bias)
+    rule = module.recurrent_gated_delta_rule if steps == 1 else module.chunk_gated_delta_rule
+    out, recurrent = rule(query, key, value.reshape(1, steps, -1, module.head_v_dim), g=g, beta=b[None].sigmoid(),
+                          initial_state=None if state is None else state.recurrent, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+    y = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim)).reshape(steps, -1)
+    return y, gated_delta.GatedDeltaState(full[..., full.shape[-1] - (taps - 1):], recurrent)
+
+
+# ----------------------------------------------------------------------------------------------
 # patch / unpatch
 # ----------------------------------------------------------------------------------------------
 
@@ -465,6 +692,13 @@ _REPLACEMENTS = {
     "causal_lm_forward": make_causal_lm_forward,
     "router": make_router_forward,
     "experts": make_experts_forward,
+    "unit_offset_norm": make_unit_offset_norm_forward,
+    "gated_attention": make_gated_attention_forward,
+    "renormalizing_router": make_renormalizing_router_forward,
+    "shared_expert_moe": make_shared_expert_moe_forward,
+    "gated_delta_net": make_gated_delta_net_forward,
+    "gated_rms_norm": make_gated_rms_norm_forward,
+    "text_model": make_text_model_forward,
 }
 
 
@@ -510,7 +744,8 @@ def convert_model(model: nn.Module) -> nn.Module:
 
 
 class KVCache:
-    """One request's keys and values for all layers, stored by absolute position.
+    """One request's keys and values for all layers, stored by absolute position; for Gated DeltaNet
+    layers (Qwen3.5) its state after the last token (``linear``: layer -> :class:`gated_delta.GatedDeltaState`).
 
     ``data`` is [capacity, num_layers, 2 (k, v), num_kv_heads, head_dim]: slot ``p`` holds the
     token at absolute position ``p``, so the attention's KV blocks are aligned at absolute
@@ -521,6 +756,7 @@ class KVCache:
     def __init__(self) -> None:
         self.data: torch.Tensor | None = None
         self._length = 0
+        self.linear: dict[int, gated_delta.GatedDeltaState] = {}  # Gated DeltaNet layer -> the state after the last token
 
     @property
     def length(self) -> int:
@@ -545,6 +781,9 @@ class KVCache:
         """Forget the entries at positions >= ``length`` (e.g. to decode the same step again)."""
         if not 0 <= length <= self._length:
             raise ValueError(f"KVCache: cannot truncate a cache of {self._length} entries to {length}")
+        if self.linear and length != self._length:
+            raise ValueError(f"KVCache: cannot truncate to {length} a cache carrying Gated DeltaNet states (the "
+                             f"state after token {self._length - 1} holds every token before it)")
         self._length = length
 
     def append(self, kv: torch.Tensor) -> None:
@@ -603,6 +842,8 @@ class _RolloutBatch:
         self.plan = None
         self.default_mask = None
         self.plan_flag = ops.enabled()
+        self.bounds = F.pad(torch.cumsum(lens, 0), (1, 0))
+        self.linear: dict[int, list[gated_delta.GatedDeltaState]] = {}  # new states, committed with the keys
         if self.plan_flag:
             q_pos = torch.full((S, self.q_len), -1, dtype=torch.long, device=device)
             q_pos[self.seg, self.local] = positions
@@ -642,9 +883,34 @@ class _RolloutBatch:
         )
         return out.transpose(1, 2)[self.seg, self.local][None]
 
+    def gated_delta(self, module, projected) -> torch.Tensor:
+        """A Gated DeltaNet layer over every request's new tokens, each from its cache's state: [N, Hv * dv].
+        Flag on: :func:`gated_delta.gated_delta_net_varlen`; off: transformers' torch code per request."""
+        layer = module.layer_idx
+        entering = [cache.linear.get(layer) for cache in self.caches]
+        if ops.enabled() != self.plan_flag:
+            raise RuntimeError("true_on_policy: the consistent flag was switched in the middle of a forward")
+        if not self.plan_flag:
+            pieces = [_stock_gated_delta(module, *(x[start:end] for x in projected), state)
+                      for start, end, state in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), entering)]
+            self.linear[layer] = [state for _, state in pieces]
+            return torch.cat([y for y, _ in pieces])
+        channels, taps = module.conv1d.weight.shape[0], module.conv1d.weight.shape[-1]
+        fresh = gated_delta.GatedDeltaState(
+            projected[0].new_zeros(1, channels, taps - 1),
+            torch.zeros(1, module.num_v_heads, module.head_v_dim, module.head_k_dim, device=projected[0].device))
+        states = [fresh if state is None else state for state in entering]
+        batched = gated_delta.GatedDeltaState(*(torch.cat(parts) for parts in zip(*states)))
+        y, new = gated_delta.gated_delta_net_varlen(*projected, cu_seqlens=self.bounds, state=batched,
+                                                    **_gated_delta_weights(module))
+        self.linear[layer] = [gated_delta.GatedDeltaState(new.conv[i:i + 1].clone(), new.recurrent[i:i + 1].clone())
+                              for i in range(len(self.caches))]
+        return y
+
     def commit(self):
         for i, cache in enumerate(self.caches):
             cache.append(self.grid[i, self.prefix[i] : self.total[i]])
+            cache.linear.update({layer: states[i] for layer, states in self.linear.items()})
 
 
 @torch.no_grad()

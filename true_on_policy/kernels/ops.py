@@ -63,7 +63,6 @@ __all__ = [
     "sigmoid",
     "sigmoid_gate",
     "rope_table",
-    "rotary_dim",
     "text_positions",
     "apply_rope",
     "attention",
@@ -708,22 +707,8 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return x * sigmoid(gate).to(x.dtype)
 
 
-def rotary_dim(config) -> int:
-    """The rotated features of a head: ``int(head_dim * partial_rotary_factor)`` (factor from the RoPE
-    parameters or the config, default 1.0), as transformers computes it."""
-    config = architectures.config_dict(config)
-    params = architectures.rope_parameters(config)
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    dim = int(head_dim * (1.0 if partial is None else float(partial)))
-    if dim <= 0 or dim % 2 or dim > head_dim:
-        raise NotImplementedError(f"consistent ops: partial_rotary_factor={partial} gives {dim} rotated features "
-                                  f"of head_dim {head_dim}; an even number in (0, head_dim] is needed")
-    return dim
-
-
 def rope_table(config, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``(cos, sin)`` of shape [max_position_embeddings, :func:`rotary_dim`], computed once per model.
+    """fp32 ``(cos, sin)`` of shape [max_position_embeddings, :func:`architectures.rotary_dim`], computed once per model.
 
     Invariant: both engines index the SAME table by absolute position, so a position's rotation
     never depends on which other positions were computed with it (torch's ``cos``/``sin`` kernels
@@ -738,7 +723,10 @@ def rope_table(config, device: torch.device | str | None = None) -> tuple[torch.
     if rope_type not in ROPE_TYPES:
         raise NotImplementedError(f"consistent ops: rope type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
     base = float(params["rope_theta"])
-    dim = rotary_dim(config)
+    try:
+        dim = architectures.rotary_dim(config)
+    except ValueError as error:
+        raise NotImplementedError(f"consistent ops: {error}") from None
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float32) / dim))
     if rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])

@@ -1,8 +1,8 @@
 """Every change to transformers' internals, in one place, checked against transformers 5.9.0.
 
 For each architecture of :data:`true_on_policy.kernels.architectures.TABLE`, in its module
-``transformers.models.<model_type>.modeling_<model_type>`` (``P`` its class prefix), the module
-code of :mod:`true_on_policy.kernels.model` replaces:
+(:attr:`~true_on_policy.kernels.architectures.Architecture.transformers_module`; ``P`` its class prefix;
+which class plays which role: :func:`classes`), the module code of :mod:`true_on_policy.kernels.model` replaces:
 
 ==================================  ================================================================
 target                              replacement (flag off: transformers' original runs)
@@ -17,6 +17,13 @@ target                              replacement (flag off: transformers' origina
 ``PForCausalLM.forward``            converts a model built before patching; checks what was built
 ``<router>.forward`` (MoE)          fp32 router logits, stable top-k
 ``<experts>.forward`` (MoE)         per-expert consistent linears, slot-order combine
+Qwen3.5 (by its entry):
+``PRMSNorm.forward``                :func:`ops.rms_norm` with ``unit_offset`` (the ``(1 + w)`` norm)
+``PAttention.forward``              gated: the same steps, the gate through :func:`ops.sigmoid_gate`
+``PSparseMoeBlock.forward``         routed experts + :func:`moe.shared_expert`
+``PGatedDeltaNet.forward``          :func:`gated_delta.gated_delta_net_varlen` between consistent linears
+``PRMSNormGated.forward``           :func:`gated_delta.gated_rms_norm`
+``PTextModel.forward``              hands the layers the packed sequences (from ``position_ids``)
 ==================================  ================================================================
 
 Read, not replaced: ``PAttention.forward`` (it hands the registered attention function the
@@ -50,42 +57,72 @@ _CAUSAL_LM_FORWARD = ("self", "input_ids", "attention_mask", "position_ids", "pa
 
 @dataclass(frozen=True)
 class Role:
-    """One role's target in each architecture's modeling module: ``<prefix><suffix>.<attribute>``
-    (no suffix: a module-level function, or the MoE classes the architecture names), with its
-    parameters in transformers 5.9.0 (``leading``: only the first ones are fixed)."""
+    """One role's target in an architecture's modeling module: ``<class>.<attribute>`` (no class: a
+    module-level function), with its parameters in transformers 5.9.0 (``leading``: only the first ones
+    are fixed). Which class plays the role in an architecture: :func:`classes`."""
 
-    suffix: str
     attribute: str
     params: tuple[str, ...]
     leading: bool = False
 
 
+_GATED_DELTA_NET_FORWARD = ("self", "hidden_states", "cache_params", "attention_mask", "kwargs")
+_TEXT_MODEL_FORWARD = ("self", "input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds",
+                       "use_cache", "kwargs")
+
 ROLES: dict[str, Role] = {
-    "rms_norm": Role("RMSNorm", "forward", ("self", "hidden_states")),
-    "rotary": Role("RotaryEmbedding", "forward", ("self", "x", "position_ids")),
-    "apply_rotary": Role("", "apply_rotary_pos_emb", ("q", "k", "cos", "sin", "unsqueeze_dim")),
-    "mlp": Role("MLP", "forward", ("self", "x")),
-    "attention": Role("Attention", "forward", _ATTENTION_FORWARD),
-    "decoder_layer": Role("DecoderLayer", "__init__", ("self", "config", "layer_idx")),
-    "causal_lm": Role("ForCausalLM", "__init__", ("self", "config")),
-    "causal_lm_forward": Role("ForCausalLM", "forward", _CAUSAL_LM_FORWARD, leading=True),
-    "router": Role("", "forward", ("self", "hidden_states")),
-    "experts": Role("", "forward", ("self", "hidden_states", "top_k_index", "top_k_weights")),
+    "rms_norm": Role("forward", ("self", "hidden_states")),
+    "unit_offset_norm": Role("forward", ("self", "x")),
+    "rotary": Role("forward", ("self", "x", "position_ids")),
+    "apply_rotary": Role("apply_rotary_pos_emb", ("q", "k", "cos", "sin", "unsqueeze_dim")),
+    "mlp": Role("forward", ("self", "x")),
+    "attention": Role("forward", _ATTENTION_FORWARD),
+    "gated_attention": Role("forward", _ATTENTION_FORWARD),
+    "decoder_layer": Role("__init__", ("self", "config", "layer_idx")),
+    "causal_lm": Role("__init__", ("self", "config")),
+    "causal_lm_forward": Role("forward", _CAUSAL_LM_FORWARD, leading=True),
+    "router": Role("forward", ("self", "hidden_states")),
+    "renormalizing_router": Role("forward", ("self", "hidden_states")),
+    "experts": Role("forward", ("self", "hidden_states", "top_k_index", "top_k_weights")),
+    "shared_expert_moe": Role("forward", ("self", "hidden_states")),
+    "gated_delta_net": Role("forward", _GATED_DELTA_NET_FORWARD),
+    "gated_rms_norm": Role("forward", ("self", "hidden_states", "gate")),
+    "text_model": Role("forward", _TEXT_MODEL_FORWARD),
 }
 READ_ONLY_ROLES = ("attention",)
 ATTENTION_REGISTRIES = (("transformers", "AttentionInterface"), ("transformers.masking_utils", "AttentionMaskInterface"))
 REGISTER_PARAMS = ("key", "value")
 
 
+def classes(arch: architectures.Architecture) -> dict[str, str | None]:
+    """role -> the class that plays it in ``arch``'s modeling module (None: a module-level function).
+
+    Per the entry: a ``(1 + w)`` norm patches ``RMSNorm`` as ``unit_offset_norm``; gated attention
+    replaces the attention's forward (``gated_attention``) instead of reading it; an MoE block with a
+    shared expert and Gated DeltaNet layers add their classes."""
+    p = arch.transformers_prefix
+    found: dict[str, str | None] = {
+        "unit_offset_norm" if arch.unit_offset_norm else "rms_norm": p + "RMSNorm",
+        "rotary": p + arch.rotary_class, "apply_rotary": None, "mlp": p + "MLP",
+        "gated_attention" if arch.gated_attention else "attention": p + "Attention",
+        "decoder_layer": p + "DecoderLayer", "causal_lm": p + "ForCausalLM", "causal_lm_forward": p + "ForCausalLM",
+    }
+    if arch.moe is not None:
+        found["renormalizing_router" if arch.moe.always_renormalize else "router"] = arch.moe.transformers_router
+        found["experts"] = arch.moe.transformers_experts
+        if arch.moe.shared_expert is not None:
+            found["shared_expert_moe"] = arch.moe.shared_expert
+    if arch.linear_attention is not None:
+        linear = arch.linear_attention
+        found.update(gated_delta_net=linear.layer, gated_rms_norm=linear.norm, text_model=linear.text_model)
+    return found
+
+
 def targets() -> list[tuple[str, patching.Target]]:
     """(role, target) of every transformers target, per architecture of the table, in patch order."""
     out = []
     for arch in architectures.TABLE:
-        classes = {role: arch.transformers_prefix + r.suffix for role, r in ROLES.items() if r.suffix}
-        classes["apply_rotary"] = None
-        if arch.moe is not None:
-            classes["router"], classes["experts"] = arch.moe.transformers_router, arch.moe.transformers_experts
-        for role, owner in classes.items():
+        for role, owner in classes(arch).items():
             r = ROLES[role]
             attribute = r.attribute if owner is None else f"{owner}.{r.attribute}"
             out.append((role, patching.Target(arch.transformers_module, attribute, r.params, r.leading, _WRITTEN_FOR)))
@@ -112,18 +149,18 @@ def check_targets() -> list[str]:
 
 
 _APPLIED: patching.Applied | None = None
-_COVERED: dict[str, tuple[type, ...]] = {}
+_COVERED: dict[tuple[str, ...], tuple[type, ...]] = {}
 
 
 def applied() -> bool:
     return _APPLIED is not None
 
 
-def covered(role: str) -> tuple[type, ...]:
-    """The classes of ``role`` (e.g. "attention", "decoder_layer", "causal_lm") of all architectures."""
-    if role not in _COVERED:
-        _COVERED[role] = tuple(t.owner() for r, t in targets() if r == role and "." in t.attribute)
-    return _COVERED[role]
+def covered(*roles: str) -> tuple[type, ...]:
+    """The classes of ``roles`` (e.g. "attention", "decoder_layer", "causal_lm") of all architectures."""
+    if roles not in _COVERED:
+        _COVERED[roles] = tuple(t.owner() for r, t in targets() if r in roles and "." in t.attribute)
+    return _COVERED[roles]
 
 
 def apply(replacements: Mapping[str, Callable[[Callable], Callable]], attention_name: str,
