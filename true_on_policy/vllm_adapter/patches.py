@@ -393,7 +393,8 @@ def _checking_moe_init(original):
 
 def _checking_shared_moe_init(original):
     """Qwen3.5-MoE's block ``__init__`` (vLLM's ``Qwen3NextSparseMoeBlock``), refusing what
-    :func:`.layers.moe_shared_block_forward` does not cover and recording (top-k, renormalise, experts)."""
+    :func:`.layers.moe_shared_block_forward` does not cover and recording (top-k, renormalise, experts):
+    its router always renormalises (``norm_topk_prob=false`` is refused by the table's entry)."""
 
     def moe_init(self, vllm_config, prefix=""):
         original(self, vllm_config, prefix)
@@ -403,8 +404,6 @@ def _checking_shared_moe_init(original):
                                           "module (fused shared experts) is not covered")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UnsupportedFeatureError(f"true_on_policy (vLLM): expert activation {config.hidden_act!r} is not covered")
-        if not getattr(config, "norm_topk_prob", True):  # transformers' Qwen3.5-MoE router always renormalises
-            raise UnsupportedFeatureError("true_on_policy (vLLM): Qwen3.5-MoE with norm_topk_prob=false is not covered")
         self.true_on_policy_moe = (config.num_experts_per_tok, True, config.num_experts)
 
     return moe_init
@@ -468,16 +467,22 @@ ATTENTION_IMPLS = {"cpu": "ConsistentAttentionImpl", "cuda": "DeviceAttentionImp
 
 
 def built_features(model) -> dict[str, bool]:
-    """What vLLM built, in the terms of :class:`architectures.Features` (first attention and dense MLP)."""
+    """What vLLM built, in the terms of :class:`architectures.Features` (first attention and dense MLP, the
+    Gated DeltaNet layers' shapes, a shared expert)."""
     attention = next(m for m in model.modules() if hasattr(m, "qkv_proj") and hasattr(m, "o_proj"))
     built = {
         "qkv_bias": attention.qkv_proj.bias is not None,
         "o_bias": attention.o_proj.bias is not None,
         "qk_norm": hasattr(attention, "q_norm"),
+        "rotary_dim": attention.rotary_emb.rotary_dim,
     }
     mlp = next((m for m in model.modules() if hasattr(m, "gate_up_proj")), None)
     if mlp is not None:  # none in a model of MoE layers only
         built["mlp_bias"] = mlp.gate_up_proj.bias is not None
+    linear = next((m for m in model.modules() if type(m).__name__ == "QwenGatedDeltaNetAttention"), None)
+    built["linear_attention"] = None if linear is None else (
+        linear.num_k_heads, linear.num_v_heads, linear.head_k_dim, linear.head_v_dim, linear.conv_kernel_size)
+    built["shared_expert"] = any(getattr(m, "shared_expert", None) is not None for m in model.modules())
     return built
 
 
