@@ -6,7 +6,7 @@ tokens at once with 300 new tokens each: max_num_batched_tokens is 128, so the l
 prefilled in chunks while the others decode (mixed prefill + decode steps), and every sequence's
 Gated DeltaNet state crosses many scheduler steps through vLLM's state slots. Flag on: the recorded
 sampling log-probs equal the training forward's (``torch.equal``); flag off (stock vLLM-CPU: chunked
-C++ prefill, recurrent C++ decode) is the twin that differs. Refusals: each mode the consistent
+C++ prefill, recurrent C++ decode) is the twin that differs (in bf16: stock refuses float32). Refusals: each mode the consistent
 Gated DeltaNet does not cover is refused by name (:func:`patches.check_engine_config`); its twin is
 the served configuration, which passes the same check.
 """
@@ -26,8 +26,9 @@ pytestmark = pytest.mark.vllm
 
 TEMPERATURE = 0.7
 NEW_TOKENS = 300
+# Flag off in float32 is no case: stock vLLM-CPU's Gated DeltaNet asserts bf16 (test_stock_refuses_float32).
 CASES = [(kind, dtype, flag) for kind in ("qwen35", "qwen35_moe") for dtype in ("float32", "bfloat16")
-         for flag in (True, False)]
+         for flag in (True, False) if flag or dtype == "bfloat16"]
 
 
 def _path(kind: str) -> str:
@@ -58,6 +59,17 @@ def test_long_generations_with_chunked_prefill(served):
         assert torch.equal(recorded, scored), f"max |dlogp| {(recorded - scored).abs().max().item():.3e}"
     else:
         assert not torch.equal(recorded, scored), "flag off: stock vLLM-CPU matched bitwise; the twin shows nothing"
+
+
+def test_stock_refuses_float32(capfd):
+    """Why float32 has no flag-off twin: stock vLLM-CPU's Gated DeltaNet asserts bf16 on its first step."""
+    with pytest.raises(Exception):
+        llm = engine.start(_path("qwen35"), "float32", False)
+        try:
+            engine.generate(llm, make_prompts(1, 128), 4)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    assert "CPU GDN attention requires BF16" in "".join(capfd.readouterr())
 
 
 # ----------------------------------------------------------------------------------------------
