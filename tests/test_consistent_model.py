@@ -159,10 +159,13 @@ def max_abs_diff(a, b):
 
 
 KINDS = ["dense", "moe", "qwen2", "llama"]  # Qwen3, Qwen3-MoE, Qwen2 (QKV bias, tied), Llama (Llama-3 RoPE, GQA 4:1)
+# Qwen3.5 dense and MoE (Gated DeltaNet): transformers' own forward ignores packing (flag-off comparisons of packed
+# rows: tests/test_qwen35_model.py)
+GDN_KINDS = ["qwen35", "qwen35_moe"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", KINDS + OTHER_SHAPES)
+@pytest.mark.parametrize("kind", KINDS + GDN_KINDS + OTHER_SHAPES)
 def test_rollout_equals_training_bitwise_with_flag_on(kind, dtype):
     model = model_for(kind, dtype)
     seqs = sequences()

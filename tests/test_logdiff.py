@@ -20,7 +20,8 @@ def test_logdiff_cli_reports_zero_only_with_the_flag_on():
     )
     records = json.loads(result.stdout)
     combos = {(r["model"], r["dtype"], r["deterministic"]) for r in records}
-    assert combos == {(m, d, f) for m in ("dense", "moe", "qwen2", "llama") for d in ("float32", "bfloat16") for f in (True, False)}
+    kinds = ("dense", "moe", "qwen2", "llama", "qwen35", "qwen35_moe")
+    assert combos == {(m, d, f) for m in kinds for d in ("float32", "bfloat16") for f in (True, False)}
     for record in records:
         # 8 prompts x 64 generated tokens, all scored
         assert record["tokens"] == 8 * 64

@@ -708,7 +708,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def rope_table(config, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``(cos, sin)`` of shape [max_position_embeddings, :func:`architectures.rotary_dim`], computed once per model.
+    """fp32 ``(cos, sin)`` [max_position_embeddings, :func:`architectures.rotary_dim`], computed once per model.
 
     Invariant: both engines index the SAME table by absolute position, so a position's rotation
     never depends on which other positions were computed with it (torch's ``cos``/``sin`` kernels
