@@ -432,6 +432,14 @@ def gdn_forward(layer, hidden_states: torch.Tensor) -> torch.Tensor:
         raise UnsupportedFeatureError("true_on_policy (vLLM): Qwen3-Next's interleaved in_proj_qkvz is not covered")
     if layer.tp_size != 1:
         raise UnsupportedFeatureError(f"true_on_policy (vLLM): Gated DeltaNet at TP {layer.tp_size} is not covered")
+    norm = layer.norm
+    if (norm.activation != "silu" or not norm.norm_before_gate or norm.group_size is not None
+            or layer.conv1d.bias is not None):
+        raise UnsupportedFeatureError(
+            f"true_on_policy (vLLM): Gated DeltaNet with gated norm activation={norm.activation!r}, norm_before_gate="
+            f"{norm.norm_before_gate}, group_size={norm.group_size}, conv bias={layer.conv1d.bias is not None} is not "
+            "covered (covered: silu, norm before gate, one group, no conv bias)"
+        )
     mixed_qkvz, _ = layer.in_proj_qkvz(hidden_states)
     ba, _ = layer.in_proj_ba(hidden_states)
     mixed_qkv, z = mixed_qkvz.split([layer.key_dim * 2 + layer.value_dim, layer.value_dim], dim=-1)
