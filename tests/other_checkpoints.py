@@ -62,3 +62,23 @@ def llama_checkpoint(directory) -> str:
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
     )
     return tiny_assets.save_checkpoint(config, directory, 13)
+
+
+def qwen35_moe_checkpoint(directory) -> str:
+    """A Qwen3.5-MoE text model of another shape than the shipped one: hidden 96, 3 layers (Gated DeltaNet,
+    gated attention, Gated DeltaNet), GDN 2 key heads of 32 / 6 value heads of 32, attention GQA 6/2 of
+    head_dim 32 with partial RoPE 0.5, 8 experts top-3 and a shared expert of 48, vocabulary 160."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=160, hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=32, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+        partial_rotary_factor=0.5,  # the config class writes a top-level 0.25 otherwise, which vLLM would read
+        linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=6, moe_intermediate_size=48, shared_expert_intermediate_size=48, num_experts=8,
+        num_experts_per_tok=3, max_position_embeddings=512, tie_word_embeddings=False,
+        architectures=["Qwen3_5MoeForCausalLM"],
+        eos_token_id=tiny_assets.SPECIAL_TOKENS.index("<|im_end|>"), pad_token_id=0, bos_token_id=None,
+    )
+    return tiny_assets.save_checkpoint(config, directory, 14)

@@ -115,8 +115,11 @@ REFUSED = [
     ("qwen35_moe", {"norm_topk_prob": False}, "Qwen3_5MoeForCausalLM: norm_topk_prob=false"),
     ("qwen35", {"attention_bias": True}, "Qwen3_5ForCausalLM: attention_bias=true"),
     ("qwen35", {"linear_num_value_heads": 3}, "Qwen3_5ForCausalLM: 3 Gated DeltaNet value heads over 2 key heads"),
-    ("qwen35", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}},
-     "Qwen3_5ForCausalLM: partial_rotary_factor=0.1 gives 3 rotated features"),
+    ("qwen35", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1},
+                "partial_rotary_factor": 0.1}, "Qwen3_5ForCausalLM: partial_rotary_factor=0.1 gives 3 rotated features"),
+    # Qwen3_5*TextConfig writes a top-level 0.25 beside rope_parameters' factor; the engines read different ones
+    ("qwen35", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "Qwen3_5ForCausalLM: partial_rotary_factor=0.25 differs from rope_parameters.partial_rotary_factor=0.5"),
     ("qwen35", {"num_experts": 8}, "Qwen3_5ForCausalLM: num_experts=8 on a dense architecture"),
     ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "Qwen2ForCausalLM: RoPE scaling 'yarn'"),
     ("qwen2", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,

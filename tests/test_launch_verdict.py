@@ -39,6 +39,9 @@ CASES = [
     ("cpu_tiny_grpo_vllm", [], 0, "launch accepted"),  # GRPO, n=4: no FlashREINFORCE invariant applies
     ("cpu_tiny_qwen2_vllm", [], 0, "launch accepted"),
     ("cpu_tiny_llama_vllm", [], 0, "launch accepted"),
+    ("cpu_tiny_qwen35_vllm", [], 0, "launch accepted (consistent and verified"),
+    ("cpu_tiny_qwen35_moe_vllm", [], 0, "launch accepted (consistent and verified"),
+    ("cpu_tiny_qwen35_vllm", [f"{R}.engine_kwargs.vllm.mamba_ssm_cache_dtype=bfloat16"], 2, "[ssm_state_dtype]"),
     ("cpu_tiny_vllm_tp2", [], 0, "launch accepted (consistent and verified"),  # training TP 1, rollout TP 2: the TP-invariant kernels
     ("cpu_tiny_moe_vllm_ep2", [], 0, "launch accepted (consistent and verified"),
     ("cpu_tiny", [f"{R}.n=2", f"{T}.relax_invariants=[single_rollout]"], 0, "launch accepted"),

