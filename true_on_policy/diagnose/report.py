@@ -10,8 +10,6 @@ import dataclasses
 import json
 import math
 
-from true_on_policy.kernels import ops
-
 
 CATEGORIES = ("operator", "implementation", "parallel", "weights")
 

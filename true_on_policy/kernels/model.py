@@ -856,7 +856,7 @@ class _RolloutBatch:
         grid[self.seg, self.pos, layer, 1] = value[0].transpose(0, 1).to(grid.dtype)
         k_grid = grid[:, :, layer, 0].transpose(1, 2)  # [S, Hkv, span, D]
         v_grid = grid[:, :, layer, 1].transpose(1, 2)
-        n, hq, dim = query.shape[2], query.shape[1], query.shape[3]
+        hq, dim = query.shape[1], query.shape[3]
         if ops.enabled() != self.plan_flag:
             raise RuntimeError("true_on_policy: the consistent flag was switched in the middle of a forward")
         if self.plan is not None:
