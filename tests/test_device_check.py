@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from true_on_policy import tiny_assets
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -28,12 +30,12 @@ def test_device_check_on_cpu_flag_on_is_bitwise_and_off_is_not(tmp_path):
         ) == 0
         records = json.loads(out.read_text())
         logdiff = [r for r in records if r["case"].startswith("logdiff/")]
-        assert {r["case"] for r in logdiff} == {f"logdiff/{kind}/bfloat16" for kind in ("dense", "moe", "qwen2", "llama")}
+        assert {r["case"] for r in logdiff} == {f"logdiff/{kind}/bfloat16" for kind in tiny_assets.MODEL_KINDS}
         on = [r for r in logdiff if r["deterministic"]]
         off = [r for r in logdiff if not r["deterministic"]]
         assert all(r["max_abs_diff"] == 0.0 and r["frac_equal"] == 1.0 and r["tokens"] == 64 for r in on)
         overhead = [r for r in records if r["case"].startswith("overhead/")]
-        assert len(overhead) == 2 * 4  # two cases per tiny model
+        assert len(overhead) == 2 * len(tiny_assets.MODEL_KINDS)  # two cases per tiny model
         assert all(r["on_ms"] > 0 and r["off_ms"] > 0 and r["ratio"] == r["on_ms"] / r["off_ms"] for r in overhead)
         if any(r["max_abs_diff"] > 0.0 for r in off):  # the twin: without the kernels the sides differ
             return
