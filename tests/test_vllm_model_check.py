@@ -70,5 +70,6 @@ def test_vllm_builds_what_each_architecture_entry_describes(report):
     llama3, biased = report[3], report[4]
     assert llama3["rope_classes"] == ["ConsistentLlama3RotaryEmbedding"]
     assert biased["rope_classes"] == ["ConsistentLinearScalingRotaryEmbedding"]
-    assert biased["built"] == {"qkv_bias": True, "o_bias": True, "qk_norm": False, "mlp_bias": True}
+    assert biased["built"] == {"qkv_bias": True, "o_bias": True, "qk_norm": False, "mlp_bias": True, "rotary_dim": 16,
+                               "linear_attention": None, "shared_expert": False}
     assert report[2]["built"]["qkv_bias"] and not report[2]["built"]["o_bias"]  # Qwen2: QKV bias only
