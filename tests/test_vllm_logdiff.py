@@ -42,7 +42,8 @@ def served(request):
     del llm
 
 
-def _check(flag, prompts, samples, model, temperature):
+def check_logdiff(flag, prompts, samples, model, temperature):
+    """Flag on: vLLM's recorded sampling log-probs equal the training forward's (torch.equal); flag off: they differ."""
     recorded = engine.recorded(samples)
     scored = engine.score(model, prompts, samples, flag, None, temperature=temperature)
     if flag:
@@ -56,7 +57,7 @@ def test_batching_chunked_prefill_n_temperature(served):
     prompts = make_prompts(8, model.config.vocab_size)  # 1..200 tokens: the longest are chunked
     samples = engine.generate(llm, prompts, 24, n=2, temperature=TEMPERATURE)
     assert all(len(per_prompt) == 2 for per_prompt in samples)
-    _check(flag, prompts, samples, model, TEMPERATURE)
+    check_logdiff(flag, prompts, samples, model, TEMPERATURE)
 
 
 SHARED_PREFIX = 150  # tokens: 9 whole blocks of 16 cacheable
@@ -93,8 +94,8 @@ def test_prefix_caching(served):
     second, cached = generate_counting_cached_tokens(llm, prompts, 16)
     # served from cached prefix blocks: at least the shared prefix's whole blocks, for every prompt
     assert min(cached) >= SHARED_PREFIX // 16 * 16, cached
-    _check(flag, prompts, first, model, 1.0)
-    _check(flag, prompts, second, model, 1.0)
+    check_logdiff(flag, prompts, first, model, 1.0)
+    check_logdiff(flag, prompts, second, model, 1.0)
 
 
 def test_twin_with_prefix_caching_off_no_token_is_served_from_the_cache():
@@ -119,7 +120,7 @@ def test_weight_reload(served):
     engine.load_weights(llm, {name: p.detach().clone() for name, p in model.state_dict().items()})
     prompts = make_prompts(4, model.config.vocab_size, seed=5)
     samples = engine.generate(llm, prompts, 16)
-    _check(flag, prompts, samples, model, 1.0)
+    check_logdiff(flag, prompts, samples, model, 1.0)
 
 
 def _logdiff_cli(path, dtype, *extra):
