@@ -116,7 +116,7 @@ class SharedRuns:
     def __call__(self, run: Run) -> RunResult:
         base = self(run.resume_from[0]) if run.resume_from else None
         directory = self.root / run.name
-        with _locked(self.root / f"{run.name}.lock"):
+        with _locked(self.root / f"{run.name}.lock", fcntl.LOCK_EX):
             if not (directory / DONE).exists() and not (directory / FAILED).exists():
                 _launch(run, directory, base)
         if (directory / FAILED).exists():
@@ -126,9 +126,9 @@ class SharedRuns:
 
 
 @contextmanager
-def _locked(path: Path):
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+def _locked(path: Path, mode: int):
+    with open(path, "a") as handle:
+        fcntl.flock(handle, mode)
         try:
             yield
         finally:
@@ -140,29 +140,19 @@ _whole_host_held = threading.Event()  # set while this process holds the host wh
 
 
 @contextmanager
-def _flocked(path: Path, mode: int):
-    with open(path, "a") as handle:
-        fcntl.flock(handle, mode)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-@contextmanager
 def vllm_launch_share(config_name: str):
     """Around a launch: a ``*vllm*`` config holds the host-memory lock shared (see the module doc)."""
     if "vllm" not in config_name or _whole_host_held.is_set():
         yield
         return
-    with _flocked(HOST_MEMORY_LOCK, fcntl.LOCK_SH):
+    with _locked(HOST_MEMORY_LOCK, fcntl.LOCK_SH):
         yield
 
 
 @contextmanager
 def whole_host():
     """Hold the host-memory lock exclusively: for a test whose own launches are two vLLM runs at once."""
-    with _flocked(HOST_MEMORY_LOCK, fcntl.LOCK_EX):
+    with _locked(HOST_MEMORY_LOCK, fcntl.LOCK_EX):
         _whole_host_held.set()
         try:
             yield
