@@ -13,8 +13,9 @@ The project's own guard on that path -- the learner refuses a batch short of pro
 (``ShortBatchError``) where verl 0.9.1 would pad the failed groups and train on them -- is shown with
 a sync run whose first rollout fails (tests/support/fail_first_rollouts_agent_loop.py), and its twin:
 the same run with no failure trains. (Measured 2026-12-05: with verl's
-``++trainer.v1.sampler.sync_refill_failed_groups=true``, which the error suggests, the batch was
-still short -- 31 of 32 prompts -- and the run stopped with the same error.)
+``++trainer.v1.sampler.sync_refill_failed_groups=true`` the batch was still short -- 31 of 32
+prompts -- and the run stopped with the same error; the error names the async sampler instead, whose
+re-queue of a failed prompt tests/test_async_sampler_e2e.py shows.)
 """
 
 import subprocess

@@ -491,5 +491,5 @@ def test_a_batch_missing_failed_rollouts_is_refused_by_name():
     short = KVBatchMeta(
         partition_id="train", keys=keys[:6] + ["pad_0_0"], tags=[{} for _ in keys[:6]] + [{"is_padding": True}]
     )
-    with pytest.raises(trainer_hooks.ShortBatchError, match=r"6 prompts, expected 8.*sync_refill_failed_groups"):
+    with pytest.raises(trainer_hooks.ShortBatchError, match=r"6 prompts, expected 8.*re-queues a failed prompt"):
         trainer_hooks.require_full_batch(short, 8)

@@ -197,8 +197,9 @@ def require_full_batch(batch, expected_prompts: int) -> None:
         raise ShortBatchError(
             f"the learner got trajectories of {len(prompts)} prompts, expected {expected_prompts} "
             f"(data.train_batch_size / parameter_sync_step): {expected_prompts - len(prompts)} rollout(s) failed "
-            "(a dead or failing rollout server?). Refusing to train on a silently shorter batch; set "
-            "trainer.v1.sampler.sync_refill_failed_groups=true to have verl roll failed prompts out again."
+            "(a dead or failing rollout server?). Refusing to train on a silently shorter batch. The async "
+            "single-rollout sampler (configs/common/async_sampler.yaml, as in cpu_tiny_async) re-queues a failed "
+            "prompt; verl 0.9.1's trainer.v1.sampler.sync_refill_failed_groups=true did not (the batch stayed short)."
         )
 
 
