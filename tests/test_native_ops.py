@@ -57,6 +57,22 @@ def test_twin_without_openmp_the_native_loops_run_serially():
         assert serial.parallel_threads(8) == 1
 
 
+def test_the_build_compiles_copies_named_by_the_build_directory_not_the_package(tmp_path):
+    """torch's ninja rules name each source by its path: compiled from the package's own files, two
+    copies of the package on one environment (a checkout and a wheel, two worktrees) would each
+    rewrite the shared build's rules and recompile the library the other had just built. The build
+    compiles copies inside its directory (whose name holds the sources' hash), the same paths for
+    every copy of the package; staging again leaves them untouched."""
+    staged = native.staged_sources(tmp_path)
+    assert [path.parent for path in staged] == [tmp_path / "src"] * len(native.SOURCES)
+    for path in native.SOURCES + native.HEADERS:
+        assert (tmp_path / "src" / path.name).read_bytes() == path.read_bytes()
+    stamps = [path.stat().st_mtime_ns for path in staged]
+    assert native.staged_sources(tmp_path) == staged and [path.stat().st_mtime_ns for path in staged] == stamps
+    # the twin: the package's own paths, which differ from copy to copy
+    assert all(tmp_path not in path.parents for path in native.SOURCES)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_and_fixed_sum_are_the_torch_codes_bits(dtype):
     g = gen(0)

@@ -59,6 +59,23 @@ def build_directory(cflags=CFLAGS, ldflags=LDFLAGS) -> Path:
     raise OSError(f"no writable build directory for the native kernels under {sys.prefix} or ~/.cache")
 
 
+def staged_sources(directory: Path) -> list[Path]:
+    """The sources (and headers) copied into ``directory``, whose name already holds their hash: the
+    build (ninja's rules name each source by path) is then the same for every copy of this package
+    on the environment -- an editable checkout, a worktree, an installed wheel -- instead of each
+    rebuilding the shared library the other just built. Written atomically (concurrent builders)."""
+    staged = directory / "src"
+    staged.mkdir(exist_ok=True)
+    for path in SOURCES + HEADERS:
+        target = staged / path.name
+        code = path.read_bytes()
+        if not target.exists() or target.read_bytes() != code:
+            partial = staged / f".{path.name}.{os.getpid()}"
+            partial.write_bytes(code)
+            os.replace(partial, target)
+    return [staged / path.name for path in SOURCES]
+
+
 def build(cflags=CFLAGS, ldflags=LDFLAGS) -> ModuleType:
     """Build (or load the already built) library; raises if the compiler fails. Other flags than the
     defaults are for tests (a build without OpenMP shows what -fopenmp is for)."""
@@ -67,7 +84,7 @@ def build(cflags=CFLAGS, ldflags=LDFLAGS) -> ModuleType:
     directory = build_directory(cflags, ldflags)
     return load(
         name=f"true_on_policy_fixed_order_{directory.name.split('-')[1]}",
-        sources=[str(path) for path in SOURCES],
+        sources=[str(path) for path in staged_sources(directory)],
         extra_cflags=list(cflags),
         extra_ldflags=list(ldflags),
         build_directory=str(directory),
