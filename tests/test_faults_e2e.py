@@ -11,25 +11,26 @@ which trains every step.
 
 The project's own guard on that path -- the learner refuses a batch short of prompts
 (``ShortBatchError``) where verl 0.9.1 would pad the failed groups and train on them -- is shown with
-a sync run whose first rollout fails (tests/support/fail_first_rollouts_agent_loop.py), and its twin:
-the same run with no failure trains. (Measured 2026-12-05: with verl's
+a sync run whose first rollout fails (tests/support/fail_first_rollouts_agent_loop.py, through the
+behaviour test's agent loop), and its twin: the same run with no failure (the behaviour test's control
+run) trains. (Measured 2026-12-05: with verl's
 ``++trainer.v1.sampler.sync_refill_failed_groups=true`` the batch was still short -- 31 of 32
 prompts -- and the run stopped with the same error; the error names the async sampler instead, whose
 re-queue of a failed prompt tests/test_async_sampler_e2e.py shows.)
 """
 
+import dataclasses
 import subprocess
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-from verl_run import CPU_TINY, CPU_TINY_ASYNC, REPO, Run, kill_session, read_file_logger, trainer_command, trainer_env
+from test_behaviour_log_probs_e2e import CONTROL
+from verl_run import CPU_TINY, CPU_TINY_ASYNC, REPO, kill_session, read_file_logger, trainer_command, trainer_env
 
 pytestmark = pytest.mark.e2e
 
-SUPPORT = Path(__file__).resolve().parent / "support"
 FAIL_ENV_VAR = "TOP_TEST_FAIL_FIRST_ROLLOUTS"  # fail_first_rollouts_agent_loop.FAIL_ENV_VAR (not importable here)
 KILL_BOUND_S = 120  # from the kill to the driver's exit (measured: 11.7 s sync, 13.5 s async)
 HUNG_S = 600  # no exit by then: the run hangs (a wait this long keeps the bound above reachable)
@@ -93,28 +94,21 @@ def test_twin_the_same_run_unkilled_trains_every_step(verl_runs, config_name):
     assert sorted(verl_runs(run).metrics) == list(range(1, steps_total + 1))
 
 
-FAILING_FIRST_ROLLOUT = (
-    "trainer.total_training_steps=1",
-    f"actor_rollout_ref.rollout.agent.agent_loop_config_path={SUPPORT / 'fail_first_rollouts_agent_loop.yaml'}",
-    "actor_rollout_ref.rollout.agent.default_agent_loop=fail_first_rollouts",
-)
-
-
-def _with_failing_rollouts(failures: int) -> Run:
-    """cpu_tiny, 1 step, the first ``failures`` prompts' rollouts raising once each."""
-    return Run("cpu_tiny", FAILING_FIRST_ROLLOUT, env=((FAIL_ENV_VAR, str(failures)),), pythonpath=(str(SUPPORT),))
+# The failed-rollout run is the behaviour test's control run (cpu_tiny, 1 step, its test agent loop, which
+# also fails the first N prompts it sees) with one failure; the control run itself is the twin.
+FAILED_ROLLOUT = dataclasses.replace(CONTROL, env=CONTROL.env + ((FAIL_ENV_VAR, "1"),))
 
 
 def test_a_sync_batch_short_of_a_failed_prompt_stops_the_run_with_short_batch_error(verl_runs):
     """verl 0.9.1 (sync_refill_failed_groups=false) pads the failed group; the learner refuses it by name."""
     with pytest.raises(AssertionError, match="failed") as failure:
-        verl_runs(_with_failing_rollouts(1))
+        verl_runs(FAILED_ROLLOUT)
     text = str(failure.value)
     assert "ShortBatchError" in text and "31 prompts, expected 32" in text and "1 rollout(s) failed" in text, text[-4000:]
 
 
 def test_twin_the_same_run_without_a_failed_rollout_trains(verl_runs):
-    """The same launch (the test agent loop, its failure budget 0): a full batch, trained at logdiff 0."""
-    metrics = verl_runs(_with_failing_rollouts(0)).metrics
+    """The same launch without the failure (the behaviour test's control run): a full batch, trained at logdiff 0."""
+    metrics = verl_runs(CONTROL).metrics
     assert sorted(metrics) == [1]
     assert metrics[1]["training/rollout_probs_diff_max"] == 0.0

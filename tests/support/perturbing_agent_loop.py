@@ -21,7 +21,10 @@ What to perturb comes from the environment variable ``PERTURB_ENV_VAR``, a JSON 
 * ``shift``: dataset index -> eps; the recorded log-probs are lowered by eps, a small change the
   gate admits but the importance ratio exp(current - recorded) = exp(eps) shows.
 
-Unset or empty: the loop is verl's single-turn loop unchanged.
+Unset or empty: the loop is verl's single-turn loop unchanged. It is also
+:class:`fail_first_rollouts_agent_loop.FailFirstRolloutsAgentLoop` (its ``FAIL_ENV_VAR`` unset: no
+failure), so tests/test_faults_e2e.py's failed-rollout run is this test's control run plus one failure,
+and the control run is its twin.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ import math
 import os
 from typing import Any
 
+from fail_first_rollouts_agent_loop import FailFirstRolloutsAgentLoop
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
-from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
 PERTURB_ENV_VAR = "TOP_TEST_PERTURB_ROLLOUT_LOG_PROBS"
 FAR_SHIFT = 20.0
@@ -60,7 +63,7 @@ def _as_int(value: Any) -> int:
     return int(value.item()) if hasattr(value, "item") else int(value)
 
 
-class PerturbingAgentLoop(SingleTurnAgentLoop):
+class PerturbingAgentLoop(FailFirstRolloutsAgentLoop):
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         output = await super().run(sampling_params, **kwargs)
         plan = perturbation_plan()
