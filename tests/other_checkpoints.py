@@ -82,3 +82,33 @@ def qwen35_moe_checkpoint(directory) -> str:
         eos_token_id=tiny_assets.SPECIAL_TOKENS.index("<|im_end|>"), pad_token_id=0, bos_token_id=None,
     )
     return tiny_assets.save_checkpoint(config, directory, 14)
+
+
+def qwen35_mrope_checkpoint(directory, interleaved: bool = True) -> str:
+    """A dense Qwen3.5 text model carrying a real checkpoint's multimodal RoPE keys (``rope_parameters``
+    ``mrope_section`` [3, 3, 2] over the 8 frequencies of partial RoPE 0.5 on head_dim 32, ``mrope_interleaved``):
+    vLLM builds its ``MRotaryEmbedding`` and feeds it (3, tokens) position rows. Hidden 96, 3 layers
+    (Gated DeltaNet, gated attention, Gated DeltaNet), GDN 2 key heads / 4 value heads of 16, GQA 6/2, vocabulary 160."""
+    from transformers import Qwen3_5TextConfig
+
+    rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5, "mrope_section": [3, 3, 2],
+            "mrope_interleaved": interleaved}
+    config = Qwen3_5TextConfig(
+        vocab_size=160, hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=32, layer_types=["linear_attention", "full_attention", "linear_attention"], rope_parameters=rope,
+        partial_rotary_factor=0.5,  # the config class writes a top-level 0.25 otherwise, which vLLM would read
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, intermediate_size=160, max_position_embeddings=512, tie_word_embeddings=False,
+        architectures=["Qwen3_5ForCausalLM"],
+        eos_token_id=tiny_assets.SPECIAL_TOKENS.index("<|im_end|>"), pad_token_id=0, bos_token_id=None,
+    )
+    return tiny_assets.save_checkpoint(config, directory, 15)
+
+
+def dense_mrope_checkpoint(directory) -> str:
+    """:func:`dense_checkpoint` whose ``rope_parameters`` carry a multimodal checkpoint's ``mrope_section``
+    (its 16 frequencies as [6, 5, 5]): vLLM builds ``MRotaryEmbedding`` for it, which Qwen3 cannot feed."""
+    from transformers import Qwen3Config
+
+    rope = {"rope_type": "default", "rope_theta": COMMON["rope_theta"], "mrope_section": [6, 5, 5]}
+    return tiny_assets.save_checkpoint(Qwen3Config(**{**COMMON, "rope_theta": None}, rope_parameters=rope), directory)

