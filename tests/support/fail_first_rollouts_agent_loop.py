@@ -3,7 +3,8 @@
 Used by tests/test_async_sampler_e2e.py (and, through perturbing_agent_loop.py, by
 tests/test_faults_e2e.py): the exception is what a crashed tool or a dead server connection produces;
 verl's agent_loop_tq marks the prompt ``failure`` with no trajectory, and the single-rollout sampler
-must re-queue it (the sync learner refuses the short batch). N comes from the environment variable ``FAIL_ENV_VAR``.
+must re-queue it (the sync learner refuses the short batch). N comes from the environment variable
+``FAIL_ENV_VAR``.
 
 verl's agent-loop worker (a Ray actor; num_workers=1 in cpu_tiny, so one process keeps the count)
 builds it through hydra from ``fail_first_rollouts_agent_loop.yaml`` (next to this module), with

@@ -71,8 +71,9 @@ def start(path: str, dtype: str, deterministic: bool, tp: int = 1, ep: bool = Fa
         max_num_batched_tokens=128,
         seed=0,
         mamba_ssm_cache_dtype=SSM_STATE_DTYPE,
-        # TP 1: the worker inside the engine-core process (one start, not two); else one process per rank
-        distributed_executor_backend="uni" if tp == 1 else "mp",
+        # one worker process per rank: vLLM-CPU turns "uni" into "mp" while the engine core runs in its own
+        # process (vllm/platforms/cpu.py), so TP 1 is one worker process too
+        distributed_executor_backend="mp",
         tensor_parallel_size=tp,
         enable_expert_parallel=ep,
         logprobs_mode="processed_logprobs",  # after temperature, as verl's vLLM rollout sets it
