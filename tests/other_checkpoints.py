@@ -84,15 +84,15 @@ def qwen35_moe_checkpoint(directory) -> str:
     return tiny_assets.save_checkpoint(config, directory, 14)
 
 
-def qwen35_mrope_checkpoint(directory, interleaved: bool = True) -> str:
+def qwen35_mrope_checkpoint(directory) -> str:
     """A dense Qwen3.5 text model carrying a real checkpoint's multimodal RoPE keys (``rope_parameters``
-    ``mrope_section`` [3, 3, 2] over the 8 frequencies of partial RoPE 0.5 on head_dim 32, ``mrope_interleaved``):
-    vLLM builds its ``MRotaryEmbedding`` and feeds it (3, tokens) position rows. Hidden 96, 3 layers
-    (Gated DeltaNet, gated attention, Gated DeltaNet), GDN 2 key heads / 4 value heads of 16, GQA 6/2, vocabulary 160."""
+    ``mrope_section`` [3, 3, 2] over the 8 frequencies of partial RoPE 0.5 on head_dim 32, ``mrope_interleaved``
+    true), which vLLM 0.28.0 drops for the text model (1-D positions). Hidden 96, 3 layers (Gated DeltaNet,
+    gated attention, Gated DeltaNet), GDN 2 key heads / 4 value heads of 16, GQA 6/2, vocabulary 160."""
     from transformers import Qwen3_5TextConfig
 
     rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5, "mrope_section": [3, 3, 2],
-            "mrope_interleaved": interleaved}
+            "mrope_interleaved": True}
     config = Qwen3_5TextConfig(
         vocab_size=160, hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
         head_dim=32, layer_types=["linear_attention", "full_attention", "linear_attention"], rope_parameters=rope,
