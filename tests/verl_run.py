@@ -259,7 +259,7 @@ def run_trainer(
     with tempfile.TemporaryDirectory(prefix="verl_run_") as scratch:
         path = Path(metrics_path) if metrics_path is not None else Path(scratch) / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        command = trainer_command(config_name, *overrides)
+        command = trainer_command(config_name, *overrides, f"hydra.run.dir={Path(scratch) / 'hydra'}")
         with vllm_launch_share(config_name):
             result = subprocess.run(
                 command, cwd=REPO, env=trainer_env(path), capture_output=True, text=True, timeout=timeout
