@@ -17,7 +17,6 @@ COMMON = dict(
 )
 
 
-
 def moe_checkpoint(directory) -> str:
     """head_dim 32, GQA 6/2, 3 layers with a dense one, 8 experts top-3, vocabulary 160."""
     from transformers import Qwen3MoeConfig
@@ -27,13 +26,6 @@ def moe_checkpoint(directory) -> str:
         **COMMON,
     )
     return tiny_assets.save_checkpoint(config, directory)
-
-
-def dense_checkpoint(directory) -> str:
-    """head_dim 32, GQA 6/2, 3 layers, intermediate 160, vocabulary 160."""
-    from transformers import Qwen3Config
-
-    return tiny_assets.save_checkpoint(Qwen3Config(**COMMON), directory)
 
 
 def qwen2_checkpoint(directory) -> str:
@@ -106,8 +98,9 @@ def qwen35_mrope_checkpoint(directory) -> str:
 
 
 def dense_mrope_checkpoint(directory) -> str:
-    """:func:`dense_checkpoint` whose ``rope_parameters`` carry a multimodal checkpoint's ``mrope_section``
-    (its 16 frequencies as [6, 5, 5]): vLLM builds ``MRotaryEmbedding`` for it, which Qwen3 cannot feed."""
+    """A dense Qwen3 (head_dim 32, GQA 6/2, 3 layers, intermediate 160, vocabulary 160) whose ``rope_parameters``
+    carry a multimodal checkpoint's ``mrope_section`` (its 16 frequencies as [6, 5, 5]): vLLM builds
+    ``MRotaryEmbedding`` for it, which Qwen3 cannot feed."""
     from transformers import Qwen3Config
 
     rope = {"rope_type": "default", "rope_theta": COMMON["rope_theta"], "mrope_section": [6, 5, 5]}
