@@ -39,7 +39,7 @@ from verl_run import read_file_logger, trainer_command, trainer_env  # noqa: E40
 VARIANTS = ("eager", "compiled")
 
 ONE_ENGINE = """
-import os, sys
+import sys
 from true_on_policy import tiny_assets
 from true_on_policy.vllm_adapter import engine
 if sys.argv[1] == "compiled":
@@ -87,8 +87,8 @@ def engine_variant(variant: str, scratch: Path) -> tuple[float, float]:
 
 def launch_variant(variant: str, scratch: Path) -> tuple[float, float]:
     metrics = scratch / f"{variant}-{time.monotonic_ns()}.jsonl"
-    overrides = ["trainer.total_training_steps=2", f"hydra.run.dir={scratch / 'hydra'}"]
-    overrides.append(f'++ray_kwargs.ray_init.runtime_env.env_vars.TORCH_COMPILE_DISABLE="{int(variant == "eager")}"')
+    overrides = ("trainer.total_training_steps=2", f"hydra.run.dir={scratch / 'hydra'}",
+                 f'++ray_kwargs.ray_init.runtime_env.env_vars.TORCH_COMPILE_DISABLE="{int(variant == "eager")}"')
     wall, cpu = timed(trainer_command("cpu_tiny_vllm", *overrides), env=trainer_env(metrics))
     steps = read_file_logger(metrics)
     diffs = [steps[s]["training/rollout_probs_diff_max"] for s in sorted(steps)]
