@@ -18,11 +18,10 @@ Equal Runs are one run, so two files that declare the same Run share it. A launc
 fails every test that reads it with the same message, without launching again. Every shared launch
 writes its checkpoints and Hydra output under its own folder (never the repository's).
 
-The runs several tests read are declared below (``CPU_TINY`` ...). To move a test onto a shared run:
-replace ``run_trainer(config, *overrides)`` by ``verl_runs(Run(config, overrides))`` (or a declared
-Run: a run of more steps serves a test that reads the first few). A test that needs its own process (a SIGTERM, a killed server, a launch expected to fail) uses
-:func:`trainer_command` / :func:`trainer_env`; :func:`run_trainer` and :func:`run_logged` launch
-an unshared run.
+The runs several tests read are declared below (``CPU_TINY`` ...); a test declares its own as
+``verl_runs(Run(config, overrides))`` (a run of more steps serves a test that reads the first few). A
+test that needs its own process (a SIGTERM, a killed server, a launch expected to fail) uses
+:func:`trainer_command` / :func:`trainer_env`; :func:`run_logged` launches an unshared run.
 
 Host memory: a verl launch with a vLLM rollout takes about 8 GiB (Ray, two training ranks, vLLM's
 processes), so two fit this 24 GiB host and three do not. Such launches share the host
@@ -257,29 +256,6 @@ def learned(metrics: dict[int, dict[str, float]], step_numbers) -> bool:
 
 
 # ---------------------------------------------------------------- unshared launches
-def run_trainer(
-    config_name: str, *overrides: str, timeout: int = 900, metrics_path: Path | None = None
-) -> tuple[str, dict[int, dict[str, float]]]:
-    """Run the trainer to completion and return (console log, per-step metrics from the JSONL file).
-
-    Fails with the log's tail if the trainer does not exit cleanly or wrote no metrics file.
-    """
-    with tempfile.TemporaryDirectory(prefix="verl_run_") as scratch:
-        path = Path(metrics_path) if metrics_path is not None else Path(scratch) / "metrics.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        command = trainer_command(config_name, *overrides, f"hydra.run.dir={Path(scratch) / 'hydra'}")
-        with vllm_launch_share(config_name):
-            result = subprocess.run(
-                command, cwd=REPO, env=trainer_env(path), capture_output=True, text=True, timeout=timeout
-            )
-        log = result.stdout + result.stderr
-        if result.returncode != 0:
-            raise AssertionError(f"trainer exited {result.returncode}; command: {' '.join(command)}\n{log[-6000:]}")
-        if not path.exists():
-            raise AssertionError(f"trainer wrote no metrics file at {path}; command: {' '.join(command)}\n{log[-3000:]}")
-        return log, read_step_metrics(path)
-
-
 def trainer_command(config_name: str, *overrides: str) -> list[str]:
     """``python -m verl.trainer.main_ppo`` for ``config_name``, run from the repository: Hydra's run
     folder (its ``outputs/``) goes to a fresh temporary folder unless ``overrides`` name one, so that
