@@ -12,7 +12,7 @@ workload: verl's agent-loop worker runs true_on_policy.verl_adapter.tool_latency
 generations by the CPU rollout engine with a tool call between consecutive ones, the tool awaiting a
 Pareto (``--tool-min-s``, ``--pareto-alpha``) or lognormal latency seeded by (seed, prompt, attempt,
 turn), so every prompt's first rollout waits the same in both variants. Times are verl's own
-``timing_s/step`` from its file logger (tests/verl_run.py runs the trainer and reads it); step 1
+``timing_s/step`` from its file logger (tests/support/verl_run.py runs the trainer and reads it); step 1
 (start-up, the first dispatch) is left out of both: throughput = B * (steps - 1) / sum of
 ``timing_s/step`` over steps 2..steps. Each repeat draws a new workload (seed + repeat) shared by both
 variants, and the variants alternate order between repeats.
@@ -50,7 +50,7 @@ from true_on_policy.rollout.prompt_ledger import PromptLedger, PromptSlot, SlotS
 from true_on_policy.tiny_assets import VOCAB_SIZE, build_model, tiny_model_config
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 from verl_run import run_logged  # noqa: E402  (runs verl's trainer and reads its file logger; shared with the tests)
 
 FIRST_REGULAR_TOKEN = 3  # after the tokenizer's special tokens

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 from verl_run import read_file_logger, trainer_command, trainer_env  # noqa: E402  (shared with the tests)
 
 VARIANTS = ("eager", "compiled")

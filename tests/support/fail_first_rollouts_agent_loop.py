@@ -1,7 +1,7 @@
 """A test agent loop: verl's single-turn loop, except that the first N distinct prompts it sees raise once each.
 
-Used by tests/test_async_sampler_e2e.py (and, through perturbing_agent_loop.py, by
-tests/test_faults_e2e.py): the exception is what a crashed tool or a dead server connection produces;
+Used by tests/e2e/test_async_sampler_e2e.py (and, through perturbing_agent_loop.py, by
+tests/e2e/test_faults_e2e.py): the exception is what a crashed tool or a dead server connection produces;
 verl's agent_loop_tq marks the prompt ``failure`` with no trajectory, and the single-rollout sampler
 must re-queue it (the sync learner refuses the short batch). N comes from the environment variable
 ``FAIL_ENV_VAR``.

@@ -1,6 +1,6 @@
 """A test agent loop: verl's single-turn loop, then it tampers with the RECORDED sampling log-probs.
 
-Used by tests/test_behaviour_log_probs_e2e.py to show that FlashREINFORCE's gate and ratio read the
+Used by tests/e2e/test_behaviour_log_probs_e2e.py to show that FlashREINFORCE's gate and ratio read the
 rollout engine's recorded log-probs (``rollout_log_probs`` -> ``old_log_probs``), not a recompute: the
 tokens, the rewards and the policy are untouched, only the record of how probable each sampled token
 was changes, and with it the gate's decision.
@@ -23,7 +23,7 @@ What to perturb comes from the environment variable ``PERTURB_ENV_VAR``, a JSON 
 
 Unset or empty: the loop is verl's single-turn loop unchanged. It is also
 :class:`fail_first_rollouts_agent_loop.FailFirstRolloutsAgentLoop` (its ``FAIL_ENV_VAR`` unset: no
-failure), so tests/test_faults_e2e.py's failed-rollout run is this test's control run plus one failure,
+failure), so tests/e2e/test_faults_e2e.py's failed-rollout run is this test's control run plus one failure,
 and the control run is its twin.
 """
 

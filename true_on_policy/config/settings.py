@@ -7,7 +7,7 @@ the driver before Ray starts and exports it as one JSON environment variable thr
 advantage refuse to run without it: no silent defaults). No verl import here.
 
 The dataclass is the one schema of the section: ``configs/common/true_on_policy.yaml`` lists every
-key with the default below (tests/test_settings.py holds them equal), so each key is overridable
+key with the default below (tests/unit/test_settings.py holds them equal), so each key is overridable
 on the command line without ``+``. A bad value raises :class:`ConfigError` naming key and value;
 the launch turns it into exit status 2 before Ray starts.
 

@@ -1,7 +1,7 @@
 """The C++ fast path of the consistent kernels on CPU (``csrc/*.cpp``: one library), built once per environment.
 
 :mod:`true_on_policy.kernels.ops` calls it for CPU tensors when it is loaded; it computes the very
-bits of the ops' torch code (``tests/test_native_ops.py`` holds them ``torch.equal``) with one C++
+bits of the ops' torch code (``tests/unit/test_native_ops.py`` holds them ``torch.equal``) with one C++
 call where the torch code dispatches 10-50 small ops. Its attention (and a decode step's linears)
 is fused: the products are the fma chains MKL's GEMM computes on torch's BLAS path, written out --
 used only where :func:`fma_chain_lib` has checked that premise on this CPU. bf16 linears compute

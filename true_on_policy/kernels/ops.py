@@ -377,7 +377,7 @@ def tile_rows(m: int, k: int, n: int, full: int, device: torch.device, leaves: i
     them, iff torch's bmm takes its BLAS path at that height for every product it runs -- each K chunk
     of each of the ``leaves`` tree leaves (:func:`matmul_tree`; R * chunk * N >= :data:`BLAS_MIN_WORK`).
     On that path a row's bits are the same for every tile height R >= 4
-    -- MKL computes each entry as one fma chain over k (``tests/test_native_ops.py``) -- while
+    -- MKL computes each entry as one fma chain over k (``tests/unit/test_native_ops.py``) -- while
     R = 1, 2 and the naive loop differ (``benchmarks/probe_bmm_tile_height.py``), so the row keeps
     the full tile's bits at a fraction of its work. Anywhere else (other devices, many rows): ``full``.
     """

