@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from true_on_policy.kernels.model import patch_transformers
+from true_on_policy.transformers_adapter.forwards import patch_transformers
 
 from true_on_policy.kernels import ops
 from true_on_policy.rollout.engine import RolloutEngine, SamplingParams, derive_seed

@@ -29,7 +29,9 @@ import time
 
 import torch
 
-from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, KVCache, forward_packed, patch_transformers
+from true_on_policy.rollout.packed_forward import KVCache, forward_packed
+from true_on_policy.transformers_adapter.forwards import patch_transformers
+from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION
 from true_on_policy.kernels import ops
 from true_on_policy.tiny_assets import tiny_model_config
 

@@ -6,7 +6,7 @@ Three sections (``--sections``), each comparing two variants alternately within 
   each) at TP 1 and at TP 2 (two worker processes), flag on, best of ``--repeats``: tokens/s and
   ``ratio`` = TP 2 time / TP 1 time.
 * ``kernels``: the tiny model unsharded (TP 1) and sharded over 2 gloo ranks (TP 2,
-  :mod:`true_on_policy.kernels.tensor_parallel`), a packed training forward and a decode step, with
+  :mod:`true_on_policy.transformers_adapter.sharding`), a packed training forward and a decode step, with
   the TP-invariant kernels (reduction tree; at TP 2 an all-gather of fp32 subtrees + the tree's top)
   vs the non-invariant path (K chunks added left to right over each rank's K, at TP 2 an all-reduce
   of the partials -- at TP 1 the kernels as they were before the tree): median ms and ``ratio`` =
@@ -88,9 +88,11 @@ def non_invariant():
 def _kernel_worker(rank: int, port: int, repeats: int, out: str) -> None:
     import torch.distributed as dist
 
-    from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, KVCache, forward_packed, patch_transformers
+    from true_on_policy.rollout.packed_forward import KVCache, forward_packed
+    from true_on_policy.transformers_adapter.forwards import patch_transformers
+    from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION
     from true_on_policy.kernels import ops
-    from true_on_policy.kernels import tensor_parallel
+    from true_on_policy.transformers_adapter import sharding
     from true_on_policy.tiny_assets import build_model
 
     torch.set_num_threads(1)
@@ -102,7 +104,7 @@ def _kernel_worker(rank: int, port: int, repeats: int, out: str) -> None:
             model = build_model(kind, seed=0).to(torch.bfloat16)
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
             if tp_size > 1:
-                tensor_parallel.shard_model(model, tp_size=2, ep_size=2 if kind == "moe" else 1)
+                sharding.shard_model(model, tp_size=2, ep_size=2 if kind == "moe" else 1)
             layout = f"TP{tp_size}{'/EP2' if kind == 'moe' and tp_size > 1 else ''}"
             g = torch.Generator().manual_seed(0)
             lens = [200, 150, 300, 100]

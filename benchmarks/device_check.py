@@ -4,7 +4,7 @@ For a random tiny Qwen3 (dense) and Qwen3-MoE in ``--dtype`` (bf16 by default), 
 ``true_on_policy.tiny_assets`` configs (nothing is downloaded), with the consistent kernels on and off:
 
 1. rollout: ``--prompts`` prompts of spread lengths are prefilled together, then decoded
-   ``--new-tokens`` steps with a per-request KV cache (``kernels.model.forward_packed``), greedy;
+   ``--new-tokens`` steps with a per-request KV cache (``rollout.packed_forward.forward_packed``), greedy;
    the log-prob of every chosen token is recorded from the distribution it was chosen from;
 2. training: the same sequences scored in verl's packed layout (one row, restarting positions) in
    reversed micro-batches of ``--micro-batch`` sequences, then the log-prob of each generated token;
@@ -28,7 +28,8 @@ import time
 import torch
 
 from true_on_policy import tiny_assets
-from true_on_policy.kernels.model import KVCache, forward_packed, patch_transformers
+from true_on_policy.rollout.packed_forward import KVCache, forward_packed
+from true_on_policy.transformers_adapter.forwards import patch_transformers
 from true_on_policy.kernels import ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -23,7 +23,7 @@ import torch
 import other_checkpoints
 from true_on_policy import tiny_assets
 from true_on_policy.cli.logdiff import make_prompts
-from true_on_policy.kernels.model import UnsupportedFeatureError
+from true_on_policy.kernels.architectures import UnsupportedFeatureError
 from test_vllm_logdiff import check_logdiff
 from true_on_policy.vllm_adapter import engine, patches
 

@@ -181,7 +181,8 @@ def build(kind: str, dtype: torch.dtype):
     """The tiny model with weights drawn from this file's generator (independent of HF's init)."""
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, convert_model
+    from true_on_policy.transformers_adapter.forwards import convert_model
+    from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION
     from true_on_policy.tiny_assets import tiny_model_config
 
     model = AutoModelForCausalLM.from_config(tiny_model_config(kind), attn_implementation=ATTN_IMPLEMENTATION)
@@ -202,7 +203,7 @@ def _sequences():
 
 
 def _model_cases(out: dict, kind: str, dname: str) -> None:
-    from true_on_policy.kernels.model import KVCache, forward_packed
+    from true_on_policy.rollout.packed_forward import KVCache, forward_packed
     from true_on_policy.kernels import ops
     from true_on_policy.rollout.engine import RolloutEngine, SamplingParams
 
@@ -291,7 +292,7 @@ def _model_cases(out: dict, kind: str, dname: str) -> None:
 
 def compute(groups: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     """Every golden entry (or those of ``groups``: "ops", "model/dense/fp32", ...) with the flag on."""
-    from true_on_policy.kernels.model import patch_transformers
+    from true_on_policy.transformers_adapter.forwards import patch_transformers
     from true_on_policy.kernels import ops
 
     patch_transformers()

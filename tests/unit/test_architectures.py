@@ -11,12 +11,9 @@ import torch
 
 from true_on_policy import tiny_assets
 from true_on_policy.kernels import architectures, ops
-from true_on_policy.kernels.model import (
-    ATTN_IMPLEMENTATION,
-    UnsupportedFeatureError,
-    patch_transformers,
-    unpatch_transformers,
-)
+from true_on_policy.kernels.architectures import UnsupportedFeatureError
+from true_on_policy.transformers_adapter.forwards import patch_transformers, unpatch_transformers
+from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION
 from true_on_policy.patching import PatchTargetChanged
 from true_on_policy.transformers_adapter import patches
 from kernel_helpers import patched_transformers  # noqa: F401 (an autouse fixture)
@@ -181,7 +178,7 @@ def test_qwen35_mrope_keys_change_no_training_bit(interleaved):
     rows for text, one row of the one RoPE table. Twin: rows that differ (image tokens) are refused by name."""
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.kernels.model import ATTN_IMPLEMENTATION
+    from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION
 
     plain = tiny_assets.tiny_model_config("qwen35")
     config = tiny_assets.tiny_model_config("qwen35")

@@ -8,16 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from true_on_policy.kernels.model import (
-    ATTN_IMPLEMENTATION,
-    ConsistentLMHead,
-    ConsistentLinear,
-    KVCache,
-    UnsupportedFeatureError,
-    forward_packed,
-    patch_transformers,
-    unpatch_transformers,
-)
+from true_on_policy.kernels.architectures import UnsupportedFeatureError
+from true_on_policy.kernels.modules import ConsistentLMHead, ConsistentLinear
+from true_on_policy.rollout.packed_forward import KVCache, forward_packed
+from true_on_policy.transformers_adapter.forwards import patch_transformers, unpatch_transformers
+from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION
 from true_on_policy.kernels import ops
 from true_on_policy.tiny_assets import build_model, tiny_model_config
 from kernel_helpers import threads, patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)

@@ -142,7 +142,7 @@ def test_device_attention_decode_equals_prefill():
 
 
 def test_device_attention_refuses_uncovered_features_by_name():
-    from true_on_policy.kernels.model import UnsupportedFeatureError
+    from true_on_policy.kernels.architectures import UnsupportedFeatureError
     from true_on_policy.vllm_adapter import layers
 
     with pytest.raises(UnsupportedFeatureError, match="sliding_window=64"):

@@ -106,7 +106,8 @@ def test_shared_expert_merged_and_separate_projections_give_the_same_bits(dtype)
 # ----------------------------------------------------------------------------------------------
 
 from kernel_helpers import patched_transformers  # noqa: E402,F401 (an autouse fixture)
-from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, KVCache, forward_packed  # noqa: E402
+from true_on_policy.rollout.packed_forward import KVCache, forward_packed  # noqa: E402
+from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION  # noqa: E402
 from true_on_policy.tiny_assets import build_model  # noqa: E402
 
 KINDS = ["qwen35", "qwen35_moe"]

@@ -21,7 +21,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20]]
 
 @pytest.fixture(scope="module")
 def replicas():
-    from true_on_policy.kernels.model import patch_transformers
+    from true_on_policy.transformers_adapter.forwards import patch_transformers
 
     patch_transformers()
     from true_on_policy.verl_adapter.cpu_rollout import CPUServer

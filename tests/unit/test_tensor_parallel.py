@@ -24,6 +24,7 @@ from kernel_helpers import spawn_ranks
 from support.check_runs import run_check
 from true_on_policy.cli import check
 from true_on_policy.kernels import tensor_parallel
+from true_on_policy.transformers_adapter import sharding
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 WORLD = 2
@@ -43,7 +44,7 @@ def _rollout(model, prompts, generate, seed):
     """Continuous batching: request i is admitted (prefilled) at step i while the earlier ones
     decode; tokens are sampled per request from the fp32 distribution. Returns per request the
     tokens and the log-probs of tokens 1..L-1 (prompt tokens from the prefill rows)."""
-    from true_on_policy.kernels.model import KVCache, forward_packed
+    from true_on_policy.rollout.packed_forward import KVCache, forward_packed
     from true_on_policy.kernels import ops
 
     n = len(prompts)
@@ -83,7 +84,7 @@ def caches_of(caches, active):
 
 def _train(model, sequences, groups):
     """Packed training forwards, one per micro-batch; log-probs of tokens 1..L-1 per sequence."""
-    from true_on_policy.kernels.model import forward_packed
+    from true_on_policy.rollout.packed_forward import forward_packed
     from true_on_policy.kernels import ops
 
     out = [None] * len(sequences)
@@ -100,13 +101,13 @@ def _train(model, sequences, groups):
 
 
 def _model(kind, dtype, tp_size=1, ep_size=1):
-    from true_on_policy.kernels.model import ATTN_IMPLEMENTATION
+    from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION
     from true_on_policy.tiny_assets import build_model
 
     model = build_model(kind, seed=0).to(dtype)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if tp_size > 1 or ep_size > 1:
-        tensor_parallel.shard_model(model, tp_size=tp_size, ep_size=ep_size)
+        sharding.shard_model(model, tp_size=tp_size, ep_size=ep_size)
     return model
 
 
@@ -182,7 +183,7 @@ def _previous_reduction_order():
 
 
 def _worker(rank: int) -> dict:
-    from true_on_policy.kernels.model import patch_transformers
+    from true_on_policy.transformers_adapter.forwards import patch_transformers
     from true_on_policy.kernels import ops
 
     patch_transformers()

@@ -17,7 +17,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, ROPE_CARRIER, UnsupportedFeatureError, convert_model
+from true_on_policy.kernels.architectures import UnsupportedFeatureError
+from true_on_policy.transformers_adapter.forwards import ROPE_CARRIER, convert_model
+from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION
 from true_on_policy.kernels import ops
 from true_on_policy.tiny_assets import build_model, tiny_model_config
 from kernel_helpers import patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)

@@ -105,7 +105,7 @@ def _load_models(args):
     """``(training, rollout, source, label)``: the two copies, the directory they came from and its
     name in the report."""
     from true_on_policy import tiny_assets
-    from true_on_policy.kernels.model import patch_transformers
+    from true_on_policy.transformers_adapter.forwards import patch_transformers
     from true_on_policy.kernels.ops import DTYPES
 
     dtype = DTYPES[args.dtype]
@@ -163,7 +163,7 @@ def run(args) -> int:
     import torch
 
     from true_on_policy.diagnose import diagnose
-    from true_on_policy.kernels.model import UnsupportedFeatureError
+    from true_on_policy.kernels.architectures import UnsupportedFeatureError
 
     _check_args(args)
     training, rollout, source, label = _load_models(args)

@@ -19,7 +19,8 @@ import torch
 
 from true_on_policy import tiny_assets
 from true_on_policy.cli.json_output import stdout_to_stderr
-from true_on_policy.kernels.model import forward_packed, patch_transformers
+from true_on_policy.rollout.packed_forward import forward_packed
+from true_on_policy.transformers_adapter.forwards import patch_transformers
 from true_on_policy.kernels import ops
 from true_on_policy.rollout.engine import RolloutEngine, SamplingParams
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from true_on_policy import patching
-from true_on_policy.kernels.model import ROLLOUT_KWARG
+from true_on_policy.transformers_adapter.training_attention import ROLLOUT_KWARG
 from true_on_policy.transformers_adapter import patches
 
 

@@ -11,7 +11,7 @@ import copy
 import torch
 from torch import nn
 
-from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, attention_function
+from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION, attention_function
 from true_on_policy.kernels import ops
 
 

@@ -22,13 +22,9 @@ from true_on_policy.diagnose.capture import _Side, _is_ancestor, _kind, _layer_o
 from true_on_policy.diagnose.compare import _OpStats, _classify, _compare, _rows_absdiff, _rows_equal, _suggest
 from true_on_policy.diagnose.report import Divergence, OpRecord, Report
 from true_on_policy.kernels import ops
-from true_on_policy.kernels.model import (
-    ATTN_IMPLEMENTATION,
-    KVCache,
-    convert_model,
-    forward_packed,
-    patch_transformers,
-)
+from true_on_policy.rollout.packed_forward import KVCache, forward_packed
+from true_on_policy.transformers_adapter.forwards import convert_model, patch_transformers
+from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION
 
 
 @dataclasses.dataclass
@@ -335,7 +331,7 @@ def diagnose(
     be transformers Qwen3 / Qwen3-MoE causal LMs (or of the same structure) with the same
     architecture; they may be the same object. Side effects: ``patch_transformers()`` is called,
     both models are switched to ``attn_implementation="consistent"`` and, when
-    ``deterministic``, their linears are converted (:func:`true_on_policy.kernels.model.convert_model`).
+    ``deterministic``, their linears are converted (:func:`true_on_policy.transformers_adapter.forwards.convert_model`).
     Captures are held on the CPU: memory is about one padded training batch of activations for
     every op (keep sequences few and short for a large model).
     """

@@ -1,17 +1,17 @@
 """Tensor and expert parallelism for the CPU backend, with the same bits at every TP / EP size.
 
-:func:`shard_model` shards a transformers Qwen3 / Qwen3-MoE model in place over a
-``torch.distributed`` group (gloo): attention and MLP column-/row-parallel by whole heads and
-columns, experts in contiguous ranges under EP (no token dispatch), the LM head vocabulary-parallel.
-The sharded model is the same module tree, so it serves the training forward and the rollout.
+The sharded modules (column-/row-parallel linears by whole heads and columns, experts in contiguous
+ranges under EP with no token dispatch, the vocabulary-parallel LM head) and their collectives over a
+``torch.distributed`` group (gloo); :func:`true_on_policy.transformers_adapter.sharding.shard_model`
+puts a transformers model on them in place.
 
 With the flag on, every supported size gives the unsharded bits: a row-parallel shard is a
 complete subtree of :func:`ops.linear`'s fixed tree, and :func:`tree_all_reduce` all-gathers the
 fp32 subtrees and folds the top levels in rank order (never an ``all_reduce``): the one reduction of
 :mod:`.row_parallel`; the experts run the one MoE forward of :mod:`.moe`. Gradients are
 correct, not bitwise. :func:`check_sharding` refuses an unsupported TP / EP by name. With the flag
-off: ``F.linear`` and a plain ``dist.all_reduce``. Pure torch + torch.distributed (+ the
-transformers classes it shards); no verl import. Details: docs/parallelism_and_determinism.md.
+off: ``F.linear`` and a plain ``dist.all_reduce``. Pure torch + torch.distributed; no verl import.
+Details: docs/parallelism_and_determinism.md.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from true_on_policy.kernels import architectures, moe, ops, row_parallel
-from true_on_policy.kernels.architectures import UnsupportedFeatureError
-from true_on_policy.kernels.model import ConsistentLinear, ConsistentLMHead, convert_model, is_patched, require_silu
+from true_on_policy.kernels.modules import ConsistentLinear, ConsistentLMHead, require_silu
 from true_on_policy.kernels.scope import MOE_DISPATCH, ROW_PARALLEL_REDUCTION
 
 __all__ = [
@@ -40,7 +39,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelLMHead",
-    "shard_model",
+    "expert_parallel_class",
     "layout_of",
 ]
 
@@ -216,53 +215,12 @@ def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
 _EP_CLASSES: dict[type, type] = {}
 
 
-def _expert_parallel_class(cls: type) -> type:
+def expert_parallel_class(cls: type) -> type:
     if cls not in _EP_CLASSES:
         _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _expert_parallel_forward})
     return _EP_CLASSES[cls]
 
 
-# ----------------------------------------------------------------------------------------------
-# shard_model
-# ----------------------------------------------------------------------------------------------
-
-
-def _classes():
-    from transformers.models.qwen3 import modeling_qwen3 as q3
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as q3m
-
-    return (
-        (q3.Qwen3Attention, q3m.Qwen3MoeAttention),
-        (q3.Qwen3MLP, q3m.Qwen3MoeMLP),
-        (q3m.Qwen3MoeExperts,),
-        (q3.Qwen3ForCausalLM, q3m.Qwen3MoeForCausalLM),
-    )
-
-
-def _slice_param(param: nn.Parameter, dim: int, index: int, parts: int) -> nn.Parameter:
-    size = param.shape[dim]
-    if size % parts:
-        raise ValueError(f"shard_model: dimension {dim} of size {size} does not split into {parts} parts")
-    width = size // parts
-    return nn.Parameter(param.detach().narrow(dim, index * width, width).clone(), requires_grad=param.requires_grad)
-
-
-def _column(linear: nn.Linear, group, rank: int, parts: int) -> None:
-    """Keep output rows [rank*n/parts, (rank+1)*n/parts)."""
-    linear.weight = _slice_param(linear.weight, 0, rank, parts)
-    if linear.bias is not None:
-        linear.bias = _slice_param(linear.bias, 0, rank, parts)
-    linear.out_features = linear.weight.shape[0]
-    linear.__class__ = ColumnParallelLinear
-    linear.tp_group = group
-
-
-def _row(linear: nn.Linear, group, rank: int, parts: int) -> None:
-    """Keep input columns [rank*k/parts, (rank+1)*k/parts); the bias stays whole (added once)."""
-    linear.weight = _slice_param(linear.weight, 1, rank, parts)
-    linear.in_features = linear.weight.shape[1]
-    linear.__class__ = RowParallelLinear
-    linear.tp_group = group
 
 
 def check_sharding(config, tp_size: int, ep_size: int = 1) -> None:
@@ -294,62 +252,3 @@ def check_sharding(config, tp_size: int, ep_size: int = 1) -> None:
         if value is not None and value % size:
             what = "expert_parallel_size" if key == experts_key else "tensor_parallel_size"
             raise ValueError(f"true_on_policy: the model's {key}={value} does not divide by {what}={size}")
-
-
-def shard_model(model: nn.Module, *, tp_size: int, ep_size: int = 1, group=None) -> nn.Module:
-    """Shard a Qwen3 / Qwen3-MoE causal LM in place for ``group`` (default: the world group).
-
-    ``tp_size`` and ``ep_size`` must each be 1 or the group's size. Every rank must call it on a
-    model with the same (full) weights. The model's config is updated to the LOCAL head counts
-    (``num_attention_heads``, ``num_key_value_heads``), which is what sizes the rollout's
-    KV caches; the full counts are kept in :func:`layout_of`. Returns the model.
-    """
-    if not is_patched():
-        raise RuntimeError("shard_model: call consistent_model.patch_transformers() first")
-    if layout_of(model) is not None:
-        raise RuntimeError(f"shard_model: the model is already sharded ({layout_of(model)})")
-    if not dist.is_initialized():
-        raise RuntimeError("shard_model: torch.distributed is not initialised")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    for name, size in (("tp_size", tp_size), ("ep_size", ep_size)):
-        if size not in (1, world):
-            raise ValueError(f"shard_model: {name}={size}; it must be 1 or the group size {world}")
-    check_sharding(model.config, tp_size, ep_size)
-    attention_classes, mlp_classes, expert_classes, lm_classes = _classes()
-    if not isinstance(model, lm_classes):
-        raise UnsupportedFeatureError(f"shard_model: {type(model).__name__} is not a Qwen3 / Qwen3-MoE causal LM")
-    config = model.config
-    hq, hkv = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
-    convert_model(model)  # plain nn.Linear -> ConsistentLinear (idempotent)
-    for module in list(model.modules()):
-        if tp_size > 1 and isinstance(module, attention_classes):
-            # column blocks of q/k/v are whole heads: rank r owns heads [r*H/tp, (r+1)*H/tp)
-            for name in ("q_proj", "k_proj", "v_proj"):
-                _column(getattr(module, name), group, rank, tp_size)
-            _row(module.o_proj, group, rank, tp_size)
-        elif tp_size > 1 and isinstance(module, mlp_classes):
-            _column(module.gate_proj, group, rank, tp_size)
-            _column(module.up_proj, group, rank, tp_size)
-            _row(module.down_proj, group, rank, tp_size)
-        elif ep_size > 1 and isinstance(module, expert_classes):
-            n_local = module.num_experts // ep_size
-            module.gate_up_proj = _slice_param(module.gate_up_proj, 0, rank, ep_size)
-            module.down_proj = _slice_param(module.down_proj, 0, rank, ep_size)
-            module.__class__ = _expert_parallel_class(type(module))
-            module.ep_group, module.expert_offset, module.num_local_experts = group, rank * n_local, n_local
-    if tp_size > 1:
-        head = model.lm_head
-        if not isinstance(head, ConsistentLMHead):
-            raise UnsupportedFeatureError(f"shard_model: lm_head is a {type(head).__name__}")
-        head.weight = _slice_param(head.weight, 0, rank, tp_size)  # unties a tied head: the embedding stays whole
-        if head.bias is not None:
-            head.bias = _slice_param(head.bias, 0, rank, tp_size)
-        head.out_features = head.weight.shape[0]
-        head.__class__ = VocabParallelLMHead
-        head.tp_group = group
-        config.head_dim = head_dim  # pin it before the head counts change
-        config.num_attention_heads = hq // tp_size
-        config.num_key_value_heads = hkv // tp_size
-    model.true_on_policy_parallel = ParallelLayout(tp_size, ep_size, rank, world, (hq, hkv), group)
-    return model

@@ -1,1 +1,2 @@
-"""The CPU reference rollout engine and the async sampler's exactly-once prompt ledger (no verl import)."""
+"""The CPU reference rollout engine, its packed forward over per-request KV caches, and the async sampler's
+exactly-once prompt ledger (no verl import)."""

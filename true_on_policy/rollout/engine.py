@@ -9,7 +9,7 @@ own row of probabilities, so a request yields the same tokens alone or inside a 
 log-prob returned for each sampled token is read from the very distribution it was drawn from
 (temperature applied, fp32 log-softmax) - the behaviour log-prob FlashREINFORCE needs.
 
-The model forward goes through :func:`true_on_policy.kernels.model.forward_packed`, the same
+The model forward goes through :func:`true_on_policy.rollout.packed_forward.forward_packed`, the same
 module code the trainer runs; with the consistent kernels switched on, the two sides compute every
 log-prob with identical floating-point operations. No verl import here.
 """
@@ -25,9 +25,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from true_on_policy.kernels.model import KVCache, forward_packed
-
 from true_on_policy.kernels import ops
+from true_on_policy.rollout.packed_forward import KVCache, forward_packed
 
 
 @dataclasses.dataclass(frozen=True)

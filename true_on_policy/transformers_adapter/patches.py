@@ -2,7 +2,7 @@
 
 For each architecture of :data:`true_on_policy.kernels.architectures.TABLE`, in its module
 (:attr:`~true_on_policy.kernels.architectures.Architecture.transformers_module`; ``P`` its class prefix;
-which class plays which role: :func:`classes`), the module code of :mod:`true_on_policy.kernels.model` replaces:
+which class plays which role: :func:`classes`), the module code of :mod:`.forwards` replaces:
 
 ==================================  ================================================================
 target                              replacement (flag off: transformers' original runs)
@@ -167,7 +167,7 @@ def apply(replacements: Mapping[str, Callable[[Callable], Callable]], attention_
           registrations: tuple[Callable, Callable]) -> None:
     """Patch every target (idempotent) and register ``registrations`` (the attention function, the mask
     function) under ``attention_name``; all checked first. ``replacements``: role -> the factory that
-    takes the original and returns its replacement (the module code: :mod:`true_on_policy.kernels.model`)."""
+    takes the original and returns its replacement (the module code: :mod:`.forwards`)."""
     global _APPLIED
     registries = _registries()
     checked = targets()

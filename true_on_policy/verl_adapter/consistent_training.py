@@ -1,6 +1,6 @@
 """The project's model code on verl's training side (CPU platform; CUDA with ``kernels: project``).
 
-The model half is :func:`true_on_policy.kernels.model.patch_transformers`: the same module code
+The model half is :func:`true_on_policy.transformers_adapter.forwards.patch_transformers`: the same module code
 the CPU rollout engine runs, registered as ``attn_implementation="consistent"``. On the CPU platform
 it is installed whatever the flag, since the CPU configs name that attention; with the flag off it
 runs the default kernels (SDPA, F.linear), with the flag on the consistent ones. Whether they run is
@@ -52,7 +52,7 @@ def activate(settings) -> None:
 
 @functools.cache
 def _activate(consistent: bool) -> None:
-    from true_on_policy.kernels.model import patch_transformers
+    from true_on_policy.transformers_adapter.forwards import patch_transformers
     from true_on_policy.kernels import ops
     from true_on_policy.verl_adapter import patches
 

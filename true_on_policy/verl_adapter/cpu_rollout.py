@@ -44,7 +44,7 @@ def load_serving_model(model_path: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
     from true_on_policy.contract.names import canonical_dtype
-    from true_on_policy.kernels.model import attn_implementation
+    from true_on_policy.transformers_adapter.training_attention import attn_implementation
     from true_on_policy.kernels.ops import DTYPES
 
     name = canonical_dtype(dtype)  # the spellings the contract reads (bf16, torch.float32, ...)

@@ -138,7 +138,7 @@ def load_training_model(path: str, dtype: str):
     """The training side: transformers' model from ``path`` on the project's model code."""
     from transformers import AutoModelForCausalLM
 
-    from true_on_policy.kernels.model import patch_transformers
+    from true_on_policy.transformers_adapter.forwards import patch_transformers
 
     patch_transformers()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="consistent")
@@ -154,7 +154,7 @@ def score(model, prompts, samples, deterministic: bool, vocab_limit: int | None,
     logits beyond ``vocab_limit`` are set to -inf (verl's vLLM rollout masks them), then divided by
     ``temperature`` and scored as verl's trainer does.
     """
-    from true_on_policy.kernels.model import forward_packed
+    from true_on_policy.rollout.packed_forward import forward_packed
     from true_on_policy.kernels import ops
 
     flat = [(p, ids) for p, per_prompt in zip(prompts, samples) for ids, _ in per_prompt]

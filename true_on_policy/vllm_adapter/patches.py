@@ -18,7 +18,7 @@ blindly. Registrations through vLLM's public extension points (``CustomOp.regist
   (:func:`~true_on_policy.kernels.architectures.check_config`), and a check after it is loaded that
   it is what its architecture's entry describes and every module runs a consistent op -- anything
   else raises
-  :class:`~true_on_policy.kernels.model.UnsupportedFeatureError` naming it, so stock kernels never
+  :class:`~true_on_policy.kernels.architectures.UnsupportedFeatureError` naming it, so stock kernels never
   run silently with the flag on. Eager mode is required (compiled graphs broke bitwise equality).
   Tensor parallelism (a power of two <= ``ops.MAX_TP``) and expert parallelism run the same bits:
   the row-parallel linears' and the vocabulary-parallel embedding's combines are replaced
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from true_on_policy import patching
 from true_on_policy.contract.stack_versions import VLLM_ADAPTER_VERSION
 from true_on_policy.kernels import architectures
-from true_on_policy.kernels.model import UnsupportedFeatureError
+from true_on_policy.kernels.architectures import UnsupportedFeatureError
 from true_on_policy.kernels.tensor_parallel import check_sharding
 from true_on_policy.patching import Patch, PatchTargetChanged, Target
 
