@@ -23,6 +23,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from true_on_policy.config.platforms import is_cpu_engine, is_data_parallel, is_sglang
 from true_on_policy.config.invariants import ADV_ESTIMATOR_KEY, FLASHREINFORCE, INVARIANT_KEYS, LOSS_MODE_KEY, MISSING
 from true_on_policy.config.settings import ConfigError, Settings
 
@@ -268,7 +269,7 @@ class TrainingView(_TrainingKeys):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "world", self.nnodes * self.gpus_per_node)
-        object.__setattr__(self, "is_fsdp", self.strategy not in ("megatron", "torchtitan", "veomni"))
+        object.__setattr__(self, "is_fsdp", is_data_parallel(self.strategy))
         object.__setattr__(self, "row_parallel", _row_parallel(self.megatron, self.torchtitan))
 
 
@@ -372,15 +373,15 @@ class RolloutView(_RolloutKeys):
     engine_kwargs: VllmView | SglangView | None = dataclasses.field(init=False)  # the selected engine's view
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "engine_kwargs", self.sglang if self.name == "sglang" else self.vllm)
+        object.__setattr__(self, "engine_kwargs", self.sglang if is_sglang(self.name) else self.vllm)
 
 
 def read_rollout(config: Any) -> RolloutView:
     base = _read(_RolloutKeys, config)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    if base.name == "sglang":
+    if is_sglang(base.name):
         return RolloutView(**fields, sglang=_read(SglangView, config))
-    if base.name == "cpu":
+    if is_cpu_engine(base.name):
         return RolloutView(**fields)
     return RolloutView(**fields, vllm=_read(VllmView, config))
 

@@ -37,6 +37,7 @@ from true_on_policy.config.launch import (
     VllmView,
     parse_bool,
 )
+from true_on_policy.config.platforms import Platform, is_cpu_engine, is_fsdp, is_sglang, is_vllm
 from true_on_policy.config.settings import Settings
 from true_on_policy.contract import kernel_families
 from true_on_policy.contract.determinism_plan import (
@@ -206,7 +207,7 @@ class _Ctx:
     plan: Plan
     notes: list[str]
     checkpoint: Mapping[str, Any] | None  # the model's config.json; None: not a local checkpoint
-    platform: str = ""
+    platform: Platform | None = None
     deterministic: bool = True
     project: bool = False  # the flag switches on the project's kernels (training: unless Megatron)
     project_rollout: bool = False  # the rollout runs them: its CPU engine, or vLLM through the adapter
@@ -256,18 +257,18 @@ def _context(sides: Sides, settings: Settings, plan: Plan, checkpoint: Mapping[s
     c = _Ctx(
         t, r, settings, plan, list(plan.notes) + [f"not emitted: {s}" for s in plan.skipped], checkpoint,
         platform=settings.platform, deterministic=settings.deterministic, project=project,
-        project_rollout=r.name == "cpu" or (r.name == "vllm" and project), strategy=t.strategy, name=r.name,
+        project_rollout=is_cpu_engine(r.name) or (is_vllm(r.name) and project), strategy=t.strategy, name=r.name,
     )
     c.tl = _training_layout(c)
     c.rl = _rollout_layout(r, c.notes)
-    cpu_sides = [s for s, on in ((c.tl, c.platform == "cpu"), (c.rl, r.name == "cpu")) if on]
+    cpu_sides = [s for s, on in ((c.tl, c.platform.cpu_backend), (c.rl, is_cpu_engine(r.name))) if on]
     if any(_int(side.tp.value) > 1 or _int(side.ep.value) > 1 for side in cpu_sides):
         c.notes.append(
             "CPU TP/EP > 1 is true_on_policy.kernels.tensor_parallel.shard_model (gloo, all-gather + the reduction tree's top levels), "
             "proven at library level (tests/test_tensor_parallel.py); verl's FSDP trainer and the Ray-served cpu "
             "rollout replica do not shard yet"
         )
-    engine_bi = r.name == "vllm" and vllm_batch_invariant(r.env)
+    engine_bi = is_vllm(r.name) and vllm_batch_invariant(r.env)
     c.rollout_env = {**r.env, **(plan.rollout_forced_env if engine_bi else {})}
     return c
 
@@ -317,7 +318,7 @@ def _training_layout(c: _Ctx) -> _Layout:
     else:  # fsdp, fsdp2, fsdp_turbo and any data-parallel engine
         src = f"{A}.strategy={t.strategy} (FSDP shards parameters, no model parallelism)"
         layout = _Layout(Side(1, src), Side(1, src), Side(1, src), Side(1, src), Side(1, src), Side(0, ""), extra)
-        if settings.platform == "cpu":  # the CPU backend shards the same model code (true_on_policy.kernels.tensor_parallel)
+        if settings.platform.cpu_backend:  # the CPU backend shards the same model code (true_on_policy.kernels.tensor_parallel)
             layout.tp = Side(settings.cpu_tensor_parallel_size, f"{CPU_TP_KEY} (CPU backend, true_on_policy.kernels.tensor_parallel)")
             layout.ep = Side(settings.cpu_expert_parallel_size, f"{CPU_EP_KEY} (CPU backend, experts whole on their rank)")
         if t.fsdp.deprecated_ulysses > 1:  # verl's FSDPActorConfig.__post_init__ lets it win
@@ -334,7 +335,7 @@ def _training_layout(c: _Ctx) -> _Layout:
 
 def _rollout_layout(r: RolloutView, notes: list[str]) -> _Layout:
     extra: dict[str, Side] = {}
-    if r.name == "cpu":
+    if is_cpu_engine(r.name):
         src = f"{R}.name=cpu (project CPU engine)"
         one = Side(1, src)
         return _Layout(
@@ -354,7 +355,7 @@ def _rollout_layout(r: RolloutView, notes: list[str]) -> _Layout:
             f"{R}.expert_parallel_size={r.ep} but TP*DP={tp * dp}: verl's RolloutConfig rejects this "
             "(verl/workers/config/rollout.py)"
         )
-    kwargs = f"{R}.engine_kwargs.{'sglang' if r.name == 'sglang' else 'vllm'}"
+    kwargs = f"{R}.engine_kwargs.{'sglang' if is_sglang(r.name) else 'vllm'}"
     engine = r.engine_kwargs
     cp = max(engine.decode_context_parallel_size, engine.prefill_context_parallel_size) if engine is not None else 1
     return _Layout(
@@ -377,7 +378,7 @@ ASCEND_RECIPE_RUN = (
 
 def _ep_without_upstream_run(c: _Ctx) -> str:
     """Why an Ascend EP > 1 layout stays unverified: no upstream run has it."""
-    if c.platform != "ascend" or not c.deterministic or max(_int(c.tl.ep.value), _int(c.rl.ep.value)) <= 1:
+    if not c.platform.npu or not c.deterministic or max(_int(c.tl.ep.value), _int(c.rl.ep.value)) <= 1:
         return ""
     return f"EP {c.tl.ep.value} / {c.rl.ep.value} on Ascend has no upstream run: {ASCEND_RECIPE_RUN}"
 
@@ -606,13 +607,13 @@ def _ssm_state_row(vllm: VllmView) -> Row:
 
 
 def _training_attention(t: TrainingView, settings: Settings) -> Side:
-    if settings.platform == "cpu" and settings.deterministic and canonical_attention(t.attn_implementation) == "consistent":
+    if settings.platform.cpu_backend and settings.deterministic and canonical_attention(t.attn_implementation) == "consistent":
         return Side("consistent", f"{TOP}.deterministic=true (project consistent kernels)")
     # kernels=project on a device: the HF model runs the project's attention only where the config
     # names it (attn_implementation=consistent); anything else is read below and compared as it is.
     if t.megatron is not None:
         value = canonical_attention(t.megatron.attention_backend or "flash")
-        if settings.platform == "ascend" and t.megatron.flash_attn_npu_batch_invariant:
+        if settings.platform.npu and t.megatron.flash_attn_npu_batch_invariant:
             return Side("flash_attn", f"{MEGATRON_TC}.use_flash_attn_npu_batch_invariant (MindSpeed)", "flash_attn_npu")
         impl = {"flash_attn": "TE flash-attn", "te_fused": "TE fused attention", "eager": "unfused (torch)"}.get(value, value)
         return Side(value, f"{MEGATRON_TC}.attention_backend", impl)
@@ -632,15 +633,15 @@ def _rollout_attention(c: _Ctx) -> Side:
     if c.project_rollout:
         if settings.deterministic:
             return Side("consistent", f"{R}.name={r.name} + {TOP}.deterministic=true (project kernels)")
-        if platform == "cpu":
+        if platform.cpu_backend:
             return Side(AUTO, f"{R}.name={r.name}")
-    if r.name == "sglang":
+    if is_sglang(r.name):
         return Side(canonical_attention(r.sglang.attention_backend), f"{R}.engine_kwargs.sglang.attention_backend")
     if r.vllm is None:
         return Side(UNVERIFIED, f"{R}.name={r.name}: no attention setting known to this project")
     key = f"{R}.engine_kwargs.vllm.attention_backend"
     explicit = r.vllm.attention_backend
-    if platform == "ascend":
+    if platform.npu:
         rl = f"{R}.engine_kwargs.vllm.additional_config.rl_config"
         if r.vllm.rl_enabled and r.vllm.rl_training_consistency:
             return Side("flash_attn", f"{rl}.enable_training_consistency ({SOURCES['va_platform']})", "flash_attn_npu_v3")
@@ -715,13 +716,13 @@ def _kernel_rows(c: _Ctx) -> list[Row]:
 # --------------------------------------------------------------------------------------------
 
 
-def _rollout_row_parallel(r: RolloutView, platform: str) -> Side:
+def _rollout_row_parallel(r: RolloutView, platform: Platform) -> Side:
     tp = r.tp
     if tp <= 1:
         return Side(ROW_PARALLEL_NONE, f"{R}.tensor_model_parallel_size=1")
-    if r.name == "cpu":
+    if is_cpu_engine(r.name):
         return Side(ROW_PARALLEL_REDUCTION, f"{R}.name=cpu, {R}.tensor_model_parallel_size={tp} (true_on_policy.kernels.tensor_parallel)")
-    if r.vllm is not None and platform == "ascend":
+    if r.vllm is not None and platform.npu:
         key = f"{R}.engine_kwargs.vllm.additional_config.enable_flashcomm1"
         on = r.vllm.flashcomm1 or parse_bool(f"{ENV}.VLLM_ASCEND_ENABLE_FLASHCOMM1", r.env.get("VLLM_ASCEND_ENABLE_FLASHCOMM1"))
         src = f"{ENV}.VLLM_ASCEND_ENABLE_FLASHCOMM1 / {key}"
@@ -734,7 +735,7 @@ def _rollout_row_parallel(r: RolloutView, platform: str) -> Side:
 
 def _row_parallel_row(c: _Ctx) -> Row:
     t_rp = Side(c.t.row_parallel, f"{A}.megatron.sequence_parallel (TP>1: true = reduce-scatter + all-gather)")
-    if c.platform == "cpu" and c.t.megatron is None and c.t.torchtitan is None and _int(c.tl.tp.value) > 1:
+    if c.platform.cpu_backend and c.t.megatron is None and c.t.torchtitan is None and _int(c.tl.tp.value) > 1:
         t_rp = Side(ROW_PARALLEL_REDUCTION, f"{CPU_TP_KEY}={c.tl.tp.value} (true_on_policy.kernels.tensor_parallel)")
     r_rp = _rollout_row_parallel(c.r, c.platform)
     pin = c.settings.row_parallel_reduction
@@ -778,7 +779,7 @@ def _rollout_dispatcher(c: _Ctx, ep: int) -> Side:
         return Side(settings.moe_dispatcher or ("local" if ep <= 1 else MOE_DISPATCH), f"{TOP}.moe_dispatcher (project kernels)")
     if ep <= 1:
         return Side("local", f"{R}.expert_parallel_size<=1 (experts TP-split, no dispatch)")
-    if r.vllm is not None and settings.platform == "ascend":
+    if r.vllm is not None and settings.platform.npu:
         return Side(UNVERIFIED, "vllm-ascend selects its MoE communication per batch (no setting)")
     if r.vllm is not None:
         key = f"{R}.engine_kwargs.vllm.all2all_backend"
@@ -803,7 +804,7 @@ def _rollout_router_dtype(c: _Ctx, compute: str) -> Side:
     r, pin = c.r, c.settings.moe_router_dtype
     if c.project_rollout:
         return Side(canonical_dtype(pin) if pin else compute, f"{TOP}.moe_router_dtype (project kernels)")
-    if r.name == "vllm":
+    if is_vllm(r.name):
         # vLLM's Qwen3-MoE gate is a ReplicatedLinear with no params_dtype: it runs in the served dtype
         # (vllm-ascend serves the same model class); no engine setting changes it.
         return Side(compute, f"{R}.dtype ({SOURCES['vllm_qwen3_moe']}; no fp32-router setting exists)")
@@ -871,7 +872,7 @@ def _tp_invariant_rows(c: _Ctx, rows: list[Row]) -> list[Row]:
     model whose head counts, intermediate sizes or experts do not divide by it (the ``sharding`` row),
     is a mismatch naming it. Elsewhere (device stacks, flag off, the Ray-served cpu engine, which
     does not shard) the rows stay equality checks."""
-    invariant = c.platform == "cpu" and c.deterministic and c.strategy in ("fsdp", "fsdp2") and c.name == "vllm"
+    invariant = c.platform.cpu_backend and c.deterministic and is_fsdp(c.strategy) and is_vllm(c.name)
     if not invariant:
         return rows
     def supported(side: Side) -> Side:
@@ -884,7 +885,7 @@ def _tp_invariant_rows(c: _Ctx, rows: list[Row]) -> list[Row]:
 
     out = []
     for row in rows:
-        if row.field == "row_parallel" and c.name == "vllm" and _int(c.rl.tp.value) > 1:
+        if row.field == "row_parallel" and is_vllm(c.name) and _int(c.rl.tp.value) > 1:
             row = dataclasses.replace(row, rollout=Side(ROW_PARALLEL_REDUCTION, "true_on_policy.vllm_adapter (row_parallel_forward)"))
         if row.field in TP_INVARIANT_FIELDS:
             row = dataclasses.replace(
@@ -984,7 +985,7 @@ def _training_batch_invariant(c: _Ctx) -> Side:
     if c.project:
         return Side("on", f"{TOP}.deterministic=true (project consistent kernels)")
     mg = t.megatron
-    if settings.platform == "ascend" and mg is not None:
+    if settings.platform.npu and mg is not None:
         # GEMMs (use_batch_invariant_ops / batch_invariant_mode) and attention (flash_attn_npu) both
         keys = {
             "use_batch_invariant_ops": mg.batch_invariant_ops,
@@ -1010,7 +1011,7 @@ def _rollout_batch_invariant(c: _Ctx) -> Side:
     rl = f"{R}.engine_kwargs.vllm.additional_config.rl_config"
     rl_on = r.vllm is not None and r.vllm.rl_enabled and r.vllm.rl_batch_invariant
     on = vllm_batch_invariant(r.env) or rl_on
-    return Side("on" if on else "off", f"{ENV}.VLLM_BATCH_INVARIANT" + (f" / {rl}.enable_batch_invariant" if settings.platform == "ascend" else ""))
+    return Side("on" if on else "off", f"{ENV}.VLLM_BATCH_INVARIANT" + (f" / {rl}.enable_batch_invariant" if settings.platform.npu else ""))
 
 
 def _env_display(env: Mapping[str, str], other: Mapping[str, str]) -> str:
@@ -1022,7 +1023,7 @@ def _env_display(env: Mapping[str, str], other: Mapping[str, str]) -> str:
     return ", ".join(f"{k}={env.get(k, '<unset>')}" for k in differing)
 
 
-def _reduction_env(env: Mapping[str, str], platform: str) -> dict[str, str]:
+def _reduction_env(env: Mapping[str, str], platform: Platform) -> dict[str, str]:
     return {k: env[k] for k in REDUCTION_ENV_KEYS.get(platform, ()) if k in env}
 
 
@@ -1046,7 +1047,7 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
             fix=f"remove hand-set reduction variables from {ENV}; the determinism plan sets the values the rollout engine forces",
         ),
     ]
-    if c.name == "vllm" and c.project:  # vLLM with true_on_policy.vllm_adapter
+    if is_vllm(c.name) and c.project:  # vLLM with true_on_policy.vllm_adapter
         rows.append(
             Row(
                 "eager",
@@ -1060,7 +1061,7 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
                 fix=f"set {R}.enforce_eager=true",
             )
         )
-    if c.name == "vllm" and c.platform == "cpu":
+    if is_vllm(c.name) and c.platform.cpu_backend:
         sleep = c.r.enable_sleep_mode or c.r.free_cache_engine
         rows.append(
             Row(
@@ -1074,7 +1075,7 @@ def _determinism_rows(c: _Ctx) -> list[Row]:
                 fix=f"set {R}.enable_sleep_mode=false and {R}.free_cache_engine=false",
             )
         )
-    if c.name == "vllm" and c.platform == "ascend":
+    if is_vllm(c.name) and c.platform.npu:
         rows.append(
             Row(
                 "kv_block_size",
