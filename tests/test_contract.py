@@ -25,6 +25,8 @@ from true_on_policy.contract import consistency
 
 from true_on_policy.contract import determinism_plan
 from true_on_policy.contract import kernel_families, stack_versions
+from true_on_policy.contract.names import canonical_dtype
+from true_on_policy.kernels.scope import KERNEL_DTYPES
 
 from support.contract_helpers import apply_in_process, contract_for_config, plan_for_config, plan_of, replace_row
 
@@ -190,7 +192,7 @@ def test_check_cli_as_subprocess():
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
 def test_router_dtype_compares_training_with_the_vllm_gate(name, ascend_cfg, cuda_cfg):
     base = ascend_cfg if name == ASCEND else cuda_cfg
-    served = consistency.canonical_dtype(OmegaConf.select(base, f"{R}.dtype"))
+    served = canonical_dtype(OmegaConf.select(base, f"{R}.dtype"))
     shipped = _contract(base).row("moe_router_dtype")
     assert shipped.rollout.value == served  # vLLM's Qwen3-MoE gate runs in the served dtype
     assert shipped.status == "ok"
@@ -296,7 +298,7 @@ def test_the_contract_names_the_dtypes_the_kernels_compute_in_without_importing_
     keeps the contract, the plan and the verdict torch-free (check runs before any engine)."""
     from true_on_policy.kernels import ops
 
-    assert tuple(ops.DTYPES) == consistency.KERNEL_DTYPES
+    assert tuple(ops.DTYPES) == KERNEL_DTYPES
     probe = "import sys, true_on_policy.contract.verdict, true_on_policy.contract.consistency; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split() == ["False"]
 

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_sharding(parser, targets, tps, ep: bool) -> None:
     """Every (model, TP, EP) the kernels keep bitwise, or a usage error naming it, before any engine starts."""
-    from true_on_policy.kernels.tensor_parallel import check_sharding
+    from true_on_policy.kernels.architectures import check_sharding
 
     for kind, _, checkpoint in targets:
         for tp in tps:

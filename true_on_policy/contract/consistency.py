@@ -47,6 +47,7 @@ from true_on_policy.contract.rows import (  # the row model, re-exported: the co
     judged,
     unverified,
 )
+from true_on_policy.kernels import architectures
 
 __all__ = [
     "INFO", "REQUIRE", "STRICT", "Contract", "Mismatch", "Row", "Side", "Status", "build_contract", "compare",
@@ -95,6 +96,7 @@ def _context(sides: Sides, settings: Settings, plan: Plan, checkpoint: Mapping[s
         platform=settings.platform, deterministic=settings.deterministic, project=project,
         project_rollout=is_cpu_engine(r.name) or (is_vllm(r.name) and project), strategy=t.strategy, name=r.name,
     )
+    c.layer_types = architectures.layer_types(checkpoint) if checkpoint is not None else ()
     c.tl = training_layout(c)
     c.rl = rollout_layout(r, c.notes)
     cpu_sides = [s for s, on in ((c.tl, c.platform.cpu_backend), (c.rl, is_cpu_engine(r.name))) if on]

@@ -26,7 +26,6 @@ from true_on_policy.contract.names import (
     TOP,
     UNVERIFIED,
     canonical_attention,
-    canonical_dtype,
 )
 from true_on_policy.contract.rows import (
     INFO,
@@ -86,21 +85,21 @@ def model_rows(c: Context) -> list[Row]:
 
 def training_compute_dtype(t: TrainingView) -> Side:
     if t.megatron is not None:
-        return Side(canonical_dtype(t.megatron.dtype), f"{MEGATRON}.dtype")
+        return Side(t.megatron.dtype, f"{MEGATRON}.dtype")
     if t.torchtitan is not None:
-        return Side(canonical_dtype(t.torchtitan.dtype), f"{A}.torchtitan.dtype")
+        return Side(t.torchtitan.dtype, f"{A}.torchtitan.dtype")
     if t.veomni is not None:
         return Side("bfloat16" if t.veomni.mixed_precision else "float32", f"{A}.veomni.mixed_precision")
     param = t.fsdp.param_dtype
     return Side(
-        canonical_dtype(param or "bf16"),
+        param or "bfloat16",
         f"{A}.fsdp_config.mixed_precision.param_dtype" + ("" if param else " (verl default bf16)"),
     )
 
 
 def _training_master_dtype(t: TrainingView) -> Side:
     if t.fsdp is not None and t.strategy.startswith("fsdp"):
-        return Side(canonical_dtype(t.fsdp.model_dtype), f"{A}.fsdp_config.model_dtype")
+        return Side(t.fsdp.model_dtype, f"{A}.fsdp_config.model_dtype")
     if t.megatron is not None:
         return Side("float32", f"{MEGATRON}.use_distributed_optimizer (fp32 main params)")
     return Side("float32", f"{A}.strategy={t.strategy} (optimizer keeps fp32 weights)")
@@ -110,7 +109,7 @@ def _training_master_dtype(t: TrainingView) -> Side:
 
 def dtype_rows(c: Context) -> list[Row]:
     t_compute = training_compute_dtype(c.t)
-    r_dtype = canonical_dtype(c.r.dtype)
+    r_dtype = c.r.dtype
     rows = [
         Row(
             "compute_dtype",
@@ -164,7 +163,7 @@ def dtype_rows(c: Context) -> list[Row]:
                 fix=f"set {R}.engine_kwargs.vllm.kv_cache_dtype=auto (or leave it unset)",
             )
         )
-    if c.r.vllm is not None and "linear_attention" in ((c.checkpoint or {}).get("layer_types") or ()):
+    if c.r.vllm is not None and "linear_attention" in c.layer_types:
         rows.append(_ssm_state_row(c.r.vllm))
     return rows
 
@@ -189,23 +188,23 @@ def _ssm_state_row(vllm: VllmView) -> Row:
 
 
 def _training_attention(t: TrainingView, settings: Settings) -> Side:
-    if settings.platform.cpu_backend and settings.deterministic and canonical_attention(t.attn_implementation) == "consistent":
+    if settings.platform.cpu_backend and settings.deterministic and t.attn_implementation == "consistent":
         return Side("consistent", f"{TOP}.deterministic=true (project consistent kernels)")
     # kernels=project on a device: the HF model runs the project's attention only where the config
     # names it (attn_implementation=consistent); anything else is read below and compared as it is.
     if t.megatron is not None:
-        value = canonical_attention(t.megatron.attention_backend or "flash")
+        value = t.megatron.attention_backend or "flash_attn"  # verl's default: flash
         if settings.platform.npu and t.megatron.flash_attn_npu_batch_invariant:
             return Side("flash_attn", f"{MEGATRON_TC}.use_flash_attn_npu_batch_invariant (MindSpeed)", "flash_attn_npu")
         impl = {"flash_attn": "TE flash-attn", "te_fused": "TE fused attention", "eager": "unfused (torch)"}.get(value, value)
         return Side(value, f"{MEGATRON_TC}.attention_backend", impl)
     if t.torchtitan is not None:
-        return Side(canonical_attention(t.torchtitan.attn_type), f"{A}.torchtitan.attn_type")
+        return Side(t.torchtitan.attn_type, f"{A}.torchtitan.attn_type")
     if t.veomni is not None:
-        return Side(canonical_attention(t.veomni.attn_implementation), f"{A}.veomni.attn_implementation")
+        return Side(t.veomni.attn_implementation, f"{A}.veomni.attn_implementation")
     impl = t.attn_implementation
     return Side(
-        canonical_attention(impl or "flash_attention_2"),
+        impl or "flash_attn",
         f"{M}.override_config.attn_implementation" + ("" if impl else " (verl default flash_attention_2)"),
     )
 
@@ -218,7 +217,7 @@ def _rollout_attention(c: Context) -> Side:
         if platform.cpu_backend:
             return Side(AUTO, f"{R}.name={r.name}")
     if is_sglang(r.name):
-        return Side(canonical_attention(r.sglang.attention_backend), f"{R}.engine_kwargs.sglang.attention_backend")
+        return Side(r.sglang.attention_backend or AUTO, f"{R}.engine_kwargs.sglang.attention_backend")
     if r.vllm is None:
         return Side(UNVERIFIED, f"{R}.name={r.name}: no attention setting known to this project")
     key = f"{R}.engine_kwargs.vllm.attention_backend"
@@ -229,7 +228,7 @@ def _rollout_attention(c: Context) -> Side:
             return Side("flash_attn", f"{rl}.enable_training_consistency ({SOURCES['va_platform']})", "flash_attn_npu_v3")
         if explicit is None:
             return Side(AUTO, f"{rl}.enable_training_consistency unset; vllm-ascend picks its attention backend")
-    value = canonical_attention(explicit)
+    value = explicit or AUTO
     impl = "vllm_flash_attn (num_splits=1 under batch invariance)" if value == "flash_attn" else value
     return Side(value, key + ("" if explicit else " (unset: vLLM auto-selects)"), impl)
 

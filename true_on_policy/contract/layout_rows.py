@@ -25,7 +25,6 @@ from true_on_policy.contract.names import (
     CPU_TP_KEY,
     NA,
     UNVERIFIED,
-    canonical_attention,
 )
 from true_on_policy.contract.rows import (
     INFO,
@@ -209,7 +208,7 @@ def layout_rows(c: Context) -> list[Row]:
     ]
     for key, side in tl.extra.items():
         title = "Ulysses SP (heads<->sequence all-to-all, no reduction)"
-        if c.t.is_fsdp and canonical_attention(c.t.attn_implementation) == "consistent":
+        if c.t.is_fsdp and c.t.attn_implementation == "consistent":
             # verl's Ulysses all-to-all lives in its patch of flash-attention; the project's attention
             # has none, so each rank would attend within its own slice of the sequence
             rows.append(Row(key, title, side, Side(1, "rollout has no Ulysses SP"), required=1,

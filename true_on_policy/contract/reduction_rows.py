@@ -120,7 +120,7 @@ def _training_router_dtype(c: Context, compute: str) -> Side:
     if t.megatron is not None:
         key = f"{MEGATRON_TC}.moe_router_dtype"
         value = t.megatron.router_dtype
-        return Side(canonical_dtype(value) if value else compute, key + ("" if value else " (unset: compute dtype)"))
+        return Side(value or compute, key + ("" if value else " (unset: compute dtype)"))
     return Side(compute, f"{A}.strategy={t.strategy} (HF gate runs in the compute dtype)")
 
 
@@ -139,7 +139,7 @@ def moe_rows(c: Context) -> list[Row]:
     settings = c.settings
     ep_t, ep_r = as_size(c.tl.ep.value), as_size(c.rl.ep.value)
     t_compute = training_compute_dtype(c.t)
-    r_dtype = canonical_dtype(c.r.dtype)
+    r_dtype = c.r.dtype
     combine = settings.moe_combine
     t_project = c.project and c.t.megatron is None
     r_project = c.project_rollout

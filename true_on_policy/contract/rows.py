@@ -170,7 +170,8 @@ class Context:
     rollout_env: dict[str, str] = dataclasses.field(default_factory=dict)
     tl: Layout | None = None
     rl: Layout | None = None
-
+    # each layer's type as the architecture table derives it (kernels.architectures.layer_types); () without a checkpoint
+    layer_types: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------

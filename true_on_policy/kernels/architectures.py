@@ -42,7 +42,9 @@ __all__ = [
     "check_built",
     "read_checkpoint",
     "check_config",
+    "check_sharding",
     "config_dict",
+    "layer_types",
     "names",
     "rope_parameters",
     "rotary_dim",
@@ -405,6 +407,18 @@ def check_config(config: Any) -> Features:
         linear_attention=_linear_attention_dims(config, refuse) if "linear_attention" in layer_types else None,
         shared_expert=shared,
     )
+
+
+def layer_types(config: Any) -> tuple[str, ...]:
+    """Each layer's type as :func:`check_config` derives it for :class:`Features` (a config that omits
+    ``layer_types`` included), refusing nothing: what the contract reads. An architecture the table does
+    not know: the config's ``layer_types`` as written."""
+    config = config_dict(config)
+    try:
+        arch = _architecture(config)
+    except UncoveredModelError:
+        return tuple(config.get("layer_types") or ())
+    return _layer_types(config, arch, refuse=lambda feature: None)
 
 
 def _layer_types(config: Mapping, arch: Architecture, refuse) -> tuple[str, ...]:

@@ -48,7 +48,7 @@ from true_on_policy.config.platforms import named
 from true_on_policy.contract.stack_versions import VLLM_ADAPTER_VERSION
 from true_on_policy.kernels import architectures
 from true_on_policy.kernels.model import UnsupportedFeatureError
-from true_on_policy.kernels.tensor_parallel import check_sharding
+from true_on_policy.kernels.architectures import check_sharding
 from true_on_policy.patching import Patch, PatchTargetChanged, Target
 
 # The MoE block whose __init__ / forward are replaced: the table's one MoE architecture's vLLM block.
