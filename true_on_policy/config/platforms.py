@@ -25,6 +25,12 @@ class Platform(str):
     npu = False
     # vLLM's own batch-invariance override (override_envs_for_invariance) runs on this platform
     cuda = False
+    # a device stack: sides with the same name are still not run here by this project
+    device = True
+    # whether ``kernels: engine`` names anything here (the CPU platform has the project's only)
+    has_engine_kernels = True
+    # the kernel family ``true_on_policy.kernels: null`` means here
+    default_kernels = "engine"
 
     def __copy__(self) -> Platform:
         return self
@@ -35,24 +41,12 @@ class Platform(str):
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return named, (str(self),)
 
-    @property
-    def default_kernels(self) -> str:
-        """The kernel family ``true_on_policy.kernels: null`` means here."""
-        return "project" if self.cpu_backend else "engine"
-
-    @property
-    def has_engine_kernels(self) -> bool:
-        """Whether ``kernels: engine`` names anything here (the CPU platform has the project's only)."""
-        return not self.cpu_backend
-
-    @property
-    def device(self) -> bool:
-        """A device stack: sides with the same name are still not run here by this project."""
-        return not self.cpu_backend
-
 
 class Cpu(Platform):
     cpu_backend = True
+    device = False
+    has_engine_kernels = False
+    default_kernels = "project"
 
 
 class Cuda(Platform):

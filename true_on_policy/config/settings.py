@@ -104,7 +104,8 @@ class Settings:
     stack_versions: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        object.__setattr__(self, "platform", resolved(self.platform))  # a name -> its platform object
+        if not isinstance(self.platform, Platform):  # a name -> its platform object
+            object.__setattr__(self, "platform", resolved(self.platform))
         try:
             self._validate()
         except ValueError as error:
