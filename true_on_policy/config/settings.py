@@ -70,7 +70,8 @@ class Settings:
 
     # The one flag: the consistent kernels (order-fixed, rule by rule) on both engines.
     deterministic: bool = True
-    # Where the job runs (resolved to its true_on_policy.config.platforms object); selects the determinism environment and, for "cpu", the CPU backend.
+    # Where the job runs (resolved to its true_on_policy.config.platforms object); selects the
+    # determinism environment and, for "cpu", the CPU backend.
     # "auto": detected from the machine (torch_npu -> ascend, CUDA -> cuda, else cpu), logged with the reason.
     platform: str = AUTO_PLATFORM
     # Which kernel family the flag switches on, on both sides: "project" (true_on_policy.kernels in the
