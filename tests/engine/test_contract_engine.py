@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from true_on_policy.contract import consistency
+from true_on_policy.kernels.scope import KERNEL_DTYPES
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -42,7 +42,7 @@ def test_the_contract_names_the_dtypes_the_kernels_compute_in_without_importing_
     keeps the contract, the plan and the verdict torch-free (check runs before any engine)."""
     from true_on_policy.kernels import ops
 
-    assert tuple(ops.DTYPES) == consistency.KERNEL_DTYPES
+    assert tuple(ops.DTYPES) == KERNEL_DTYPES
     probe = "import sys, true_on_policy.contract.verdict, true_on_policy.contract.consistency; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split() == ["False"]
 

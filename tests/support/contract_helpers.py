@@ -74,6 +74,6 @@ def replace_row(contract, field, **changes):
             for side in ("training", "rollout"):
                 if side in changes and not isinstance(changes[side], consistency.Side):
                     changes[side] = consistency.Side(changes[side], getattr(row, side).source)
-            row = consistency._judged(dataclasses.replace(row, **changes), contract.deterministic)
+            row = consistency.judged(dataclasses.replace(row, **changes), contract.deterministic)
         rows.append(row)
     return dataclasses.replace(contract, rows=tuple(rows))

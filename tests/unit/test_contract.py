@@ -25,6 +25,7 @@ from true_on_policy.contract import consistency
 
 from true_on_policy.contract import determinism_plan
 from true_on_policy.contract import kernel_families, stack_versions
+from true_on_policy.contract.names import canonical_dtype
 
 from support.contract_helpers import apply_in_process, contract_for_config, plan_for_config, plan_of, replace_row
 
@@ -176,7 +177,7 @@ def test_check_unreadable_config_exits_1(tmp_path):
 @pytest.mark.parametrize("name", [ASCEND, CUDA])
 def test_router_dtype_compares_training_with_the_vllm_gate(name, ascend_cfg, cuda_cfg):
     base = ascend_cfg if name == ASCEND else cuda_cfg
-    served = consistency.canonical_dtype(OmegaConf.select(base, f"{R}.dtype"))
+    served = canonical_dtype(OmegaConf.select(base, f"{R}.dtype"))
     shipped = _contract(base).row("moe_router_dtype")
     assert shipped.rollout.value == served  # vLLM's Qwen3-MoE gate runs in the served dtype
     assert shipped.status == "ok"

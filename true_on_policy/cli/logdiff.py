@@ -19,6 +19,7 @@ import torch
 
 from true_on_policy import tiny_assets
 from true_on_policy.cli.json_output import stdout_to_stderr
+from true_on_policy.config.platforms import is_cpu_engine, is_vllm
 from true_on_policy.rollout.packed_forward import forward_packed
 from true_on_policy.transformers_adapter.forwards import patch_transformers
 from true_on_policy.kernels import ops
@@ -186,18 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 1 or args.micro_batch < 1:
         parser.error("--prompts, --new-tokens and --micro-batch must be >= 1")
-    if args.engine != "vllm" and (args.tp or args.ep):
+    if not is_vllm(args.engine) and (args.tp or args.ep):
         parser.error("--tp and --ep are for --engine vllm")
     dtypes = args.dtype or list(ops.DTYPES)
     kinds = args.model or args.models
-    if args.engine == "cpu":
+    if is_cpu_engine(args.engine):
         unknown = [k for k in kinds if k not in tiny_assets.MODEL_KINDS]
         if unknown:
             parser.error(f"--engine cpu serves the tiny models only, got --model {unknown}")
     # --json: vLLM's logger and its engine-core process write to stdout; only the JSON goes there.
     with stdout_to_stderr(args.json):
         patch_transformers()
-        if args.engine == "vllm":
+        if is_vllm(args.engine):
             targets = [resolve_model(m) for m in kinds]
             tps = args.tp or [1]
             _check_sharding(parser, targets, tps, args.ep)
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_sharding(parser, targets, tps, ep: bool) -> None:
     """Every (model, TP, EP) the kernels keep bitwise, or a usage error naming it, before any engine starts."""
-    from true_on_policy.kernels.tensor_parallel import check_sharding
+    from true_on_policy.kernels.architectures import check_sharding
 
     for kind, _, checkpoint in targets:
         for tp in tps:

@@ -9,7 +9,9 @@ and the checkpoint's parsed config.json -- and everything after it works on thos
 Every key goes through :func:`lookup`: an absent key is :data:`MISSING`; a present one that cannot be
 read (an interpolation that does not resolve) is a :class:`ConfigError` naming the key. The views'
 fields name the key they come from and how it is converted; absent or null reads as the field's
-default, a value of the wrong kind names key and value. Keys verl always carries (the strategy, the
+default, a value of the wrong kind names key and value; a dtype or an attention name is read into its
+canonical name (:mod:`true_on_policy.config.vocabulary`) here, once, so the contract's rows compare the
+values as they are. Keys verl always carries (the strategy, the
 rollout name and TP, the world size, the model path) have no default: missing is an error naming the
 key, never a guess. The determinism plan's updates are laid over the views with :meth:`Sides.overlay`
 (the same keys the launch writes into the config), so the contract describes what the launch will run
@@ -23,8 +25,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from true_on_policy.config.platforms import is_cpu_engine, is_data_parallel, is_sglang
 from true_on_policy.config.invariants import ADV_ESTIMATOR_KEY, FLASHREINFORCE, INVARIANT_KEYS, LOSS_MODE_KEY, MISSING
 from true_on_policy.config.settings import ConfigError, Settings
+from true_on_policy.config.vocabulary import canonical_attention, canonical_dtype
 
 
 def lookup(config: Any, dotted: str) -> Any:
@@ -142,6 +146,9 @@ def _key(path: str, kind: str, default: Any = None, **options: Any) -> Any:
     return dataclasses.field(metadata={"path": path, "kind": kind, "default": default, **options})
 
 
+_CANONICAL = {"dtype": canonical_dtype, "attention": canonical_attention}  # unset stays None
+
+
 def _convert(meta: Mapping[str, Any], value: Any) -> Any:
     path, kind, default = meta["path"], meta["kind"], meta["default"]
     if value is None and default is REQUIRED:
@@ -152,6 +159,9 @@ def _convert(meta: Mapping[str, Any], value: Any) -> Any:
         return parse_bool(path, value, default)
     if kind == "text":
         return text(path, value, default)
+    if kind in _CANONICAL:  # a name both engines spell differently: read once into the canonical one
+        name = text(path, value, default)
+        return None if name is None else _CANONICAL[kind](name)
     if kind == "float":
         return number(path, value, default, float)
     if kind == "number_int":
@@ -204,13 +214,13 @@ class MegatronView:
     pp: int = _key(f"{MEGATRON}.pipeline_model_parallel_size", "int", 1)
     cp: int = _key(f"{MEGATRON}.context_parallel_size", "int", 1)
     sequence_parallel: bool = _key(f"{MEGATRON}.sequence_parallel", "bool", True)  # validated even where TP=1 ignores it
-    dtype: str = _key(f"{MEGATRON}.dtype", "text", "bfloat16")
-    attention_backend: str | None = _key(f"{MEGATRON_TC}.attention_backend", "text")  # null = verl's default flash
+    dtype: str = _key(f"{MEGATRON}.dtype", "dtype", "bfloat16")
+    attention_backend: str | None = _key(f"{MEGATRON_TC}.attention_backend", "attention")  # null = verl's default flash
     flash_attn_npu_batch_invariant: bool = _key(f"{MEGATRON_TC}.use_flash_attn_npu_batch_invariant", "bool", False)
     batch_invariant_mode: bool = _key(f"{MEGATRON_TC}.batch_invariant_mode", "bool", False)
     batch_invariant_ops: bool = _key(f"{MEGATRON_TC}.use_batch_invariant_ops", "bool", False)
     dispatcher: str | None = _key(f"{MEGATRON_TC}.moe_token_dispatcher_type", "text")  # null = verl's default alltoall
-    router_dtype: str | None = _key(f"{MEGATRON_TC}.moe_router_dtype", "text")  # null = the compute dtype
+    router_dtype: str | None = _key(f"{MEGATRON_TC}.moe_router_dtype", "dtype")  # null = the compute dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,22 +229,22 @@ class TorchtitanView:
     ep: int = _key(f"{TORCHTITAN}.expert_parallel_size", "int", 1)
     pp: int = _key(f"{TORCHTITAN}.pipeline_parallel_size", "int", 1)
     cp: int = _key(f"{TORCHTITAN}.context_parallel_size", "int", 1)
-    dtype: str = _key(f"{TORCHTITAN}.dtype", "text", "bfloat16")
-    attn_type: str = _key(f"{TORCHTITAN}.attn_type", "text", "flex")
+    dtype: str = _key(f"{TORCHTITAN}.dtype", "dtype", "bfloat16")
+    attn_type: str = _key(f"{TORCHTITAN}.attn_type", "attention", "flex")
 
 
 @dataclasses.dataclass(frozen=True)
 class VeomniView:
     ep: int = _key(f"{VEOMNI}.expert_parallel_size", "int", 1)
     ulysses: int = _key(f"{VEOMNI}.ulysses_parallel_size", "int", 1)
-    attn_implementation: str = _key(f"{VEOMNI}.attn_implementation", "text", "flash_attention_2")
+    attn_implementation: str = _key(f"{VEOMNI}.attn_implementation", "attention", "flash_attention_2")
     mixed_precision: bool = _key(f"{VEOMNI}.mixed_precision", "bool", True)
 
 
 @dataclasses.dataclass(frozen=True)
 class FsdpView:
-    param_dtype: str | None = _key(f"{FSDP}.mixed_precision.param_dtype", "text")  # null = verl's default bf16
-    model_dtype: str = _key(f"{FSDP}.model_dtype", "text", "fp32")
+    param_dtype: str | None = _key(f"{FSDP}.mixed_precision.param_dtype", "dtype")  # null = verl's default bf16
+    model_dtype: str = _key(f"{FSDP}.model_dtype", "dtype", "fp32")
     ulysses: int = _key(f"{FSDP}.ulysses_sequence_parallel_size", "int", 1)
     # verl's FSDPActorConfig copies this deprecated key over the one above when it is > 1
     deprecated_ulysses: int = _key(f"{A}.ulysses_sequence_parallel_size", "int", 1)
@@ -246,7 +256,7 @@ class _TrainingKeys:
     nnodes: int = _key("trainer.nnodes", "int", REQUIRED)
     gpus_per_node: int = _key("trainer.n_gpus_per_node", "int", REQUIRED)
     model_path: str = _key(f"{M}.path", "text", REQUIRED)
-    attn_implementation: str | None = _key(f"{M}.override_config.attn_implementation", "text")  # null = flash_attention_2
+    attn_implementation: str | None = _key(f"{M}.override_config.attn_implementation", "attention")  # null = flash_attention_2
     use_fused_kernels: bool = _key(f"{M}.use_fused_kernels", "bool", False)
     lora_rank: int = _key(f"{M}.lora_rank", "int", 0, minimum=0)
     override_config: dict = _key(f"{M}.override_config", "mapping")  # applied to the training model only
@@ -268,7 +278,7 @@ class TrainingView(_TrainingKeys):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "world", self.nnodes * self.gpus_per_node)
-        object.__setattr__(self, "is_fsdp", self.strategy not in ("megatron", "torchtitan", "veomni"))
+        object.__setattr__(self, "is_fsdp", is_data_parallel(self.strategy))
         object.__setattr__(self, "row_parallel", _row_parallel(self.megatron, self.torchtitan))
 
 
@@ -301,7 +311,7 @@ def read_training(config: Any) -> TrainingView:
 
 @dataclasses.dataclass(frozen=True)
 class VllmView:
-    attention_backend: str | None = _key(f"{ROLLOUT_VLLM}.attention_backend", "text")  # null = vLLM auto-selects
+    attention_backend: str | None = _key(f"{ROLLOUT_VLLM}.attention_backend", "attention")  # null = vLLM auto-selects
     all2all_backend: str | None = _key(f"{ROLLOUT_VLLM}.all2all_backend", "text")  # null = allgather_reducescatter
     block_size: int | None = _key(f"{ROLLOUT_VLLM}.block_size", "int")
     kv_cache_dtype: str = _key(f"{ROLLOUT_VLLM}.kv_cache_dtype", "text", "auto")  # auto = the model dtype
@@ -335,7 +345,7 @@ class VllmView:
 
 @dataclasses.dataclass(frozen=True)
 class SglangView:
-    attention_backend: str | None = _key(f"{ROLLOUT_SGLANG}.attention_backend", "text")
+    attention_backend: str | None = _key(f"{ROLLOUT_SGLANG}.attention_backend", "attention")
     # SGLang's ServerArgs.json_model_override_args (a JSON object as a string; verl passes engine_kwargs on)
     json_model_override_args: dict = _key(f"{ROLLOUT_SGLANG}.json_model_override_args", "mapping")
     decode_context_parallel_size: int = _key(f"{ROLLOUT_SGLANG}.decode_context_parallel_size", "int", 1)
@@ -349,7 +359,7 @@ class _RolloutKeys:
     dp: int = _key(f"{R}.data_parallel_size", "int", 1)
     ep: int = _key(f"{R}.expert_parallel_size", "int", 1)  # as declared; vLLM's EP group is TP*DP
     pp: int = _key(f"{R}.pipeline_model_parallel_size", "int", 1)
-    dtype: str = _key(f"{R}.dtype", "text", "bfloat16")
+    dtype: str = _key(f"{R}.dtype", "dtype", "bfloat16")
     quantization: str | None = _key(f"{R}.quantization", "text")  # null = weights served in rollout.dtype
     temperature: float = _key(f"{R}.temperature", "float", 1.0)
     top_p: float = _key(f"{R}.top_p", "float", 1.0)
@@ -372,15 +382,15 @@ class RolloutView(_RolloutKeys):
     engine_kwargs: VllmView | SglangView | None = dataclasses.field(init=False)  # the selected engine's view
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "engine_kwargs", self.sglang if self.name == "sglang" else self.vllm)
+        object.__setattr__(self, "engine_kwargs", self.sglang if is_sglang(self.name) else self.vllm)
 
 
 def read_rollout(config: Any) -> RolloutView:
     base = _read(_RolloutKeys, config)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    if base.name == "sglang":
+    if is_sglang(base.name):
         return RolloutView(**fields, sglang=_read(SglangView, config))
-    if base.name == "cpu":
+    if is_cpu_engine(base.name):
         return RolloutView(**fields)
     return RolloutView(**fields, vllm=_read(VllmView, config))
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
+from true_on_policy.config.platforms import ASCEND, CPU, CUDA, Platform
+
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    platform: str  # cpu | ascend | cuda
+    platform: Platform  # CPU | ASCEND | CUDA (true_on_policy.config.platforms)
     reason: str  # what was found, in words
 
 
@@ -33,10 +35,10 @@ def detect_machine() -> Machine:
         else:
             broken = ""
         if count:
-            return Machine("ascend", f"torch_npu is installed and sees {count} NPU(s)")
+            return Machine(ASCEND, f"torch_npu is installed and sees {count} NPU(s)")
         npu_note = f"torch_npu is installed but sees no NPU{broken}; "
     else:
         npu_note = "torch_npu is not installed; "
     if torch.cuda.is_available():
-        return Machine("cuda", f"{npu_note}torch.cuda.is_available() with {torch.cuda.device_count()} GPU(s)")
-    return Machine("cpu", f"{npu_note}torch.cuda.is_available() is False")
+        return Machine(CUDA, f"{npu_note}torch.cuda.is_available() with {torch.cuda.device_count()} GPU(s)")
+    return Machine(CPU, f"{npu_note}torch.cuda.is_available() is False")

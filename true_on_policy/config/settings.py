@@ -30,9 +30,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from true_on_policy.config.platforms import PLATFORMS, Platform, resolved
+
 ENV_VAR = "TRUE_ON_POLICY_SETTINGS"
 
-PLATFORMS = ("cpu", "ascend", "cuda")
 # "auto": detected from the machine (true_on_policy.config.platform) and logged with the reason.
 AUTO_PLATFORM = "auto"
 PLATFORM_CHOICES = (AUTO_PLATFORM, *PLATFORMS)
@@ -69,7 +70,8 @@ class Settings:
 
     # The one flag: the consistent kernels (order-fixed, rule by rule) on both engines.
     deterministic: bool = True
-    # Where the job runs; selects the determinism environment and, for "cpu", the CPU backend.
+    # Where the job runs (resolved to its true_on_policy.config.platforms object); selects the
+    # determinism environment and, for "cpu", the CPU backend.
     # "auto": detected from the machine (torch_npu -> ascend, CUDA -> cuda, else cpu), logged with the reason.
     platform: str = AUTO_PLATFORM
     # Which kernel family the flag switches on, on both sides: "project" (true_on_policy.kernels in the
@@ -103,6 +105,8 @@ class Settings:
     stack_versions: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        if not isinstance(self.platform, Platform):  # a name -> its platform object
+            object.__setattr__(self, "platform", resolved(self.platform))
         try:
             self._validate()
         except ValueError as error:
@@ -115,7 +119,7 @@ class Settings:
             raise ValueError(f"true_on_policy.platform must be one of {PLATFORM_CHOICES}, got {self.platform!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"true_on_policy.kernels must be one of {KERNELS}, got {self.kernels!r}")
-        if self.platform == "cpu" and self.kernels == "engine":
+        if self.kernels == "engine" and isinstance(self.platform, Platform) and not self.platform.has_engine_kernels:
             raise ValueError(
                 "true_on_policy.kernels='engine' on platform cpu: the CPU platform has no engine deterministic "
                 "kernels, only the project's; use 'project' or null"
@@ -156,7 +160,7 @@ class Settings:
         "engine" (each engine's own deterministic kernels, pinned by the plan). Needs a resolved platform."""
         if self.platform not in PLATFORMS:
             raise ValueError(f"true_on_policy.platform={self.platform!r} is not resolved to one of {PLATFORMS}")
-        return self.kernels or ("project" if self.platform == "cpu" else "engine")
+        return self.kernels or self.platform.default_kernels
 
     @functools.cached_property
     def consistent_kernels(self) -> bool:

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from true_on_policy.config.launch import ENV_PATH, MEGATRON_TC, ROLLOUT_VLLM, ROW_PARALLEL_RS_AG, RolloutView, Sides
-from true_on_policy.config.settings import PLATFORMS, ConfigError, Settings
+from true_on_policy.config.platforms import ASCEND, CUDA, PLATFORMS, Platform, is_fsdp, is_megatron, is_vllm, named
+from true_on_policy.config.settings import ConfigError, Settings
 from true_on_policy.contract import upstream_keys
 from true_on_policy.contract.stack_versions import (
     VLLM_ADAPTER_VERSION,
@@ -247,9 +248,10 @@ def rollout_forced_env(
     raised. Ascend: vllm-ascend's function also touches its config singleton and torch, so the table
     read from its source is used. Returns (env, provenance).
     """
-    if platform == "ascend":
+    platform = named(platform)
+    if platform.npu:
         return dict(VLLM_ASCEND_BATCH_INVARIANT_FORCED_ENV), f"table from {SOURCES['va_bi']}"
-    if platform != "cuda":
+    if not platform.cuda:
         return {}, "none"
     override = None
     for name in VLLM_DETERMINISM_MODULES:
@@ -351,13 +353,13 @@ def _plan_ascend(d: _Draft) -> None:
         "(vllm_async_server.py), which does not read it; only vLLM's offline LLMEngine (vllm/v1/engine/llm_engine.py) does"
     )
     d.env("VLLM_BATCH_INVARIANT", "1", f"{SOURCES['vllm_envs']}; {SOURCES['va_bi_doc']}")
-    d.forced, provenance = rollout_forced_env("ascend", d.versions, importer=d.importer)
+    d.forced, provenance = rollout_forced_env(ASCEND, d.versions, importer=d.importer)
     d.notes.append(f"rollout-forced env ({provenance})")
     require_batch_invariant_ops(d.importer)
     d.deterministic_algorithms(f"{SOURCES['torch_npu_det']}; {SOURCES['verl_fd']}; {SOURCES['va_bi']}")
-    if d.rollout_name == "vllm":
+    if is_vllm(d.rollout_name):
         _plan_vllm_ascend(d)
-    if d.strategy == "megatron":
+    if is_megatron(d.strategy):
         _plan_mindspeed(d)
 
 
@@ -455,14 +457,14 @@ def _require_vllm(d: _Draft, gate_name: str) -> None:
 def _plan_cuda(d: _Draft) -> None:
     """vLLM + Megatron-core on CUDA: vLLM's own batch-invariant env mirrored to the training side."""
     d.env("VLLM_BATCH_INVARIANT", "1", SOURCES["vllm_envs"])
-    d.forced, provenance = rollout_forced_env("cuda", d.versions, importer=d.importer)
+    d.forced, provenance = rollout_forced_env(CUDA, d.versions, importer=d.importer)
     d.notes.append(f"rollout-forced env ({provenance})")
     for key, value in d.forced.items():
         source = SOURCES["nccl_env"] if key.startswith("NCCL_") else SOURCES["pt_repro"]
         if key.startswith("VLLM_"):
             source = SOURCES["vllm_bi"]
         d.env(key, value, f"{source}; value from {SOURCES['vllm_bi']}", "mirrors the rollout engine")
-    if d.rollout_name == "vllm":
+    if is_vllm(d.rollout_name):
         _require_vllm(d, "vllm.batch_invariant")
     d.skipped.append(
         "NCCL_ALGO=Ring: vLLM forces NCCL_ALGO="
@@ -476,7 +478,7 @@ def _plan_cuda(d: _Draft) -> None:
             f"{d.versions.effective.get('nccl') or 'unknown'} here; declare true_on_policy.stack_versions.nccl"
         )
     d.deterministic_algorithms(f"{SOURCES['pt_repro']}; {SOURCES['verl_fd']}")
-    if d.rollout_name == "vllm":
+    if is_vllm(d.rollout_name):
         _require_vllm(d, "vllm.attention_backend")
         d.rollout(f"{ROLLOUT_VLLM}.attention_backend", "FLASH_ATTN", SOURCES["vllm_attn"])
         d.ops.append(
@@ -489,7 +491,7 @@ def _plan_cuda(d: _Draft) -> None:
                 "vLLM sequence parallelism is not batch invariant (vllm-project/vllm issue #56370); use "
                 "TP=1 or Megatron sequence_parallel=false"
             )
-    if d.strategy == "megatron":
+    if is_megatron(d.strategy):
         mc = d.versions.effective.get("megatron-core")
         gate = VERSION_GATES["megatron.batch_invariant_mode"]
         if version_at_least(mc, gate.min_version) is not True:
@@ -536,14 +538,14 @@ def require_batch_invariant_ops(importer: Callable[[str], Any]) -> None:
         ) from error
 
 
-def _plan_project_kernels(d: _Draft, platform: str) -> None:
+def _plan_project_kernels(d: _Draft, platform: Platform) -> None:
     """``kernels: project`` on a device platform: the project's kernels on both sides instead of the
     vendors' -- the HF model patched by verl_adapter.consistent_training under verl's FSDP engine, and
     vLLM's model code on the same ops through vllm_adapter. Written, not run on a device. Refuses
     (naming key and value) the combinations that cannot run them."""
-    if platform == "ascend":
+    if platform.npu:
         raise ConfigError("true_on_policy.kernels", "project", f"on platform ascend: {PROJECT_KERNELS_ASCEND_MISSING}")
-    if d.strategy not in ("fsdp", "fsdp2"):
+    if not is_fsdp(d.strategy):
         raise ConfigError(
             "actor_rollout_ref.actor.strategy",
             d.strategy,
@@ -551,7 +553,7 @@ def _plan_project_kernels(d: _Draft, platform: str) -> None:
             f"{d.strategy} builds its own layers (Megatron: TE / megatron-core), which no setting puts on the "
             "project's kernels: use strategy=fsdp, or kernels=engine",
         )
-    if d.rollout_name != "vllm":
+    if not is_vllm(d.rollout_name):
         raise ConfigError(
             "actor_rollout_ref.rollout.name",
             d.rollout_name,
@@ -616,7 +618,7 @@ def plan(
     platform, deterministic = settings.platform, settings.deterministic
     if platform not in PLATFORMS:
         raise ConfigError("true_on_policy.platform", platform, f"one of {PLATFORMS}")
-    if deterministic and platform == "ascend" and sides.rollout.name == "vllm":
+    if deterministic and platform.npu and is_vllm(sides.rollout.name):
         refuse_ignored_keys(sides.rollout, versions)
     d = _Draft(
         versions=versions,
@@ -628,13 +630,13 @@ def plan(
     )
     if not deterministic:
         d.ops.append("engine defaults (true_on_policy.deterministic=false): no determinism settings emitted")
-    elif platform == "cpu":
+    elif platform.cpu_backend:
         d.ops.append("true_on_policy consistent kernels on both engines (selected by true_on_policy.deterministic=true)")
     elif settings.resolved_kernels == "project":
         _plan_project_kernels(d, platform)
     else:
-        (_plan_ascend if platform == "ascend" else _plan_cuda)(d)
-        if d.strategy == "megatron":
+        (_plan_ascend if platform.npu else _plan_cuda)(d)
+        if is_megatron(d.strategy):
             _plan_megatron_pins(d, settings.moe_router_dtype, settings.moe_dispatcher)
     return Plan(
         platform=platform,
@@ -721,7 +723,7 @@ def run_in_process_calls(platform: str, calls) -> list[str]:
         return done
     import torch  # noqa: PLC0415
 
-    if platform == "ascend":
+    if named(platform).npu:
         import torch_npu  # noqa: F401, PLC0415 - registers the npu backend the call must reach
     for name, kwargs in calls:
         if name == "torch.use_deterministic_algorithms":

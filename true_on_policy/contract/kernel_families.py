@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from true_on_policy.contract.determinism_plan import MEGATRON_BI_MODE_UNDER_VERL, SOURCES
+from true_on_policy.config.platforms import Platform, is_cpu_engine, is_vllm
 from true_on_policy.config.launch import ENV_PATH, A, MEGATRON_TC, R, RolloutView, TrainingView
 from true_on_policy.contract.names import vllm_batch_invariant
 PROJECT = "true_on_policy.kernels (order-fixed consistent kernels)"
@@ -52,7 +53,7 @@ def families(
     training_view: TrainingView,
     rollout_view: RolloutView,
     *,
-    platform: str,
+    platform: Platform,
     versions: Mapping[str, str | None],
     rollout_env: Mapping[str, str],
     project: bool,
@@ -79,19 +80,19 @@ _SAME_ALGORITHM = {
 }
 
 
-def _relate(op: str, t: Family, r: Family, platform: str) -> OpFamilies:
+def _relate(op: str, t: Family, r: Family, platform: Platform) -> OpFamilies:
     if not t.pinned or not r.pinned:
         side = "training" if not t.pinned else "rollout"
         return OpFamilies(op, t, r, f"{side} implementation not pinned: {(t if not t.pinned else r).source}")
     if t.impl == r.impl:
-        if platform != "cpu" and t.impl == PROJECT:
+        if platform.device and t.impl == PROJECT:
             return OpFamilies(op, t, r, f"the same implementation on both sides ({t.impl}): written, not run on a device ({platform})")
-        if platform != "cpu":
+        if platform.device:
             # Same name on a device stack this project has not run: say so rather than "ok".
             return OpFamilies(op, t, r, f"same implementation named on both sides ({t.impl}); not run on {platform} by this project")
         return OpFamilies(op, t, r)
     reason = _SAME_ALGORITHM.get(frozenset({t.impl, r.impl}), "")
-    if not reason and op in ("log_softmax",) and platform != "cpu":
+    if not reason and op in ("log_softmax",) and platform.device:
         reason = (
             f"training {t.impl} vs rollout {r.impl}: two log-softmax implementations, both fp32; equality not "
             "established (no setting makes one side run the other's)"
@@ -99,7 +100,7 @@ def _relate(op: str, t: Family, r: Family, platform: str) -> OpFamilies:
     return OpFamilies(op, t, r, reason)
 
 
-def _training(t: TrainingView, platform: str, project: bool) -> dict[str, Family]:
+def _training(t: TrainingView, platform: Platform, project: bool) -> dict[str, Family]:
     strategy, mg = t.strategy, t.megatron
     if project and mg is None:
         src = "true_on_policy.deterministic=true (project kernels patched into transformers)"
@@ -109,7 +110,7 @@ def _training(t: TrainingView, platform: str, project: bool) -> dict[str, Family
         f"{A}.strategy={strategy}: verl computes training log-probs itself "
         "(megatron: vocab-parallel log-softmax; fsdp: logprobs_from_logits)",
     )
-    if mg is not None and platform == "ascend":
+    if mg is not None and platform.npu:
         bi_ops = mg.batch_invariant_ops or mg.batch_invariant_mode
         gemm = (
             Family("batch_invariant_ops.npu_mm_batch_invariant (AscendC)", f"{MEGATRON_TC}.use_batch_invariant_ops (MindSpeed)")
@@ -135,16 +136,16 @@ def _training(t: TrainingView, platform: str, project: bool) -> dict[str, Family
     }
 
 
-def _rollout(r: RolloutView, platform: str, versions: Mapping[str, str | None], env: Mapping[str, str],
+def _rollout(r: RolloutView, platform: Platform, versions: Mapping[str, str | None], env: Mapping[str, str],
              project_rollout: bool) -> dict[str, Family]:
     name = r.name
     if project_rollout:
-        via = "" if name == "cpu" else " through true_on_policy.vllm_adapter"
+        via = "" if is_cpu_engine(name) else " through true_on_policy.vllm_adapter"
         return {op: Family(PROJECT, f"{R}.name={name} on {platform} (project kernels{via})") for op in OPS}
-    if name != "vllm":
+    if not is_vllm(name):
         return {op: _unpinned(f"{R}.name={name}: no kernel setting known to this project") for op in OPS}
     bi = vllm_batch_invariant(env)
-    if platform == "ascend":
+    if platform.npu:
         bi = bi or (r.vllm.rl_enabled and r.vllm.rl_batch_invariant)
         if not bi:
             off = Family("vllm-ascend default kernels (not batch-invariant)", f"{ENV_PATH}.VLLM_BATCH_INVARIANT unset")
@@ -176,9 +177,9 @@ def _rollout(r: RolloutView, platform: str, versions: Mapping[str, str | None], 
     }
 
 
-def attention_unverified(platform: str, training_impl: str, rollout_impl: str) -> str:
+def attention_unverified(platform: Platform, training_impl: str, rollout_impl: str) -> str:
     """Why two attention sides of the same family still cannot count as verified on a device stack."""
-    if platform == "cpu":
+    if platform.cpu_backend:
         return ""
     if training_impl == rollout_impl == "consistent":
         return f"the project's attention (true_on_policy.kernels.ops.attention) on both sides: written, not run on a device ({platform})"

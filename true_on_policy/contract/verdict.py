@@ -175,7 +175,7 @@ def _algorithm_refusals(algorithm: Algorithm, settings: Settings, notes: list[st
 
 
 def _platform_limits(settings: Settings) -> list[str]:
-    if settings.platform == "cpu" and (settings.cpu_tensor_parallel_size > 1 or settings.cpu_expert_parallel_size > 1):
+    if settings.platform.cpu_backend and (settings.cpu_tensor_parallel_size > 1 or settings.cpu_expert_parallel_size > 1):
         return [
             "bad config value: true_on_policy.cpu_tensor_parallel_size / cpu_expert_parallel_size > 1 "
             f"(got {settings.cpu_tensor_parallel_size} / {settings.cpu_expert_parallel_size}): CPU TP/EP is implemented "

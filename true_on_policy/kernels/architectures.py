@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from true_on_policy.kernels.scope import MAX_TP
+
 __all__ = [
     "Architecture",
     "Features",
@@ -40,7 +42,9 @@ __all__ = [
     "check_built",
     "read_checkpoint",
     "check_config",
+    "check_sharding",
     "config_dict",
+    "layer_types",
     "names",
     "rope_parameters",
     "rotary_dim",
@@ -405,6 +409,18 @@ def check_config(config: Any) -> Features:
     )
 
 
+def layer_types(config: Any) -> tuple[str, ...]:
+    """Each layer's type as :func:`check_config` derives it for :class:`Features` (a config that omits
+    ``layer_types`` included), refusing nothing: what the contract reads. An architecture the table does
+    not know: the config's ``layer_types`` as written."""
+    config = config_dict(config)
+    try:
+        arch = _architecture(config)
+    except UncoveredModelError:
+        return tuple(config.get("layer_types") or ())
+    return _layer_types(config, arch, refuse=lambda feature: None)
+
+
 def _layer_types(config: Mapping, arch: Architecture, refuse) -> tuple[str, ...]:
     """Each layer's type, as transformers builds them (Qwen3.5 without ``layer_types``: every
     ``full_attention_interval``-th layer full, the others linear); a type the entry does not cover is refused."""
@@ -504,3 +520,34 @@ def read_checkpoint(path: str | os.PathLike) -> dict | None:
         return None
     with open(config_file) as handle:
         return json.load(handle)
+
+
+def check_sharding(config, tp_size: int, ep_size: int = 1) -> None:
+    """Refuse, naming the key and value, a TP / EP size the consistent kernels do not keep bitwise.
+
+    TP and EP must be powers of two <= :data:`MAX_TP` (the reduction tree's leaves hold whole
+    subtrees only up to it); the query and KV head counts, the MLP's intermediate size and, with
+    experts split by TP (EP 1), the experts' intermediate size must divide by TP; the experts by EP.
+    ``config`` is the model's config (a dict such as config.json, or a transformers config). Checked
+    before a model is sharded or an engine starts, and by the contract's ``sharding`` row (torch-free).
+    """
+    config = config_dict(config)
+    for name, size in (("tensor_parallel_size", tp_size), ("expert_parallel_size", ep_size)):
+        if not isinstance(size, int) or size < 1 or size & (size - 1) or size > MAX_TP:
+            raise ValueError(
+                f"true_on_policy: {name}={size!r} is not supported: the consistent kernels keep their bits at "
+                f"powers of two up to MAX_TP={MAX_TP} (true_on_policy.kernels.ops)"
+            )
+    experts_key, num_experts = expert_count(config)
+    divisible = [("num_attention_heads", tp_size), ("num_key_value_heads", tp_size), ("intermediate_size", tp_size)]
+    if num_experts and ep_size == 1:
+        divisible.append(("moe_intermediate_size", tp_size))
+    if ep_size > 1:
+        if not num_experts:
+            raise ValueError(f"true_on_policy: expert_parallel_size={ep_size} for a model without experts")
+        divisible.append((experts_key, ep_size))
+    for key, size in divisible:
+        value = config.get(key)
+        if value is not None and value % size:
+            what = "expert_parallel_size" if key == experts_key else "tensor_parallel_size"
+            raise ValueError(f"true_on_policy: the model's {key}={value} does not divide by {what}={size}")

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from true_on_policy.kernels import architectures, moe, ops, row_parallel
+from true_on_policy.kernels import moe, ops, row_parallel
+from true_on_policy.kernels.architectures import check_sharding  # noqa: F401 - its public name here too
 from true_on_policy.kernels.modules import ConsistentLinear, ConsistentLMHead, require_silu
 from true_on_policy.kernels.scope import MOE_DISPATCH, ROW_PARALLEL_REDUCTION
 
@@ -219,36 +220,3 @@ def expert_parallel_class(cls: type) -> type:
     if cls not in _EP_CLASSES:
         _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _expert_parallel_forward})
     return _EP_CLASSES[cls]
-
-
-
-
-def check_sharding(config, tp_size: int, ep_size: int = 1) -> None:
-    """Refuse, naming the key and value, a TP / EP size the consistent kernels do not keep bitwise.
-
-    TP and EP must be powers of two <= :data:`ops.MAX_TP` (the reduction tree's leaves hold whole
-    subtrees only up to it); the query and KV head counts, the MLP's intermediate size and, with
-    experts split by TP (EP 1), the experts' intermediate size must divide by TP; the experts by EP.
-    ``config`` is the model's config (a dict such as config.json, or a transformers config). Checked
-    before a model is sharded or an engine starts.
-    """
-    config = architectures.config_dict(config)
-    for name, size in (("tensor_parallel_size", tp_size), ("expert_parallel_size", ep_size)):
-        if not isinstance(size, int) or size < 1 or size & (size - 1) or size > ops.MAX_TP:
-            raise ValueError(
-                f"true_on_policy: {name}={size!r} is not supported: the consistent kernels keep their bits at "
-                f"powers of two up to MAX_TP={ops.MAX_TP} (true_on_policy.kernels.ops)"
-            )
-    experts_key, num_experts = architectures.expert_count(config)
-    divisible = [("num_attention_heads", tp_size), ("num_key_value_heads", tp_size), ("intermediate_size", tp_size)]
-    if num_experts and ep_size == 1:
-        divisible.append(("moe_intermediate_size", tp_size))
-    if ep_size > 1:
-        if not num_experts:
-            raise ValueError(f"true_on_policy: expert_parallel_size={ep_size} for a model without experts")
-        divisible.append((experts_key, ep_size))
-    for key, size in divisible:
-        value = config.get(key)
-        if value is not None and value % size:
-            what = "expert_parallel_size" if key == experts_key else "tensor_parallel_size"
-            raise ValueError(f"true_on_policy: the model's {key}={value} does not divide by {what}={size}")

@@ -11,14 +11,13 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from true_on_policy.kernels.architectures import UnsupportedFeatureError
+from true_on_policy.kernels.architectures import UnsupportedFeatureError, check_sharding
 from true_on_policy.kernels.modules import ConsistentLMHead
 from true_on_policy.kernels.tensor_parallel import (
     ColumnParallelLinear,
     ParallelLayout,
     RowParallelLinear,
     VocabParallelLMHead,
-    check_sharding,
     expert_parallel_class,
     layout_of,
 )

@@ -45,7 +45,7 @@ def mask_out_of_vocabulary(logprobs_from_logits, vocab: int):
 def activate(settings) -> None:
     """The training engine's kernels from the exported settings: the one switch is
     ``settings.consistent_kernels``; the CPU platform installs the model code with the flag off too."""
-    if settings.platform == "cpu" or settings.consistent_kernels:
+    if settings.platform.cpu_backend or settings.consistent_kernels:
         _activate(settings.consistent_kernels)
     # else kernels: engine (or kernels: project with the flag off) on a device: verl's own model code
 

@@ -31,6 +31,7 @@ import logging
 import os
 import sys
 
+from true_on_policy.config.platforms import is_cpu_device, is_vllm
 from true_on_policy.config.settings import Settings, SettingsNotExported, current, export
 
 logger = logging.getLogger("true_on_policy")
@@ -75,13 +76,13 @@ def apply_verdict(config, verdict) -> dict[str, str]:
     if plan.deterministic and plan.in_process:
         env[IN_PROCESS_ENV] = json.dumps([[name, kwargs] for name, kwargs in plan.in_process])
     rollout_name = verdict.contract.rollout_engine
-    if rollout_name == "vllm":
+    if is_vllm(rollout_name):
         env.update(patches.weight_sync_run_env())  # the launch's own weight-sync socket paths
-    if recipe.platform == "cpu":
+    if recipe.platform.cpu_backend:
         env.update(CPU_PLATFORM_ENV)
-        if rollout_name == "vllm":
+        if is_vllm(rollout_name):
             env.update(_vllm_cpu_env(config))
-    elif recipe.consistent_kernels and rollout_name == "vllm":
+    elif recipe.consistent_kernels and is_vllm(rollout_name):
         env.update(_rollout_vocab_env(config))  # kernels=project on a device: written, not run on a device
     updates = determinism_plan.config_updates(plan)
     updates.update({f"{determinism_plan.ENV_PATH}.{key}": value for key, value in env.items()})
@@ -132,7 +133,7 @@ def launch_hook(config) -> None:
     except Exception:
         _internal_error()
         raise
-    if env.get("VERL_PLATFORM") == "cpu":
+    if is_cpu_device(env.get("VERL_PLATFORM")):
         _select_cpu_platform()
 
 
@@ -195,7 +196,7 @@ def _select_cpu_platform() -> None:
 
     from true_on_policy.verl_adapter.cpu_platform import PlatformCPU
 
-    if get_platform().device_name != "cpu":
+    if not is_cpu_device(get_platform().device_name):
         set_platform(PlatformCPU())
 
 
@@ -212,7 +213,7 @@ def activate_from_environment() -> Settings | None:
     trainer_hooks.install()
     resume.install()
     patches.install_launch_weight_sync_socket()
-    if recipe.platform == "cpu":
+    if recipe.platform.cpu_backend:
         from true_on_policy.verl_adapter import cpu_platform
 
         cpu_platform.activate()

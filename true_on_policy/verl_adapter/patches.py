@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from true_on_policy import patching
+from true_on_policy.config.platforms import VLLM
 from true_on_policy.patching import Patch, PatchTargetChanged, Target
 
 VERL_VERSION = "0.9.1"
@@ -273,7 +274,7 @@ def register_worker_rollout(name: str, mode: str, class_path: str) -> None:
 
     check_target("verl.workers.rollout.base.get_rollout_class")
     registry = check_target("verl.workers.rollout.base._ROLLOUT_REGISTRY")
-    if ("vllm", "async") not in registry:
+    if (VLLM, "async") not in registry:  # verl's own vLLM rollout: the registry's shape
         raise PatchTargetChanged(
             "verl.workers.rollout.base._ROLLOUT_REGISTRY: expected a dict keyed by (rollout name, mode) as in verl "
             f"{VERL_VERSION}, found no ('vllm', 'async') key among {sorted(registry, key=repr)}"

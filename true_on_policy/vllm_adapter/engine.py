@@ -56,7 +56,7 @@ def start(path: str, dtype: str, deterministic: bool, tp: int = 1, ep: bool = Fa
     from transformers import AutoConfig
     from vllm import LLM
 
-    from true_on_policy.kernels.tensor_parallel import check_sharding
+    from true_on_policy.kernels.architectures import check_sharding
 
     config = AutoConfig.from_pretrained(path)
     check_sharding(config, tp, tp if ep else 1)

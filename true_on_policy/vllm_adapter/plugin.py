@@ -31,10 +31,10 @@ def patch_set(recipe) -> str | None:
     needs the compatibility fixes with the flag off)."""
     if recipe is None:
         return None
-    if recipe.platform == "cpu":
-        return "cpu"
-    if recipe.platform == "cuda" and recipe.consistent_kernels:
-        return "cuda"
+    if recipe.platform.cpu_backend:
+        return str(recipe.platform)
+    if recipe.platform.cuda and recipe.consistent_kernels:
+        return str(recipe.platform)
     return None
 
 
@@ -48,7 +48,7 @@ def register() -> None:
     try:
         from true_on_policy.vllm_adapter import patches
 
-        if device == "cpu":
+        if recipe.platform.cpu_backend:
             patches.apply_compatibility()
             if recipe.consistent_kernels:
                 patches.apply_consistent("cpu")

