@@ -103,7 +103,7 @@ def _inputs(length: int, seed: int, dtype):
 
 def _step(layer, decodes, prefills, inputs, slot, done, carry_state=True):
     """One vLLM step: ``decodes`` (one token each) first, then ``prefills`` ((name, tokens)), as vLLM orders them."""
-    from true_on_policy.vllm_adapter import layers
+    from true_on_policy.vllm_adapter import hybrid_layers
 
     order = [(name, 1) for name in decodes] + list(prefills)
     rows = [[x[done[name] : done[name] + count] for x in inputs[name]] for name, count in order]
@@ -116,7 +116,7 @@ def _step(layer, decodes, prefills, inputs, slot, done, carry_state=True):
         has_initial_state=torch.tensor([carry_state and done[name] > 0 for name, _ in order]),
     )
     y = torch.zeros(mixed_qkv.shape[0], HV * DV, dtype=mixed_qkv.dtype)
-    layers._gdn_step(layer, metadata, mixed_qkv, z, b, a, y)
+    hybrid_layers._gdn_step(layer, metadata, mixed_qkv, z, b, a, y)
     out, start = {}, 0
     for name, count in order:
         out[name], start = y[start : start + count], start + count

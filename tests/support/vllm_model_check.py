@@ -30,7 +30,7 @@ def main(paths: list[str]) -> dict:
     from true_on_policy.vllm_adapter import patches
 
     patches.apply_consistent("cpu")
-    register_backend(AttentionBackendEnum.CPU_ATTN, "true_on_policy.vllm_adapter.layers.DeviceAttentionBackend")
+    register_backend(AttentionBackendEnum.CPU_ATTN, "true_on_policy.vllm_adapter.attention_backends.DeviceAttentionBackend")
     results, initialised = {}, False
     for path in paths:
         model_config = ModelConfig(model=path, dtype="float32", enforce_eager=True, max_model_len=128, seed=0)

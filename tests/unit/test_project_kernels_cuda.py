@@ -95,8 +95,8 @@ def test_cuda_patch_targets_match_vllm_0_28():
         patches.check_targets("npu")
 
 
-def _metadata(layers, n, query_start, seq_len, slots):
-    return layers.CPUAttentionMetadata(
+def _metadata(attention_backends, n, query_start, seq_len, slots):
+    return attention_backends.CPUAttentionMetadata(
         num_actual_tokens=n,
         max_query_len=n,
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
@@ -116,18 +116,18 @@ def _slots(positions, block_size=16, table=(2, 0)):
 def test_device_attention_decode_equals_prefill():
     """The CUDA backend's attention (run here on CPU tensors): the last token's output from a 20-token
     prefill and from decode after a 19-token prefill are bitwise equal."""
-    from true_on_policy.vllm_adapter import layers
+    from true_on_policy.vllm_adapter import attention_backends
 
     torch.manual_seed(0)
     hq, hkv, d, t = 4, 2, 16, 20
-    impl = layers.DeviceAttentionImpl(hq, d, d**-0.5, hkv, None, None, "auto")
+    impl = attention_backends.DeviceAttentionImpl(hq, d, d**-0.5, hkv, None, None, "auto")
     q, k, v = torch.randn(t, hq * d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
 
     def run(cache, positions, seq_len):
         slots = _slots(positions)
         impl.do_kv_cache_update(None, k[positions], v[positions], cache, slots)
         out = torch.zeros(len(positions), hq * d)
-        meta = _metadata(layers, len(positions), positions[0], seq_len, slots)
+        meta = _metadata(attention_backends, len(positions), positions[0], seq_len, slots)
         return impl.forward(None, q[positions], k[positions], v[positions], cache, meta, out)
 
     prefill = run(torch.zeros(4, hkv, 16, 2 * d), list(range(t)), t)
@@ -138,16 +138,16 @@ def test_device_attention_decode_equals_prefill():
     # twin: the CPU class probes vLLM-CPU's attention ISA when built, which needs vLLM's config (and a
     # CPU build): that probe is what the device class leaves out
     with pytest.raises(AssertionError, match="vLLM config"):
-        layers.ConsistentAttentionImpl(hq, d, d**-0.5, hkv, None, None, "auto")
+        attention_backends.ConsistentAttentionImpl(hq, d, d**-0.5, hkv, None, None, "auto")
 
 
 def test_device_attention_refuses_uncovered_features_by_name():
     from true_on_policy.kernels.architectures import UnsupportedFeatureError
-    from true_on_policy.vllm_adapter import layers
+    from true_on_policy.vllm_adapter import attention_backends
 
     with pytest.raises(UnsupportedFeatureError, match="sliding_window=64"):
-        layers.DeviceAttentionImpl(4, 16, 0.25, 2, None, 64, "auto")
-    assert layers.DeviceAttentionBackend.get_name() == "CUSTOM"
+        attention_backends.DeviceAttentionImpl(4, 16, 0.25, 2, None, 64, "auto")
+    assert attention_backends.DeviceAttentionBackend.get_name() == "CUSTOM"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,11 +216,11 @@ def test_vllm_cuda_selector_accepts_the_custom_backend():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    from true_on_policy.vllm_adapter import layers
+    from true_on_policy.vllm_adapter import attention_backends
 
-    register_backend(AttentionBackendEnum.CUSTOM, "true_on_policy.vllm_adapter.layers.DeviceAttentionBackend")
+    register_backend(AttentionBackendEnum.CUSTOM, "true_on_policy.vllm_adapter.attention_backends.DeviceAttentionBackend")
     backend = AttentionBackendEnum.CUSTOM.get_class()
-    assert backend is layers.DeviceAttentionBackend
+    assert backend is attention_backends.DeviceAttentionBackend
 
     def reasons(**fields):
         config = AttentionSelectorConfig(head_size=16, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)

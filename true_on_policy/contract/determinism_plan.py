@@ -571,7 +571,7 @@ def _plan_project_kernels(d: _Draft, platform: Platform) -> None:
     d.rollout(
         f"{ROLLOUT_VLLM}.attention_backend",
         "CUSTOM",
-        f"{SOURCES['vllm_attn']}; CUSTOM = true_on_policy.vllm_adapter.layers.DeviceAttentionBackend, "
+        f"{SOURCES['vllm_attn']}; CUSTOM = true_on_policy.vllm_adapter.attention_backends.DeviceAttentionBackend, "
         "registered by the vLLM plugin",
         "the project's attention over vLLM's paged KV cache",
     )

@@ -3,7 +3,7 @@
 What differs between covered architectures is data, not code: which projections carry a bias,
 whether queries and keys are RMS-normed, which RoPE scalings, whether the engines honour
 ``head_dim``, the MoE block, and the class names each engine builds. The kernels
-(:mod:`.ops`) and the module code (:mod:`.model`, :mod:`true_on_policy.vllm_adapter.layers`) are
+(:mod:`.ops`) and the module code (:mod:`true_on_policy.transformers_adapter.forwards`, the modules of :mod:`true_on_policy.vllm_adapter`) are
 shared. Readers:
 
 * transformers (:mod:`true_on_policy.transformers_adapter.patches`): the classes to patch,

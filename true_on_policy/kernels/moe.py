@@ -1,7 +1,7 @@
 """The one MoE forward of every engine: fp32 router, stable top-k, per-expert consistent linears, slot-order combine.
 
-The training model's patched router and experts (:mod:`.model`), expert parallelism on CPU
-(:mod:`.tensor_parallel`) and vLLM's MoE block (:mod:`true_on_policy.vllm_adapter.layers`) call these
+The training model's patched router and experts (:mod:`true_on_policy.transformers_adapter.forwards`), expert parallelism on CPU
+(:mod:`.tensor_parallel`) and vLLM's MoE block (:mod:`true_on_policy.vllm_adapter.moe_block`) call these
 functions; an adapter passes in only its collectives: ``gather`` (every rank's tensor in rank order,
 a copy) and its rank. So the expert arithmetic, the expert layout read and the sharded selection
 cannot drift between the engines.

@@ -4,7 +4,7 @@ A row-parallel linear's rank holds a contiguous shard of the reduced dim; with t
 :func:`ops.linear` (``k_parts``) is a complete subtree of the unsharded linear's fixed tree, and
 :func:`tree_reduce` folds the ranks' subtrees in rank order (:func:`ops.tree_combine`) over an
 all-gather -- a copy, so the collective's algorithm cannot change a bit, and never an all-reduce.
-The CPU backend (:mod:`.tensor_parallel`) and vLLM (:mod:`true_on_policy.vllm_adapter.layers`) pass
+The CPU backend (:mod:`.tensor_parallel`) and vLLM (:mod:`true_on_policy.vllm_adapter.linear_layers`) pass
 in only their all-gather.
 """
 

