@@ -54,7 +54,7 @@ class Switches:
     """The ops' one switch, process-wide: read by :func:`switches`, set by :func:`set_switches` (a worker, once)
     or :func:`switched` (a scope).
 
-    ``consistent``: models patched by :mod:`.model` run on these ops (:func:`enabled`). ``native``: CPU ops run
+    ``consistent``: models patched by :mod:`..model` run on these ops (:func:`enabled`). ``native``: CPU ops run
     their C++ kernels (:data:`ROUTES`) where those compute the specification's bits; off, the torch code runs
     (the reference the C++ is held equal to). ``fault``: :class:`Fault` switches (diagnosis only).
     """
@@ -90,7 +90,7 @@ def switched(**changes) -> Iterator[Switches]:
 
 
 def enabled() -> bool:
-    """Whether models patched by :mod:`.model` run on these ops (``switches().consistent``)."""
+    """Whether models patched by :mod:`..model` run on these ops (``switches().consistent``)."""
     return _SWITCHES.consistent
 
 
@@ -106,7 +106,7 @@ def consistent(value: bool = True) -> contextlib.AbstractContextManager[Switches
 
 class Route(NamedTuple):
     """A C++ CPU kernel of an op: ``path`` (its name among the op's kernels), ``entry`` (the library's function)
-    and ``premise``: given the op's arguments, the library (:mod:`.native`) where ``entry`` computes the
+    and ``premise``: given the op's arguments, the library (:mod:`..native`) where ``entry`` computes the
     specification's bits for them, else a false value -- a library check, a width, dtypes, autograd, faults."""
 
     path: str
@@ -189,7 +189,7 @@ def _fits_attention_backward(grad_out, plan):
 
 
 def _moe_in_one_call(hidden, gate_up, down, k_parts, experts) -> bool:
-    """:func:`moe_experts` as one native call: inference, unsharded, hidden and weights of one dtype."""
+    """:func:`moe.moe_experts` as one native call: inference, unsharded, hidden and weights of one dtype."""
     if k_parts != 1 or experts is not None or hidden.dim() != 2 or len(gate_up) == 0:
         return False
     dtype = hidden.dtype

@@ -122,7 +122,7 @@ def pack_weight(weight: torch.Tensor, parts: int = 1) -> WeightPack | None:
 
 
 def pack_experts(gate_up, down) -> tuple[list[WeightPack], list[WeightPack]] | None:
-    """The experts' weights laid out once for :func:`moe_experts`' native call (gate_up packs, down packs), or
+    """The experts' weights laid out once for :func:`moe.moe_experts`' native call (gate_up packs, down packs), or
     None where it reads none: every weight's :func:`pack_weight`, gate_up's gate and up rows each from a group's
     start on the chain path (which an expert of few rows reads instead of laying its weights out in every call)."""
     if len(gate_up) == 0:
