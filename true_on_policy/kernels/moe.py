@@ -125,7 +125,8 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
         x = hidden[pairs // top_k]
         gate_up_pack, down_pack = (None, None) if packs is None else (packs[0][local], packs[1][local])
         gate, up = ops.linear(x, gate_up[local], pack=gate_up_pack).chunk(2, dim=-1)
-        outputs.append(ops.linear(ops.silu_mul(gate, up), down[local], None, out_dtype, k_parts=k_parts, pack=down_pack))
+        hidden_act = ops.silu_mul(gate, up)
+        outputs.append(ops.linear(hidden_act, down[local], None, out_dtype, k_parts=k_parts, pack=down_pack))
         pair_ids.append(pairs)
     width = hidden.shape[-1]
     grouped = torch.cat(outputs) if outputs else hidden.new_zeros(0, width, dtype=out_dtype)
