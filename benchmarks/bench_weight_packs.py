@@ -9,7 +9,7 @@ exceed the last-level cache as a real model's do. The bits are asserted equal fi
 
 * ``dense``: a dense decoder layer's linears (hidden ``--hidden``, q/k/v of ``--heads`` / ``--kv-heads``
   heads of 64, o, gate and up of width 3 x hidden, down), each projection its own ``ops.linear``.
-* ``moe``: ``--experts`` experts (width ``--width``, top-``--top-k``) through ``ops.moe_experts``.
+* ``moe``: ``--experts`` experts (width ``--width``, top-``--top-k``) through ``moe.moe_experts``.
 
     python benchmarks/bench_weight_packs.py [--json] [--repeats N] [--kind dense,moe] [--dtype float32,bfloat16]
 
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from true_on_policy.kernels import ops
+from true_on_policy.kernels import moe, ops
 
 
 def main() -> None:
@@ -95,7 +95,7 @@ def moe_layer(args, dtype, gen):
     def run(x, packed):
         if x.shape[0] not in chosen:  # one routing per token count, the same for both variants
             chosen[x.shape[0]] = torch.stack([torch.randperm(args.experts, generator=gen)[: args.top_k] for _ in x])
-        return [ops.moe_experts(x, chosen[x.shape[0]], gate_up, down, packs=pack if packed else None)]
+        return [moe.moe_experts(x, chosen[x.shape[0]], gate_up, down, packs=pack if packed else None)]
 
     return run, [pack]
 

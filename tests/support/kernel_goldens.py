@@ -41,7 +41,7 @@ def _randn(gen, *shape, dtype=torch.float32, scale=1.0):
 
 
 def _op_cases(out: dict) -> None:
-    from true_on_policy.kernels import ops
+    from true_on_policy.kernels import moe, ops
     from true_on_policy.tiny_assets import tiny_model_config
 
     g = _gen(1234)
@@ -92,12 +92,12 @@ def _op_cases(out: dict) -> None:
         logits[::5] = torch.round(logits[::5])  # ties
         logits[3] = 0.0
         for norm in (True, False):
-            w, e = ops.moe_route(logits, top_k, norm)
+            w, e = moe.moe_route(logits, top_k, norm)
             out[f"moe_route/e{experts}_k{top_k}_norm{int(norm)}/weights"] = w
             out[f"moe_route/e{experts}_k{top_k}_norm{int(norm)}/experts"] = e
     for dname, dtype in DTYPES.items():
-        out[f"moe_combine/{dname}"] = ops.moe_combine(_randn(g, 50, 2, 64, dtype=dtype), torch.rand(50, 2, generator=g))
-        out[f"moe_combine/{dname}/k3"] = ops.moe_combine(_randn(g, 9, 3, 64, dtype=dtype), torch.rand(9, 3, generator=g))
+        out[f"moe_combine/{dname}"] = moe.moe_combine(_randn(g, 50, 2, 64, dtype=dtype), torch.rand(50, 2, generator=g))
+        out[f"moe_combine/{dname}/k3"] = moe.moe_combine(_randn(g, 9, 3, 64, dtype=dtype), torch.rand(9, 3, generator=g))
 
     for dname, dtype in DTYPES.items():
         logits = _randn(g, 37, 128, dtype=dtype, scale=5.0)

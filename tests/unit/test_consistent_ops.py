@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from true_on_policy.kernels import ops
+from true_on_policy.kernels import moe, ops
 from kernel_helpers import gen, threads
 
 
@@ -398,31 +398,31 @@ def test_softmax_twin_block_split_changes_bits():
 
 def test_moe_route_stable_ties_and_normalisation():
     logits = torch.tensor([[1.0, 3.0, 3.0, 3.0], [2.0, 2.0, 2.0, 2.0], [0.5, -1.0, 4.0, 0.5]])
-    weights, experts = ops.moe_route(logits, 2, norm_topk_prob=True)
+    weights, experts = moe.moe_route(logits, 2, norm_topk_prob=True)
     assert experts.tolist() == [[1, 2], [0, 1], [2, 0]]
     assert weights.dtype == torch.float32
     torch.testing.assert_close(weights.sum(-1), torch.ones(3))
     probs = torch.softmax(logits, -1)
-    raw, _ = ops.moe_route(logits, 2, norm_topk_prob=False)
+    raw, _ = moe.moe_route(logits, 2, norm_topk_prob=False)
     torch.testing.assert_close(raw, probs.gather(-1, experts))
     g = gen(19)
     batch = torch.randn(50, 8, generator=g).bfloat16()
-    w_all, e_all = ops.moe_route(batch, 2, True)
+    w_all, e_all = moe.moe_route(batch, 2, True)
     for i in (0, 17, 49):
-        w_one, e_one = ops.moe_route(batch[i : i + 1], 2, True)
+        w_one, e_one = moe.moe_route(batch[i : i + 1], 2, True)
         assert torch.equal(w_one[0], w_all[i]) and torch.equal(e_one[0], e_all[i])
 
 
 def test_moe_combine_fixed_order_fp32():
     g = gen(20)
     outputs, weights = torch.randn(6, 3, 8, generator=g).bfloat16(), torch.rand(6, 3, generator=g)
-    combined = ops.moe_combine(outputs, weights)
+    combined = moe.moe_combine(outputs, weights)
     assert combined.dtype == torch.float32
     manual = outputs[:, 0].float() * weights[:, 0, None]
     manual = manual + outputs[:, 1].float() * weights[:, 1, None]
     manual = manual + outputs[:, 2].float() * weights[:, 2, None]
     assert torch.equal(combined, manual)
-    assert torch.equal(ops.moe_combine(outputs[2:3], weights[2:3])[0], combined[2])
+    assert torch.equal(moe.moe_combine(outputs[2:3], weights[2:3])[0], combined[2])
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -470,9 +470,9 @@ def test_fault_switches_change_the_real_kernels_and_are_off_by_default():
     assert torch.equal(run(), reference)  # the context restored the switches
 
     logits = torch.tensor([[0.0, 0.0, -1.0, 2.0]])  # experts 0 and 1 tie behind expert 3
-    _, experts = ops.moe_route(logits, 2, True)
+    _, experts = moe.moe_route(logits, 2, True)
     with ops.switched(fault=ops.Fault(router_ties_to_higher=True)):
-        _, reversed_experts = ops.moe_route(logits, 2, True)
+        _, reversed_experts = moe.moe_route(logits, 2, True)
     assert experts.tolist() == [[3, 0]] and reversed_experts.tolist() == [[3, 1]]
 
 

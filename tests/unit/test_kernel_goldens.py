@@ -48,9 +48,9 @@ def test_ops_goldens_hold_with_one_thread(goldens):
 
 def test_twin_a_different_k_chunk_breaks_the_goldens(goldens, monkeypatch):
     """The problem the check guards against: another reduction order changes bits it would catch."""
-    from true_on_policy.kernels import ops
+    from true_on_policy.kernels.ops import tiling
 
-    monkeypatch.setattr(ops, "K_CHUNK", 64)
+    monkeypatch.setattr(tiling, "K_CHUNK", 64)  # the ops modules read it there, at call time
     with threads(2):
         actual = kernel_goldens.compute(("ops",))
     expected = {k: v for k, v in goldens.items() if not k.startswith("model/")}
@@ -62,10 +62,10 @@ def test_twin_the_previous_linear_order_breaks_the_goldens(goldens, monkeypatch)
     """The goldens were rewritten for the reduction tree (issue 21): the previous order -- K chunks
     added left to right, no leaves -- gives other linear bits, which the goldens catch; the ops
     without a linear keep theirs."""
-    from true_on_policy.kernels import ops
+    from true_on_policy.kernels.ops import linear_tree
 
-    monkeypatch.setattr(ops, "k_leaves", lambda k: 1)
-    monkeypatch.setattr(ops, "local_leaves", lambda k, parts: 1)
+    monkeypatch.setattr(linear_tree, "k_leaves", lambda k: 1)
+    monkeypatch.setattr(linear_tree, "local_leaves", lambda k, parts: 1)
     with threads(2):
         actual = kernel_goldens.compute(("ops",))
     expected = {k: v for k, v in goldens.items() if not k.startswith("model/")}

@@ -19,7 +19,7 @@ import torch
 
 import kernel_goldens
 from kernel_helpers import gen, threads
-from true_on_policy.kernels import native, ops
+from true_on_policy.kernels import moe, native, ops
 
 
 def both_paths(fn):
@@ -343,12 +343,12 @@ def test_packed_experts_in_one_native_call_are_the_torch_codes_bits():
         lib, x = native.lib(), hidden[:1]  # the premise: unguarded, the dot product flushes that row's products
         assert not torch.equal(lib.dot_matmul(x, gate_up[2], ops.K_CHUNK, 8, False),
                                lib.dot_matmul(x, gate_up[2], ops.K_CHUNK, 8, True))
-        fast = ops.moe_experts(hidden, chosen, gate_up, down, packs=packs)
+        fast = moe.moe_experts(hidden, chosen, gate_up, down, packs=packs)
         with ops.switched(native=False):
-            reference = ops.moe_experts(hidden, chosen, gate_up, down)
+            reference = moe.moe_experts(hidden, chosen, gate_up, down)
         assert fast.dtype == torch.bfloat16 and torch.equal(fast, reference), tokens
     with pytest.raises(RuntimeError, match="expert id 6 of 6 experts"):
-        ops.moe_experts(hidden, torch.full_like(chosen, 6), gate_up, down, packs=packs)
+        moe.moe_experts(hidden, torch.full_like(chosen, 6), gate_up, down, packs=packs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -376,14 +376,14 @@ def test_experts_on_the_chain_path_in_one_native_call_are_the_torch_codes_bits(d
         chosen = torch.stack([torch.randperm(E - 1, generator=g)[:top_k] for _ in range(tokens)])  # expert 5: none
         heights |= set(torch.bincount(chosen.flatten(), minlength=E).tolist())
         with ops.switched(native=False):
-            reference = ops.moe_experts(hidden, chosen, gate_up, down)
+            reference = moe.moe_experts(hidden, chosen, gate_up, down)
         for packs in ([[], []], chain_packs):
             fast = lib.moe_experts_chain(hidden, chosen, gate_up, down, *packs, ops.K_CHUNK, *leaves)
             assert fast.dtype == dtype and torch.equal(fast.view(reference.shape), reference), tokens
         if dispatched:
-            assert torch.equal(ops.moe_experts(hidden, chosen, gate_up, down), reference), tokens
+            assert torch.equal(moe.moe_experts(hidden, chosen, gate_up, down), reference), tokens
             packs = ops.pack_experts(gate_up, down)
-            assert torch.equal(ops.moe_experts(hidden, chosen, gate_up, down, packs=packs), reference), tokens
+            assert torch.equal(moe.moe_experts(hidden, chosen, gate_up, down, packs=packs), reference), tokens
     assert 0 in heights and all(any(lo <= h <= hi for h in heights) for lo, hi in ((1, 4), (5, 8), (9, 64), (65, 450)))
     with pytest.raises(RuntimeError, match="expert id 6 of 6 experts"):
         lib.moe_experts_chain(hidden, torch.full_like(chosen, 6), gate_up, down, [], [], ops.K_CHUNK, *leaves)
@@ -416,13 +416,13 @@ def test_twin_a_chain_pack_is_a_copy_that_a_weight_load_leaves_stale():
     hidden, chosen = torch.randn(1, H, generator=g), torch.tensor([[2, 0]])
     packs = ops.pack_experts(gate_up, down)
     assert packs is not None and len(packs[0][0].tensors) == 1
-    before = ops.moe_experts(hidden, chosen, gate_up, down)
+    before = moe.moe_experts(hidden, chosen, gate_up, down)
     for w in gate_up + down:
         w.add_(0.01)  # as a weight loader writes: in place
-    after = ops.moe_experts(hidden, chosen, gate_up, down)
+    after = moe.moe_experts(hidden, chosen, gate_up, down)
     assert not torch.equal(after, before)
-    assert torch.equal(ops.moe_experts(hidden, chosen, gate_up, down, packs=packs), before)
-    assert torch.equal(ops.moe_experts(hidden, chosen, gate_up, down, packs=ops.pack_experts(gate_up, down)), after)
+    assert torch.equal(moe.moe_experts(hidden, chosen, gate_up, down, packs=packs), before)
+    assert torch.equal(moe.moe_experts(hidden, chosen, gate_up, down, packs=ops.pack_experts(gate_up, down)), after)
 
 
 def _attention_case(g, S, Hq, Hkv, Tq, Tk, D, dtype, garbage=False):

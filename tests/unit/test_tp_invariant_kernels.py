@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from kernel_helpers import spawn_ranks
-from true_on_policy.kernels import ops
+from true_on_policy.kernels import moe, ops
 from true_on_policy.kernels import tensor_parallel
 
 PATHS = {"native": contextlib.nullcontext, "torch": functools.partial(ops.switched, native=False)}
@@ -133,7 +133,7 @@ def _moe_case(dtype, tokens=37, experts=8, top_k=3, hidden=64, inter=48, seed=3)
     h = torch.randn(tokens, hidden, generator=g).to(dtype)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(dtype)
     down = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to(dtype)
-    weights, chosen = ops.moe_route(torch.randn(tokens, experts, generator=g), top_k, True)
+    weights, chosen = moe.moe_route(torch.randn(tokens, experts, generator=g), top_k, True)
     return h, gate_up, down, weights, chosen
 
 
@@ -141,7 +141,7 @@ def _moe_case(dtype, tokens=37, experts=8, top_k=3, hidden=64, inter=48, seed=3)
 def test_expert_tp_shards_give_the_unsharded_experts(dtype):
     h, gate_up, down, weights, chosen = _moe_case(dtype)
     inter = down.shape[-1]
-    full = ops.moe_experts(h, chosen, gate_up, down)
+    full = moe.moe_experts(h, chosen, gate_up, down)
     for t in (2, 4, 8):
         s = inter // t
         shards = []
@@ -155,8 +155,8 @@ def test_expert_tp_shards_give_the_unsharded_experts(dtype):
             return [partial] * t  # this first pass only records the partials
 
         for gu, dn in shards:
-            ops.moe_experts(h, chosen, gu, dn, k_parts=t, gather=record)
-        results = [ops.moe_experts(h, chosen, gu, dn, k_parts=t, gather=lambda p: partials) for gu, dn in shards]
+            moe.moe_experts(h, chosen, gu, dn, k_parts=t, gather=record)
+        results = [moe.moe_experts(h, chosen, gu, dn, k_parts=t, gather=lambda p: partials) for gu, dn in shards]
         for result in results:
             assert torch.equal(result, full), t
 
@@ -164,12 +164,12 @@ def test_expert_tp_shards_give_the_unsharded_experts(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_expert_parallel_selection_gives_the_unsharded_combine(dtype):
     h, gate_up, down, weights, chosen = _moe_case(dtype)
-    full = ops.moe_combine(ops.moe_experts(h, chosen, gate_up, down), weights)
+    full = moe.moe_combine(moe.moe_experts(h, chosen, gate_up, down), weights)
     for ep in (2, 4, 8):
         n = len(gate_up) // ep
-        per_rank = [ops.moe_experts(h, chosen, gate_up[r * n : (r + 1) * n], down[r * n : (r + 1) * n],
+        per_rank = [moe.moe_experts(h, chosen, gate_up[r * n : (r + 1) * n], down[r * n : (r + 1) * n],
                                     experts=range(r * n, (r + 1) * n)) for r in range(ep)]
-        assert torch.equal(ops.moe_combine(ops.moe_select(per_rank, chosen // n), weights), full), ep
+        assert torch.equal(moe.moe_combine(moe.moe_select(per_rank, chosen // n), weights), full), ep
 
 
 def test_twin_adding_the_ranks_weighted_partial_sums_is_another_order():
@@ -177,10 +177,10 @@ def test_twin_adding_the_ranks_weighted_partial_sums_is_another_order():
     then the ranks' sums added. With top-3 over 2 ranks a token whose slots 0 and 2 live on one rank
     gets (w0 y0 + w2 y2) + w1 y1 instead of (w0 y0 + w1 y1) + w2 y2."""
     h, gate_up, down, weights, chosen = _moe_case(torch.float32, tokens=200)
-    per_slot = ops.moe_experts(h, chosen, gate_up, down)
-    full = ops.moe_combine(per_slot, weights)
+    per_slot = moe.moe_experts(h, chosen, gate_up, down)
+    full = moe.moe_combine(per_slot, weights)
     owner = chosen // 4
-    partials = [ops.moe_combine(torch.where((owner == r)[..., None], per_slot, 0.0), torch.where(owner == r, weights, 0.0))
+    partials = [moe.moe_combine(torch.where((owner == r)[..., None], per_slot, 0.0), torch.where(owner == r, weights, 0.0))
                 for r in (0, 1)]
     assert not torch.equal(partials[0] + partials[1], full)
 

@@ -6,7 +6,7 @@ kernel family it has, which vendor stack its engines are, how each side of a lau
 ``Settings.platform`` resolves to one of :data:`CPU`, :data:`CUDA`, :data:`ASCEND`; the contract's rows,
 the kernel families and the determinism plan ask it. The engines' names (``rollout.name``, ``actor.strategy``)
 are told apart by the predicates below. No other module compares a platform or engine name as a
-string (tests/test_platforms.py holds that). Machine detection: :mod:`true_on_policy.config.platform`.
+string (tests/unit/test_platforms.py holds that). Machine detection: :mod:`true_on_policy.config.platform`.
 Torch-free, no verl import.
 """
 

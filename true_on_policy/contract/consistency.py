@@ -102,8 +102,8 @@ def _context(sides: Sides, settings: Settings, plan: Plan, checkpoint: Mapping[s
     cpu_sides = [s for s, on in ((c.tl, c.platform.cpu_backend), (c.rl, is_cpu_engine(r.name))) if on]
     if any(as_size(side.tp.value) > 1 or as_size(side.ep.value) > 1 for side in cpu_sides):
         c.notes.append(
-            "CPU TP/EP > 1 is true_on_policy.kernels.tensor_parallel.shard_model (gloo, all-gather + the reduction tree's top levels), "
-            "proven at library level (tests/test_tensor_parallel.py); verl's FSDP trainer and the Ray-served cpu "
+            "CPU TP/EP > 1 is true_on_policy.transformers_adapter.sharding.shard_model (gloo, all-gather + the reduction tree's top levels), "
+            "proven at library level (tests/unit/test_tensor_parallel.py); verl's FSDP trainer and the Ray-served cpu "
             "rollout replica do not shard yet"
         )
     engine_bi = is_vllm(r.name) and vllm_batch_invariant(r.env)

@@ -271,7 +271,7 @@ def _sharding_row(c: Context) -> Row:
     sides = []
     for layout, who in ((c.tl, "training"), (c.rl, "rollout")):
         tp, ep = as_size(layout.tp.value), as_size(layout.ep.value)
-        source = f"{M}.path config vs {who} TP {tp} / EP {ep} (true_on_policy.kernels.tensor_parallel.check_sharding)"
+        source = f"{M}.path config vs {who} TP {tp} / EP {ep} (true_on_policy.kernels.architectures.check_sharding)"
         if max(tp, ep) <= 1:
             sides.append(Side("ok", f"{who} unsharded"))
             continue

@@ -35,8 +35,8 @@ _SKIP_INPUTS = {
 }
 
 
-# The experts' combine, recorded by the capture: the models call it through the ops module.
-MOE_COMBINE = patching.Target("true_on_policy.kernels.ops", "moe_combine", ("expert_outputs", "weights"))
+# The experts' combine, recorded by the capture: the models call it through the MoE module.
+MOE_COMBINE = patching.Target("true_on_policy.kernels.moe", "moe_combine", ("expert_outputs", "weights"))
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 

@@ -26,9 +26,9 @@ def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     ``gate_up_proj``) and ``w2_weight`` [E, H, I], used unpacked, exactly as the training side's
     experts use ``gate_up_proj``/``down_proj``. Sharded (activations are replicated over the ranks):
     with expert parallelism a rank holds whole experts (``expert_map``) and each slot's row is taken
-    from the rank holding its expert (:func:`ops.moe_select`); with TP alone every expert's
+    from the rank holding its expert (:func:`moe.moe_select`); with TP alone every expert's
     intermediate dim is split and the down projections' fp32 subtrees are gathered and folded
-    (:func:`ops.moe_experts` with ``k_parts``). Either way: the unsharded experts' bits.
+    (:func:`moe.moe_experts` with ``k_parts``). Either way: the unsharded experts' bits.
     """
     top_k, renormalize, num_experts = block.true_on_policy_moe
     holder = _experts_holder(block)

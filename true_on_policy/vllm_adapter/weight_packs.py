@@ -41,7 +41,7 @@ def weight_pack(layer):
 
 
 def expert_weights(holder) -> tuple[list, list, tuple | None]:
-    """The experts' weights as the per-expert views :func:`ops.moe_experts` takes (gate_up, down) and laid out
+    """The experts' weights as the per-expert views :func:`moe.moe_experts` takes (gate_up, down) and laid out
     once for its native call (:func:`ops.pack_experts`, or None where it reads none), built on first use
     after every weight load."""
     def build():
