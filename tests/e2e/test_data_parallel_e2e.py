@@ -10,7 +10,7 @@ row order); the sample-mean loss is normalised by the global batch size on every
 ``global_batch_info``).
 
 The batch (response lengths, score extremes, advantages, verl's recompute against the rollout), the
-FlashREINFORCE statistics and the gradient norm are bitwise equal (measured: docs/measurements.md);
+FlashREINFORCE statistics and the gradient norm are bitwise equal (measured: docs/results.md);
 the loss agrees within a relative 1e-6: DP 2 adds the two ranks' losses, DP 1 accumulates other
 micro-batches -- another summation order, not bitwise (verl's ``critic/score/mean`` is a mean over the
 rows in batch order).

@@ -47,6 +47,6 @@ def test_builtin_replay_buffer_twin_shows_the_2s_floor(verl_runs):
 
     A lower bound, so it holds under any machine load. The fix is asserted where load cannot blur it:
     tests/unit/test_sync_sampler.py checks that verl's own builder makes the recipe's buffer with a 0.02 s
-    poll; the measured effect is in docs/measurements.md ("No fixed wait in generation").
+    poll; the measured effect is in docs/results.md ("No fixed wait in generation").
     """
     assert verl_runs(OVERRIDDEN_MODEL).metrics[1]["timing_s/gen"] >= 2.0

@@ -5,7 +5,7 @@ driver's process tree; the test SIGKILLs it right after step 1 is logged, while 
 verl's own mechanisms do not restart a rollout replica (its actor has no max_restarts and the agent
 loop does not re-resolve servers), so the run must stop: sync, at verl's next call on the dead actor
 or at the learner's full-batch check; async, at verl's abort or the sampler's max_rollout_failures.
-Measured (docs/measurements.md): both stop at verl's next call on the dead actor (``ActorDiedError``
+Measured (docs/journal.md): both stop at verl's next call on the dead actor (``ActorDiedError``
 naming ``CPUServer``), 11.7 s and 13.5 s after the kill; the twin is the same shared run unkilled,
 which trains every step.
 
