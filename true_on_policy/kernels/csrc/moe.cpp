@@ -325,7 +325,7 @@ at::Tensor chain_experts(const at::Tensor& hidden, const at::Tensor& chosen, con
   for_each_item(call.E, [] { return 0; }, [&](int, int64_t e) { call.gather(h, e); });
   for_each_item(call.E * call.gu_blocks, [] { return ChainBuffers(); },
                 [&](ChainBuffers& buf, int64_t item) { call.gate_up_block(buf, item); });
-  auto out = at::empty({hidden.size(0) * call.top_k, call.H}, hidden.options());
+  at::Tensor out = at::empty({hidden.size(0) * call.top_k, call.H}, hidden.options());
   T* o = out.data_ptr<T>();
   for_each_item(call.E * call.dn_blocks, [] { return ChainBuffers(); },
                 [&](ChainBuffers& buf, int64_t item) { call.down_block(buf, item, o); });
