@@ -1,8 +1,9 @@
 """The package's shape, read from its source: no import circle (function-level imports included), no
-project module imported under an alias, no function over 80 lines. Each rule has a twin on a
-synthetic tree showing that the check sees a violation."""
+project module imported under an alias, no function over 80 lines (the C++ library's too). Each rule has a
+twin on a synthetic tree showing that the check sees a violation."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,52 @@ def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
     return found
 
 
+def _cpp_code(text: str) -> str:
+    """C++ source with its comments, string and character literals and preprocessor lines blanked (newlines
+    kept, so offsets keep their line numbers)."""
+    blank = re.compile(r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'|^[ \t]*#(?:[^\n]*\\\n)*[^\n]*",
+                       re.DOTALL | re.MULTILINE)
+    return blank.sub(lambda match: re.sub(r"[^\n]", " ", match.group()), text)
+
+
+def cpp_functions(text: str) -> list[tuple[str, int, int]]:
+    """The function definitions of a C++ source outside any function body -- at namespace scope, or members
+    defined in a class -- as (name, first line, last line): a brace whose head (the text since the last ``;``,
+    ``{`` or ``}``) holds a call-like ``name(`` with no ``=`` before it, and is no namespace, class or struct."""
+    code = _cpp_code(text)
+    found, scopes, head_start = [], [], 0
+    for at, char in enumerate(code):
+        if char == ";":
+            head_start = at + 1
+        elif char == "{":
+            head, head_start = code[head_start:at], at + 1
+            before_call = head.split("(")[0]
+            call = re.search(r"(~?[A-Za-z_]\w*)\s*\(", head)
+            if any(kind != "scope" for kind, _ in scopes):
+                scopes.append(("block", None))  # inside a function: its length counts it
+            elif re.search(r"\b(namespace|struct|class|union|extern)\b", before_call):
+                scopes.append(("scope", None))
+            elif call is None or "=" in before_call:
+                scopes.append(("block", None))  # an initializer
+            else:
+                scopes.append(("function", (call.group(1), code.count("\n", 0, at - len(head) + call.start(1)) + 1)))
+        elif char == "}":
+            kind, function = scopes.pop()
+            if kind == "function":
+                found.append((*function, code.count("\n", 0, at) + 1))
+            head_start = at + 1
+    return found
+
+
+def long_cpp_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    found = []
+    for path in sorted([*root.rglob("*.cpp"), *root.rglob("*.h")]):
+        for name, first, last in cpp_functions(path.read_text()):
+            if last - first + 1 > limit:
+                found.append(f"{path.relative_to(root.parent)}:{first} {name} ({last - first + 1} lines)")
+    return found
+
+
 def test_the_package_has_no_import_circle():
     assert import_circles(PACKAGE) == []
 
@@ -95,6 +142,10 @@ def test_no_package_function_is_over_80_lines():
     assert long_functions(PACKAGE) == []
 
 
+def test_no_cpp_function_is_over_80_lines():
+    assert long_cpp_functions(PACKAGE) == []
+
+
 @pytest.fixture
 def bad_tree(tmp_path) -> Path:
     root = tmp_path / "pkg"
@@ -103,6 +154,13 @@ def bad_tree(tmp_path) -> Path:
     (root / "sub" / "__init__.py").write_text("")
     (root / "a.py").write_text("from pkg.sub import b as bee\n")
     (root / "sub" / "b.py").write_text("def late():\n    from pkg import a\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    # C++: a long function inside a namespace, after a struct with a short member and braces in a comment,
+    # a string and an initializer, none of which is a function of its own
+    (root / "sub" / "c.cpp").write_text(
+        "#include <vector>\nnamespace {\nstruct S {\n  int f() const { return 1; }  // }{\n};\n"
+        "constexpr int kTable[] = {1, 2};\n}  // namespace\n"
+        "int long_one(int n) {\n  const char* text = \"}\";\n" + "  n = n + 1;\n" * MAX_FUNCTION_LINES + "  return n;\n}\n"
+    )
     return root
 
 
@@ -110,3 +168,8 @@ def test_the_checks_see_a_circle_an_alias_and_a_long_function(bad_tree):
     assert import_circles(bad_tree) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
     assert aliased_project_imports(bad_tree) == ["pkg/a.py:1 pkg.sub.b as bee"]
     assert long_functions(bad_tree) == [f"pkg/sub/b.py:1 late ({MAX_FUNCTION_LINES + 2} lines)"]
+
+
+def test_the_cpp_check_sees_a_long_function(bad_tree):
+    assert long_cpp_functions(bad_tree) == [f"pkg/sub/c.cpp:8 long_one ({MAX_FUNCTION_LINES + 4} lines)"]
+    assert [name for name, _, _ in cpp_functions((bad_tree / "sub" / "c.cpp").read_text())] == ["f", "long_one"]

@@ -1,4 +1,4 @@
-// ops.fixed_sum's tree, shared by the library's sources (fixed_order.cpp, gated_delta.cpp).
+// ops.fixed_sum's tree, shared by the library's sources (norms.cpp, gated_delta.cpp).
 #pragma once
 
 #include <algorithm>

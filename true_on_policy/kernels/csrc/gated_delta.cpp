@@ -1,5 +1,5 @@
 // The CPU core of the consistent Gated DeltaNet: gated_delta.delta_rule_torch's bits in one call (part of
-// the one native library: fixed_order.cpp's module registers delta_rule).
+// the one native library: register_gated_delta adds delta_rule to its module).
 //
 // Per (batch row, head) -- one thread each, tokens in order -- and per state row r (dv rows of dk):
 // S[r] *= decay; kv = tree(S[r] * k); delta = (v[r] - kv) * beta; S[r] += delta * k; o[r] = tree(S[r] * q).
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "fixed_tree.h"
+#include "library.h"
 
 namespace {
 
@@ -153,4 +154,8 @@ std::tuple<at::Tensor, at::Tensor> delta_rule(const at::Tensor& q, const at::Ten
     }
   });
   return {out, new_state};
+}
+
+void register_gated_delta(pybind11::module& m) {
+  m.def("delta_rule", &delta_rule, "gated_delta.delta_rule_torch for fp32 CPU tensors");
 }
