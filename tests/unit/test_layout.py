@@ -1,6 +1,7 @@
-"""The package's shape, read from its source: no import circle (function-level imports included), no
-project module imported under an alias, no function over 80 lines (the C++ library's too). Each rule has a
-twin on a synthetic tree showing that the check sees a violation."""
+"""The package's shape, read from its source: no import circle (function-level imports included), no import
+that climbs a layer, no project module imported under an alias, no function over 80 lines (the C++
+library's too), no module over 800 lines. Each rule has a twin on a synthetic tree showing that the check
+sees a violation."""
 
 import ast
 import re
@@ -11,6 +12,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "true_on_policy"
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 800
+# The package's floors, lowest first: a subpackage (or top-level module) imports only from its own floor or
+# below. The pure core (kernels, config, contract) never reaches an engine adapter or the CLI.
+LAYERS = (
+    ("patching", "loss", "tiny_assets", "configs"),
+    ("kernels",),
+    ("config", "transformers_adapter"),
+    ("contract", "rollout"),
+    ("diagnose", "vllm_adapter"),
+    ("verl_adapter", "cli"),
+    ("__main__",),
+)
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -57,6 +70,33 @@ def import_circles(root: Path) -> list[list[str]]:
         if name not in state:
             visit(name, [name])
     return circles
+
+
+def _floor(module: str, layers) -> int:
+    parts = module.split(".")
+    room = parts[1] if len(parts) > 1 else parts[0]
+    for index, names in enumerate(layers):
+        if room in names:
+            return index
+    raise AssertionError(f"{module}: {room} is on no floor of LAYERS (tests/unit/test_layout.py): place it")
+
+
+def climbing_imports(root: Path, layers=LAYERS) -> list[str]:
+    """Every import from a lower floor up to a higher one, as 'module -> module'."""
+    trees = _modules(root)
+    found = []
+    for name, tree in trees.items():
+        if name == root.name:
+            continue
+        for target in sorted(_imported(name, tree, set(trees))):
+            if target != root.name and _floor(target, layers) > _floor(name, layers):
+                found.append(f"{name} -> {target}")
+    return sorted(found)
+
+
+def long_modules(root: Path, limit: int = MAX_MODULE_LINES) -> list[str]:
+    return [f"{path.relative_to(root.parent)} ({count} lines)" for path in sorted(root.rglob("*.py"))
+            if (count := len(path.read_text().splitlines())) > limit]
 
 
 def aliased_project_imports(root: Path) -> list[str]:
@@ -134,6 +174,20 @@ def test_the_package_has_no_import_circle():
     assert import_circles(PACKAGE) == []
 
 
+def test_no_import_climbs_a_layer():
+    assert climbing_imports(PACKAGE) == []
+
+
+def test_every_package_module_sits_on_a_floor():
+    for name in _modules(PACKAGE):
+        if name != PACKAGE.name:
+            _floor(name, LAYERS)
+
+
+def test_no_package_module_is_over_800_lines():
+    assert long_modules(PACKAGE) == []
+
+
 def test_no_project_module_is_imported_under_an_alias():
     assert aliased_project_imports(PACKAGE) == []
 
@@ -168,6 +222,12 @@ def test_the_checks_see_a_circle_an_alias_and_a_long_function(bad_tree):
     assert import_circles(bad_tree) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
     assert aliased_project_imports(bad_tree) == ["pkg/a.py:1 pkg.sub.b as bee"]
     assert long_functions(bad_tree) == [f"pkg/sub/b.py:1 late ({MAX_FUNCTION_LINES + 2} lines)"]
+
+
+def test_the_checks_see_a_climbing_import_and_a_long_module(bad_tree):
+    assert climbing_imports(bad_tree, layers=(("sub",), ("a",))) == ["pkg.sub.b -> pkg.a"]
+    (bad_tree / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert long_modules(bad_tree) == [f"pkg/long.py ({MAX_MODULE_LINES + 1} lines)"]
 
 
 def test_the_cpp_check_sees_a_long_function(bad_tree):
