@@ -73,16 +73,17 @@ def rollout(args) -> list[dict]:
 @contextlib.contextmanager
 def non_invariant():
     """K chunks added left to right over each rank's shard; the row-parallel partials all-reduced."""
-    from true_on_policy.kernels import ops, row_parallel, tensor_parallel
+    from true_on_policy.kernels import row_parallel, tensor_parallel
+    from true_on_policy.kernels.ops import linear_tree  # where the linear reads its leaf counts
 
-    saved = ops.k_leaves, ops.local_leaves, row_parallel.tree_reduce
-    ops.k_leaves, ops.local_leaves = (lambda k: 1), (lambda k, parts: 1)
+    saved = linear_tree.k_leaves, linear_tree.local_leaves, row_parallel.tree_reduce
+    linear_tree.k_leaves, linear_tree.local_leaves = (lambda k: 1), (lambda k, parts: 1)
     # the world group's partials all-reduced (the ranks' gather is not used)
     row_parallel.tree_reduce = lambda x, gather: tensor_parallel._plain_all_reduce(x.to(torch.float32), None)  # noqa: SLF001
     try:
         yield
     finally:
-        ops.k_leaves, ops.local_leaves, row_parallel.tree_reduce = saved
+        linear_tree.k_leaves, linear_tree.local_leaves, row_parallel.tree_reduce = saved
 
 
 def _kernel_worker(rank: int, port: int, repeats: int, out: str) -> None:

@@ -172,14 +172,14 @@ def _collective_check():
 def _previous_reduction_order():
     """The linears' reduction as it was: K chunks added left to right over whatever K a rank holds
     (no leaves), so a rank's partial is not a subtree of the unsharded sum."""
-    from true_on_policy.kernels import ops
+    from true_on_policy.kernels.ops import linear_tree  # where the linear reads its leaf counts
 
-    saved = ops.k_leaves, ops.local_leaves
-    ops.k_leaves, ops.local_leaves = (lambda k: 1), (lambda k, parts: 1)
+    saved = linear_tree.k_leaves, linear_tree.local_leaves
+    linear_tree.k_leaves, linear_tree.local_leaves = (lambda k: 1), (lambda k, parts: 1)
     try:
         yield
     finally:
-        ops.k_leaves, ops.local_leaves = saved
+        linear_tree.k_leaves, linear_tree.local_leaves = saved
 
 
 def _worker(rank: int) -> dict:
