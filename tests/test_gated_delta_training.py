@@ -79,6 +79,14 @@ def test_the_native_switch_off_forces_the_torch_walk():
         assert gated_delta._native_backward(torch.device("cpu")) is None
 
 
+def test_no_token_passes_the_state_and_its_gradient_through():
+    inputs = core_inputs(2, 0, 2, 4, 4)
+    out, state = gated_delta.delta_rule(*inputs)
+    assert out.shape == (2, 0, 2, 4) and torch.equal(state, inputs[5]) and state is not inputs[5]
+    grad_state = torch.randn(state.shape, generator=gen(2))
+    assert torch.equal(torch.autograd.grad(state, inputs[5], grad_state)[0], grad_state)
+
+
 def test_a_gradient_runs_the_checkpointed_function(monkeypatch):
     calls = []
     monkeypatch.setattr(gated_delta.CheckpointedDeltaRule, "apply",

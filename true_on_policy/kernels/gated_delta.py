@@ -19,10 +19,12 @@ used: correctly rounded ``+ - * /``, fp32 ``exp``/``log``/``sqrt`` (measured); s
 built from them (:func:`ops.sigmoid`; torch's ``sigmoid``, ``softplus``, ``log1p`` and bf16 ``rsqrt`` are not position-invariant).
 
 On CPU the core runs in C++ (``csrc/gated_delta.cpp`` in :mod:`.native`'s library, the same bits) when no
-gradient is needed (:data:`ops.ROUTES`); ``ops.switched(native=False)`` forces the torch code. The
-backward is autograd's through the torch code: close to transformers' chunked reference, not
-bitwise; it keeps one state per token (memory grows with ``T * Hv * dv * dk``). Pure torch; no verl,
-no transformers import.
+gradient is needed (:data:`ops.ROUTES`); ``ops.switched(native=False)`` forces the torch code. With a
+gradient, :class:`CheckpointedDeltaRule` runs the same forward bits chunk by chunk, keeping one fp32
+state per :data:`CHUNK` tokens, and its backward recomputes each chunk's states from its checkpoint
+(memory: ``T / CHUNK + CHUNK`` states, not one per token); its gradients are close to autograd's
+through the torch code (and to transformers' chunked reference), not bitwise. No verl, no
+transformers import.
 """
 
 from __future__ import annotations
@@ -220,16 +222,17 @@ class CheckpointedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, decay, beta, state, lengths):
         steps = q.shape[1]
-        checkpoints, outputs = [], []
-        for start in range(0, steps, CHUNK):
+        checkpoints, outputs = state.new_empty(-(-steps // CHUNK), *state.shape), []
+        for index, start in enumerate(range(0, steps, CHUNK)):
             stop = min(start + CHUNK, steps)
-            checkpoints.append(state)
+            checkpoints[index] = state
             out, state = _delta_rule_forward(*(x[:, start:stop] for x in (q, k, v, decay, beta)), state,
                                              (lengths - start).clamp(0, stop - start))
             outputs.append(out)
-        saved = torch.stack(checkpoints) if checkpoints else state.new_zeros(0, *state.shape)
-        ctx.save_for_backward(q, k, v, decay, beta, lengths, saved)
-        return (torch.cat(outputs, 1) if outputs else v.new_zeros(v.shape)), (state.clone() if not outputs else state)
+        ctx.save_for_backward(q, k, v, decay, beta, lengths, checkpoints)
+        if not outputs:  # no token: the state passes through, as a new tensor (an output is not an input)
+            return v.new_zeros(v.shape), state.clone()
+        return torch.cat(outputs, 1), state
 
     @staticmethod
     def backward(ctx, grad_out, grad_state):

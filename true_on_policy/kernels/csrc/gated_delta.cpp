@@ -1,5 +1,6 @@
-// The CPU core of the consistent Gated DeltaNet: gated_delta.delta_rule_torch's bits in one call (part of
-// the one native library: fixed_order.cpp's module registers delta_rule).
+// The CPU core of the consistent Gated DeltaNet: gated_delta.delta_rule_torch's bits in one call, and the
+// training backward (gated_delta.CheckpointedDeltaRule's walk, delta_rule_backward, at the end). Part of the
+// one native library: fixed_order.cpp's module registers delta_rule and delta_rule_backward.
 //
 // Per (batch row, head) -- one thread each, tokens in order -- and per state row r (dv rows of dk):
 // S[r] *= decay; kv = tree(S[r] * k); delta = (v[r] - kv) * beta; S[r] += delta * k; o[r] = tree(S[r] * q).
