@@ -19,10 +19,12 @@ used: correctly rounded ``+ - * /``, fp32 ``exp``/``log``/``sqrt`` (measured); s
 built from them (:func:`ops.sigmoid`; torch's ``sigmoid``, ``softplus``, ``log1p`` and bf16 ``rsqrt`` are not position-invariant).
 
 On CPU the core runs in C++ (``csrc/gated_delta.cpp`` in :mod:`.native`'s library, the same bits) when no
-gradient is needed (:data:`ops.ROUTES`); ``ops.switched(native=False)`` forces the torch code. The
-backward is autograd's through the torch code: close to transformers' chunked reference, not
-bitwise; it keeps one state per token (memory grows with ``T * Hv * dv * dk``). Pure torch; no verl,
-no transformers import.
+gradient is needed (:data:`ops.ROUTES`); ``ops.switched(native=False)`` forces the torch code. With a
+gradient, :class:`CheckpointedDeltaRule` runs the same forward bits chunk by chunk, keeping one fp32
+state per :data:`CHUNK` tokens, and its backward recomputes each chunk's states from its checkpoint
+(memory: ``T / CHUNK + CHUNK`` states, not one per token); its gradients are close to autograd's
+through the torch code (and to transformers' chunked reference), not bitwise. No verl, no
+transformers import.
 """
 
 from __future__ import annotations
@@ -172,15 +174,126 @@ def delta_rule(q, k, v, decay, beta, state, lengths=None):
     (``exp(g)``) and ``beta``: ``(B, T, H)``, ``state``: ``(B, H, dv, dk)``, all fp32; ``lengths``:
     ``(B,)`` tokens per row (None: all ``T``). Invariant: a token's output and the state after it
     depend only on the state before it and its own inputs (see :func:`delta_rule_torch`). On CPU
-    without a gradient the C++ kernel computes the same bits.
+    without a gradient the C++ kernel computes the same bits; with one, :class:`CheckpointedDeltaRule`
+    (the same forward bits, a backward that keeps one state per :data:`CHUNK` tokens).
     """
     _check_core(q, k, v, decay, beta, state, lengths)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, decay, beta, state)):
+        if lengths is None:
+            lengths = torch.full((q.shape[0],), q.shape[1], dtype=torch.int64, device=q.device)
+        return CheckpointedDeltaRule.apply(q, k, v, decay, beta, state, lengths)
+    return _delta_rule_forward(q, k, v, decay, beta, state, lengths)
+
+
+def _delta_rule_forward(q, k, v, decay, beta, state, lengths):
+    """:func:`delta_rule` without a gradient: the C++ core where :data:`ops.ROUTES` picks it, else the torch code."""
     if (kernel := ops._route("delta_rule", q.device, q, k, v, decay, beta, state)).run:
         if lengths is None:
             lengths = torch.full((q.shape[0],), q.shape[1], dtype=torch.int64)
         return kernel.run(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(), beta.contiguous(),
                           state.contiguous(), lengths.to(torch.int64).contiguous())
     return delta_rule_torch(q, k, v, decay, beta, state, lengths)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: the delta rule under autograd, one checkpoint per chunk
+# ----------------------------------------------------------------------------------------------
+
+# Tokens per checkpoint of the training backward. It keeps the state entering every CHUNK-th token
+# (T / CHUNK states) and, while it walks one chunk back, the CHUNK states inside it: T / C + C states, least
+# at C = sqrt(T) -- 64 sits there for T = 4096 and stays within 2x of the least from T = 1024 to 16384
+# (T = 8192: 192 states instead of one per token). It is also transformers' and fla's chunk size. Any value
+# gives the same forward bits and the same gradient math.
+CHUNK = 64
+
+
+class CheckpointedDeltaRule(torch.autograd.Function):
+    """:func:`delta_rule` under autograd: ``apply(q, k, v, decay, beta, state, lengths)`` -> ``(out, new_state)``.
+
+    Forward: :func:`delta_rule_torch`'s bits (the no-gradient path -- the C++ core where routed -- run chunk
+    by chunk: a token's bits depend only on the state entering it), saving the inputs and the fp32 state
+    entering each :data:`CHUNK`-token chunk: O(T / CHUNK) states. Backward: the chunks in reverse, each
+    chunk's states recomputed from its checkpoint, then the analytic gradient token by token with dS
+    accumulated in fp32 (:func:`_chunk_backward`, or the library's ``delta_rule_backward`` where
+    :data:`ops.ROUTES` routes it). Gradients are close to autograd's through :func:`delta_rule_torch`,
+    not bitwise. ``lengths``: ``(B,)`` int64 (right-padded rows keep their state and output 0).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, decay, beta, state, lengths):
+        steps = q.shape[1]
+        checkpoints, outputs = state.new_empty(-(-steps // CHUNK), *state.shape), []
+        for index, start in enumerate(range(0, steps, CHUNK)):
+            stop = min(start + CHUNK, steps)
+            checkpoints[index] = state
+            out, state = _delta_rule_forward(*(x[:, start:stop] for x in (q, k, v, decay, beta)), state,
+                                             (lengths - start).clamp(0, stop - start))
+            outputs.append(out)
+        ctx.save_for_backward(q, k, v, decay, beta, lengths, checkpoints)
+        if not outputs:  # no token: the state passes through, as a new tensor (an output is not an input)
+            return v.new_zeros(v.shape), state.clone()
+        return torch.cat(outputs, 1), state
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_state):
+        q, k, v, decay, beta, lengths, checkpoints = ctx.saved_tensors
+        grad_out, grad_state = grad_out.contiguous(), grad_state.contiguous()
+        if (kernel := ops._route("delta_rule_backward", q.device, q).run) is not None:
+            return (*kernel(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(), beta.contiguous(),
+                            lengths.to(torch.int64).contiguous(), checkpoints, grad_out, grad_state, CHUNK), None)
+        grads = [torch.zeros_like(x) for x in (q, k, v, decay, beta)]
+        dstate = grad_state.clone()
+        for index in reversed(range(checkpoints.shape[0])):
+            start = index * CHUNK
+            stop = min(start + CHUNK, q.shape[1])
+            *chunk_grads, dstate = _chunk_backward(*(x[:, start:stop] for x in (q, k, v, decay, beta)),
+                                                   checkpoints[index], (lengths - start).clamp(0, stop - start),
+                                                   grad_out[:, start:stop], dstate)
+            for grad, chunk_grad in zip(grads, chunk_grads):
+                grad[:, start:stop] = chunk_grad
+        return (*grads, dstate, None)
+
+
+def _chunk_backward(q, k, v, decay, beta, state, lengths, grad_out, dstate):
+    """One chunk of :class:`CheckpointedDeltaRule`'s backward in torch (the specification of the C++ walk):
+    ``(dq, dk, dv, ddecay, dbeta, dstate_entering)``.
+
+    The chunk's inputs ``(B, C, H, ...)``, ``state``: the state entering it, ``lengths``: tokens per row in it,
+    ``dstate``: the gradient of the state leaving it. The states entering each token are recomputed with
+    :func:`delta_rule_torch`'s operations (its bits); then, back from the last token, with ``G`` the gradient
+    of ``S`` after the token: ``G2 = G + do q^T``, ``dq = S2^T do``, ``ddelta = G2 k``, ``dv = ddelta beta``,
+    ``dbeta = ddelta . (v - kv)``, ``dkv = -ddelta beta``, ``dk = G2^T delta + S1^T dkv``,
+    ``dS1 = G2 + dkv k^T``, ``ddecay = dS1 . S0``, and the ``G`` entering the token ``dS1 * decay``. A row past
+    its length passes ``G`` through with zero gradients.
+    """
+    entering, s = [], state
+    for t in range(q.shape[1]):
+        entering.append(s)
+        k_t = k[:, t, :, None, :]
+        s1 = s * decay[:, t, :, None, None]
+        delta = (v[:, t] - ops.fixed_sum(s1 * k_t)[..., 0]) * beta[:, t, :, None]
+        s = torch.where((lengths > t)[:, None, None, None], s1 + delta[..., None] * k_t, s)
+    grads = [[] for _ in range(5)]
+    for t in reversed(range(q.shape[1])):
+        s0, k_t, q_t, go = entering[t], k[:, t], q[:, t], grad_out[:, t]
+        d, b = decay[:, t, :, None, None], beta[:, t, :, None]
+        s1 = s0 * d
+        err = v[:, t] - ops.fixed_sum(s1 * k_t[:, :, None, :])[..., 0]
+        delta = err * b
+        s2 = s1 + delta[..., None] * k_t[:, :, None, :]
+        g2 = dstate + go[..., None] * q_t[:, :, None, :]
+        ddelta = (g2 @ k_t[..., None])[..., 0]
+        dkv = -(ddelta * b)
+        ds1 = g2 + dkv[..., None] * k_t[:, :, None, :]
+        active = (lengths > t)[:, None]
+        token = (torch.matmul(s2.transpose(-1, -2), go[..., None])[..., 0],
+                 (g2.transpose(-1, -2) @ delta[..., None] + s1.transpose(-1, -2) @ dkv[..., None])[..., 0],
+                 ddelta * b, (ds1 * s0).sum((-1, -2)), (ddelta * err).sum(-1))
+        for grad, value in zip(grads, token):
+            grad.append(torch.where(active if value.dim() == 2 else active[..., None], value, 0.0))
+        dstate = torch.where(active[..., None, None], ds1 * d, dstate)
+    dq, dk, dv, ddecay, dbeta = (torch.stack(g[::-1], 1) for g in grads)
+    return dq, dk, dv, ddecay, dbeta, dstate
 
 
 def gated_delta_rule(query, key, value, g, beta, state=None, lengths=None):

@@ -218,6 +218,10 @@ def _fits_delta_rule(q, k, v, decay, beta, state):  # fp32 * + - and the fixed t
     return _inference(q, k, v, decay, beta, state) and native.lib()
 
 
+def _fits_delta_rule_backward(q):  # the backward itself: no graph to keep, no CPU premise
+    return native.lib()
+
+
 # op -> its C++ CPU kernels, tried in order: the first whose premise holds runs. Where none holds, on any other
 # device (whose kernels are the torch ops themselves) and with ``switches().native`` off, the op's torch code --
 # the specification, which every C++ kernel is held torch.equal to -- runs. A premise takes the op's arguments.
@@ -232,6 +236,8 @@ ROUTES: dict[str, tuple[Route, ...]] = {
     "paged_attention": (Route("native", "attention", _fits_paged_attention),),
     "moe_experts": (Route("dot", "moe_experts", _fits_moe_dot), Route("chain", "moe_experts_chain", _fits_moe_chain)),
     "delta_rule": (Route("native", "delta_rule", _fits_delta_rule),),  # gated_delta.delta_rule's core
+    # gated_delta.CheckpointedDeltaRule's backward walk (close to autograd's, not bitwise)
+    "delta_rule_backward": (Route("native", "delta_rule_backward", _fits_delta_rule_backward),),
 }
 
 
