@@ -9,11 +9,11 @@ computed in the driver over the whole batch, its mean over the rewards in sorted
 row order); the sample-mean loss is normalised by the global batch size on every rank (verl's
 ``global_batch_info``).
 
-The batch (response lengths, score extremes, advantages, verl's recompute against the rollout), the
-FlashREINFORCE statistics and the gradient norm are bitwise equal (measured: docs/results.md);
-the loss agrees within a relative 1e-6: DP 2 adds the two ranks' losses, DP 1 accumulates other
-micro-batches -- another summation order, not bitwise (verl's ``critic/score/mean`` is a mean over the
-rows in batch order).
+The batch (response lengths, score extremes, advantages, verl's recompute against the rollout) and the
+FlashREINFORCE statistics are bitwise equal (measured: docs/results.md); the loss and the gradient norm
+agree within a relative 1e-6: DP 2 adds the two ranks' losses and all-reduces their gradients, DP 1
+accumulates other micro-batches -- another summation order, not bitwise (equal on an AMD AVX-512 CPU, one
+fp32 ulp apart on an AMD AVX2 one; verl's ``critic/score/mean`` is a mean over the rows in batch order).
 """
 
 import pytest
@@ -33,9 +33,9 @@ ULYSSES_2 = Run("cpu_tiny", train_steps(1) + (
 BATCH_METRICS = (
     "critic/score/max", "critic/score/min", "critic/advantages/max", "critic/advantages/min", "response_length/mean",
     "response_length/max", "response_length/min", "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
-    "actor/flashreinforce/acceptance_rate", "actor/flashreinforce/sequence_kl_mean", "actor/grad_norm",
+    "actor/flashreinforce/acceptance_rate", "actor/flashreinforce/sequence_kl_mean",
 )
-BOUND_METRICS = ("actor/pg_loss", "critic/score/mean", "critic/advantages/mean")
+BOUND_METRICS = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "critic/advantages/mean")
 RELATIVE_BOUND = 1e-6
 
 
