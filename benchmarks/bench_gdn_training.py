@@ -26,7 +26,8 @@ import time
 import torch
 
 from true_on_policy.kernels import ops
-from true_on_policy.kernels.model import ATTN_IMPLEMENTATION, patch_transformers
+from true_on_policy.transformers_adapter.forwards import patch_transformers
+from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMENTATION
 from true_on_policy.tiny_assets import tiny_model_config
 
 LENGTHS = (1024, 4096, 8192)
