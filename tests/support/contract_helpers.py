@@ -11,7 +11,7 @@ from true_on_policy.config.launch import ROW_PARALLEL_NONE, ROW_PARALLEL_RS_AG, 
 from true_on_policy.config.settings import Settings
 from true_on_policy.contract import consistency, determinism_plan
 from true_on_policy.contract.stack_versions import Versions, resolve_versions
-from true_on_policy.kernels.architectures import read_checkpoint
+from true_on_policy.kernels.architectures import inspect_checkpoint
 
 
 def versions_for(settings, detected=None):
@@ -28,7 +28,7 @@ def contract_for_config(config, settings, *, plan=None, detected=None):
     sides = read_sides(config)
     if plan is None:
         plan = determinism_plan.plan(settings, sides, versions_for(settings, detected))
-    return consistency.build_contract(settings, sides, plan, checkpoint=read_checkpoint(sides.training.model_path))
+    return consistency.build_contract(settings, sides, plan, checkpoint=inspect_checkpoint(sides.training.model_path))
 
 
 def plan_of(deterministic, platform, *, training_strategy, rollout_name, versions=None, row_parallel=None,

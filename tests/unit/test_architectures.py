@@ -83,6 +83,42 @@ def test_read_checkpoint_reads_config_json(tmp_path):
     assert architectures.read_checkpoint("Qwen/Qwen2.5-Math-1.5B") is None  # a hub name: the engines check it
 
 
+def test_inspect_checkpoint_judges_a_config_json_once(tmp_path):
+    """The launch reader's one look at a checkpoint: its layer types as the table derives them (a Qwen3.5
+    config.json without ``layer_types`` still has its Gated DeltaNet layers), and check_config's answer."""
+    config = _config("qwen35")
+    derived = architectures.check_config(config).layer_types
+    del config["layer_types"]  # written by older exports: transformers derives the types from the interval
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    checkpoint = architectures.inspect_checkpoint(tmp_path)
+    assert checkpoint.layer_types == derived and "linear_attention" in checkpoint.layer_types
+    assert checkpoint.features.linear_attention is not None and checkpoint.uncovered == ""
+    assert "layer_types" not in checkpoint.config  # the twin: a reader of the raw keys finds no linear layers
+
+    (tmp_path / "config.json").write_text(json.dumps(_config("qwen2", use_sliding_window=True, sliding_window=32,
+                                                                  max_window_layers=0, layer_types=None)))
+    refused = architectures.inspect_checkpoint(tmp_path)
+    assert refused.features is None and "Qwen2ForCausalLM: sliding window attention" in refused.uncovered
+    assert architectures.inspect_checkpoint("Qwen/Qwen2.5-Math-1.5B") is None
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "moe", "qwen35", "qwen35_moe"])
+def test_transformers_reports_every_built_feature_vllm_reports(kind):
+    """Both engines compare the same features with the table (rotary_dim included: Qwen3.5 rotates a part
+    of each head); the twin: the transformers report without rotary_dim is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from true_on_policy.transformers_adapter.forwards import built_features
+
+    config = tiny_assets.tiny_model_config(kind)
+    built = built_features(AutoModelForCausalLM.from_config(config))
+    assert set(built) | {"mlp_bias"} == set(architectures.BUILT_FEATURES)
+    architectures.check_built(architectures.check_config(config), built, "transformers")
+    with pytest.raises(AssertionError, match="built features"):
+        architectures.check_built(architectures.check_config(config),
+                                  {k: v for k, v in built.items() if k != "rotary_dim"}, "transformers")
+
+
 # ----------------------------------------------------------------------------------------------
 # refused by name: architecture and feature (the twin of each: the unchanged config above passes)
 # ----------------------------------------------------------------------------------------------

@@ -645,7 +645,7 @@ def test_launch_overrides_compose_to_the_applied_plan(ascend_cfg):
     p = plan_for_config(ascend_cfg, _settings(ascend_cfg), detected={})
     composed = check.compose_config(str(CONFIGS), ASCEND, determinism_plan.hydra_overrides(p))
     applied = determinism_plan.apply_to_config(ascend_cfg, p)
-    for path, value in determinism_plan.config_updates(p).items():
+    for path, value in p.config_updates.items():
         assert OmegaConf.select(composed, path) == OmegaConf.select(applied, path) == value, path
     env = OmegaConf.to_container(composed.ray_kwargs.ray_init.runtime_env.env_vars)
     assert all(isinstance(v, str) for v in env.values())  # Ray wants string env values

@@ -210,3 +210,28 @@ def _validated_relax(relax: Iterable[str]) -> frozenset[str]:
     if unknown:
         raise ValueError(f"unknown invariant name(s) in {RELAX_KEY}: {unknown}; known: {list(INVARIANT_NAMES)}")
     return frozenset(names)
+
+
+def refusals(algorithm: Any, settings: Any, notes: list[str]) -> list[str]:
+    """The refusals for a launch's :class:`~true_on_policy.config.launch.Algorithm` under its settings:
+    FlashREINFORCE's invariants when it trains; its settings left at their defaults when it does not
+    (a waiver that has no effect is noted in ``notes``)."""
+    try:
+        if algorithm.flashreinforce:
+            return [str(v) for v in check_invariants(algorithm.found, relax=settings.relax_invariants)]
+        validate_relax(settings.relax_invariants)
+    except ValueError as error:
+        return [f"bad config value: {error}"]
+    if settings.relax_invariants:
+        notes.append(
+            f"true_on_policy.relax_invariants={list(settings.relax_invariants)} has no effect: the FlashREINFORCE "
+            "invariants apply when actor_rollout_ref.actor.policy_loss.loss_mode or algorithm.adv_estimator is flashreinforce"
+        )
+    if settings.negative_token_fraction < 1.0:
+        return [
+            f"bad config value: true_on_policy.negative_token_fraction={settings.negative_token_fraction!r} is "
+            "FlashREINFORCE's entropy filter (its keep mask travels in rollout_is_weights, which another loss reads as "
+            "importance weights); with loss_mode "
+            f"{algorithm.found[LOSS_MODE_KEY]!r} leave it at 1.0"
+        ]
+    return []

@@ -29,6 +29,7 @@ from true_on_policy.config.platforms import is_cpu_engine, is_data_parallel, is_
 from true_on_policy.config.invariants import ADV_ESTIMATOR_KEY, FLASHREINFORCE, INVARIANT_KEYS, LOSS_MODE_KEY, MISSING
 from true_on_policy.config.settings import ConfigError, Settings
 from true_on_policy.config.vocabulary import canonical_attention, canonical_dtype
+from true_on_policy.kernels.architectures import Checkpoint, inspect_checkpoint
 
 
 def lookup(config: Any, dotted: str) -> Any:
@@ -275,11 +276,13 @@ class TrainingView(_TrainingKeys):
     world: int = dataclasses.field(init=False)
     is_fsdp: bool = dataclasses.field(init=False)
     row_parallel: str = dataclasses.field(init=False)  # the row-parallel reduction (ROW_PARALLEL_*)
+    compute_dtype: tuple[str, str] = dataclasses.field(init=False)  # the dtype it computes in, and its key
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "world", self.nnodes * self.gpus_per_node)
         object.__setattr__(self, "is_fsdp", is_data_parallel(self.strategy))
         object.__setattr__(self, "row_parallel", _row_parallel(self.megatron, self.torchtitan))
+        object.__setattr__(self, "compute_dtype", _compute_dtype(self))
 
 
 def _row_parallel(megatron: MegatronView | None, torchtitan: TorchtitanView | None) -> str:
@@ -291,6 +294,18 @@ def _row_parallel(megatron: MegatronView | None, torchtitan: TorchtitanView | No
     if torchtitan is not None:
         return ROW_PARALLEL_NONE if torchtitan.tp <= 1 else ROW_PARALLEL_RS_AG
     return ROW_PARALLEL_NONE
+
+
+def _compute_dtype(t: TrainingView) -> tuple[str, str]:
+    """The dtype the training engine computes in, and the key it comes from."""
+    if t.megatron is not None:
+        return t.megatron.dtype, f"{MEGATRON}.dtype"
+    if t.torchtitan is not None:
+        return t.torchtitan.dtype, f"{A}.torchtitan.dtype"
+    if t.veomni is not None:
+        return ("bfloat16" if t.veomni.mixed_precision else "float32"), f"{A}.veomni.mixed_precision"
+    param = t.fsdp.param_dtype
+    return param or "bfloat16", f"{FSDP}.mixed_precision.param_dtype" + ("" if param else " (verl default bf16)")
 
 
 def read_training(config: Any) -> TrainingView:
@@ -384,6 +399,18 @@ class RolloutView(_RolloutKeys):
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_kwargs", self.sglang if is_sglang(self.name) else self.vllm)
 
+    @property
+    def vllm_batch_invariant(self) -> bool:
+        """``VLLM_BATCH_INVARIANT`` in the workers' environment (vLLM's and vllm-ascend's switch)."""
+        return parse_bool(f"{ENV_PATH}.VLLM_BATCH_INVARIANT", self.env.get("VLLM_BATCH_INVARIANT"))
+
+    @property
+    def flashcomm1(self) -> bool:
+        """vllm-ascend's FlashComm1 (reduce-scatter + all-gather row-parallel layers): its additional_config
+        key or its environment variable."""
+        env = parse_bool(f"{ENV_PATH}.VLLM_ASCEND_ENABLE_FLASHCOMM1", self.env.get("VLLM_ASCEND_ENABLE_FLASHCOMM1"))
+        return self.vllm.flashcomm1 or env
+
 
 def read_rollout(config: Any) -> RolloutView:
     base = _read(_RolloutKeys, config)
@@ -441,14 +468,12 @@ class Launch:
     settings: Settings | None
     sides: Sides | None
     algorithm: Algorithm
-    checkpoint: Mapping[str, Any] | None  # the model's config.json; None: not a local checkpoint directory
+    checkpoint: Checkpoint | None  # the model's config.json, judged once; None: not a local checkpoint directory
 
 
 def read_launch(config: Any) -> Launch:
     """The launch ``config`` describes (a resolved DictConfig or nested mappings); a bad value is a
     :class:`ConfigError` naming key and value (one in the ``true_on_policy:`` section first)."""
-    from true_on_policy.kernels.architectures import read_checkpoint
-
     algorithm = read_algorithm(config)
     if lookup(config, "true_on_policy") in (None, MISSING):
         return Launch(None, None, algorithm, None)
@@ -456,7 +481,8 @@ def read_launch(config: Any) -> Launch:
         sides, error = read_sides(config), None
     except ConfigError as raised:
         sides, error = None, raised
+    checkpoint = inspect_checkpoint(sides.training.model_path) if sides is not None else None
     settings = Settings.from_config(config)
     if error is not None:
         raise error
-    return Launch(settings, sides, algorithm, read_checkpoint(sides.training.model_path))
+    return Launch(settings, sides, algorithm, checkpoint)

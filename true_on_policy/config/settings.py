@@ -261,6 +261,18 @@ def resolve_platform(settings: Settings, machine: Any, launching: bool, refusals
         return None
 
 
+def platform_limits(settings: Settings) -> list[str]:
+    """What the resolved platform cannot run of ``settings`` (CPU TP/EP is library level only)."""
+    if settings.platform.cpu_backend and (settings.cpu_tensor_parallel_size > 1 or settings.cpu_expert_parallel_size > 1):
+        return [
+            "bad config value: true_on_policy.cpu_tensor_parallel_size / cpu_expert_parallel_size > 1 "
+            f"(got {settings.cpu_tensor_parallel_size} / {settings.cpu_expert_parallel_size}): CPU TP/EP is implemented "
+            "at library level (true_on_policy.kernels.tensor_parallel) and proven bitwise there, but neither verl's FSDP "
+            "engine nor the Ray-served CPU rollout shards the model; run CPU jobs with both set to 1"
+        ]
+    return []
+
+
 def _require_resolved(platform: str) -> None:
     if platform not in PLATFORMS:
         raise ValueError(

@@ -19,17 +19,13 @@ keys it is read from on each engine: docs/parallelism_and_determinism.md ("Contr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from true_on_policy.config.launch import Sides
 from true_on_policy.config.platforms import is_cpu_engine, is_vllm
 from true_on_policy.config.settings import Settings
-from true_on_policy.contract.determinism_plan import Plan, config_updates
+from true_on_policy.contract.determinism_plan import Plan
 from true_on_policy.contract.determinism_rows import determinism_rows, logprob_rows
 from true_on_policy.contract.kernel_rows import attention_row, dtype_rows, kernel_rows, model_rows
-from true_on_policy.contract.layout_rows import layout_rows, rollout_layout, tp_invariant_rows, training_layout
-from true_on_policy.contract.names import vllm_batch_invariant
+from true_on_policy.contract.layout_rows import layout_rows, rollout_layout, training_layout
 from true_on_policy.contract.reduction_rows import moe_rows, row_parallel_row
 from true_on_policy.contract.rows import (  # the row model, re-exported: the contract's public names
     INFO,
@@ -47,7 +43,8 @@ from true_on_policy.contract.rows import (  # the row model, re-exported: the co
     judged,
     unverified,
 )
-from true_on_policy.kernels import architectures
+from true_on_policy.contract.tp_invariance import tp_invariant_rows
+from true_on_policy.kernels.architectures import Checkpoint
 
 __all__ = [
     "INFO", "REQUIRE", "STRICT", "Contract", "Mismatch", "Row", "Side", "Status", "build_contract", "compare",
@@ -55,16 +52,16 @@ __all__ = [
 ]
 
 
-def build_contract(settings: Settings, sides: Sides, plan: Plan, checkpoint: Mapping[str, Any] | None = None) -> Contract:
+def build_contract(settings: Settings, sides: Sides, plan: Plan, checkpoint: Checkpoint | None = None) -> Contract:
     """The two-column contract of the views ``sides`` under ``settings`` (platform resolved);
-    ``checkpoint`` is the model's parsed config.json (None: not a local checkpoint directory).
+    ``checkpoint`` is the model's config.json as the launch reader judged it (None: not a local
+    checkpoint directory).
 
     The plan's config updates are laid over the views first (:meth:`Sides.overlay`), so the contract
     describes what the launch will run with; each row's status is decided here. Nothing here reads the
     config or the checkpoint.
     """
-    applied = sides.overlay(config_updates(plan))
-    ctx = _context(applied, settings, plan, checkpoint)
+    ctx = _context(sides, settings, plan, checkpoint)
     rows = [
         *layout_rows(ctx),
         *dtype_rows(ctx),
@@ -88,15 +85,16 @@ def build_contract(settings: Settings, sides: Sides, plan: Plan, checkpoint: Map
     )
 
 
-def _context(sides: Sides, settings: Settings, plan: Plan, checkpoint: Mapping[str, Any] | None) -> Context:
-    t, r = sides.training, sides.rollout
+def _context(sides: Sides, settings: Settings, plan: Plan, checkpoint: Checkpoint | None) -> Context:
+    applied = sides.overlay(plan.config_updates)
+    t, r = applied.training, applied.rollout
     project = settings.resolved_kernels == "project"  # always on cpu: Settings refuses kernels=engine there
     c = Context(
         t, r, settings, plan, list(plan.notes) + [f"not emitted: {s}" for s in plan.skipped], checkpoint,
         platform=settings.platform, deterministic=settings.deterministic, project=project,
         project_rollout=is_cpu_engine(r.name) or (is_vllm(r.name) and project), strategy=t.strategy, name=r.name,
     )
-    c.layer_types = architectures.layer_types(checkpoint) if checkpoint is not None else ()
+    c.layer_types = checkpoint.layer_types if checkpoint is not None else ()
     c.tl = training_layout(c)
     c.rl = rollout_layout(r, c.notes)
     cpu_sides = [s for s, on in ((c.tl, c.platform.cpu_backend), (c.rl, is_cpu_engine(r.name))) if on]
@@ -106,6 +104,6 @@ def _context(sides: Sides, settings: Settings, plan: Plan, checkpoint: Mapping[s
             "proven at library level (tests/unit/test_tensor_parallel.py); verl's FSDP trainer and the Ray-served cpu "
             "rollout replica do not shard yet"
         )
-    engine_bi = is_vllm(r.name) and vllm_batch_invariant(r.env)
+    engine_bi = is_vllm(r.name) and r.vllm_batch_invariant
     c.rollout_env = {**r.env, **(plan.rollout_forced_env if engine_bi else {})}
     return c

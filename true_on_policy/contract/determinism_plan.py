@@ -36,7 +36,6 @@ from true_on_policy.contract.stack_versions import (
     Versions,
     gate_open,
     version_at_least,
-    vllm_ascend_line,
 )
 
 
@@ -198,6 +197,12 @@ class Plan:
     settings: tuple[Setting, ...]
     skipped: tuple[str, ...]
     notes: tuple[str, ...]
+
+    @property
+    def config_updates(self) -> dict[str, Any]:
+        """Dotted config path -> value for everything the plan writes into the Hydra config."""
+        return {**{f"{ENV_PATH}.{key}": value for key, value in self.worker_env.items()}, **self.rollout_config,
+                **self.training_config}
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -364,8 +369,7 @@ def _plan_ascend(d: _Draft) -> None:
 
 
 def _plan_vllm_ascend(d: _Draft) -> None:
-    va = d.versions.effective.get("vllm-ascend")
-    line = vllm_ascend_line(va)
+    va, line = d.versions.effective.get("vllm-ascend"), d.versions.vllm_ascend_line
     if line is None:
         raise ConfigError(
             "true_on_policy.stack_versions.vllm-ascend",
@@ -656,8 +660,7 @@ def plan(
 
 def refuse_ignored_keys(rollout: RolloutView, versions: Versions) -> None:
     """Under the flag on Ascend, a vllm-ascend key the chosen build ignores is an error, not a no-op."""
-    va = versions.effective.get("vllm-ascend")
-    line = vllm_ascend_line(va)
+    va, line = versions.effective.get("vllm-ascend"), versions.vllm_ascend_line
     vllm = rollout.vllm
     if vllm is None:
         return
@@ -690,19 +693,9 @@ def _hydra_value(value: Any) -> str:
     return f'"{text}"'
 
 
-def config_updates(plan_: Plan) -> dict[str, Any]:
-    """Dotted config path -> value for everything the plan writes into the Hydra config."""
-    updates: dict[str, Any] = {}
-    for key, value in plan_.worker_env.items():
-        updates[f"{ENV_PATH}.{key}"] = value
-    updates.update(plan_.rollout_config)
-    updates.update(plan_.training_config)
-    return updates
-
-
 def hydra_overrides(plan_: Plan) -> list[str]:
     """``++path=value`` command-line overrides that put the plan into verl's config (add or replace)."""
-    return [f"++{path}={_hydra_value(value)}" for path, value in config_updates(plan_).items()]
+    return [f"++{path}={_hydra_value(value)}" for path, value in plan_.config_updates.items()]
 
 
 def apply_to_config(config: Any, plan_: Plan) -> Any:
@@ -711,7 +704,7 @@ def apply_to_config(config: Any, plan_: Plan) -> Any:
 
     merged = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
     with open_dict(merged):
-        for path, value in config_updates(plan_).items():
+        for path, value in plan_.config_updates.items():
             OmegaConf.update(merged, path, value, force_add=True)
     return merged
 

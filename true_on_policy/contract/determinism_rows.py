@@ -21,7 +21,6 @@ from true_on_policy.contract.names import (
     NA,
     TOP,
     UNVERIFIED,
-    vllm_batch_invariant,
 )
 from true_on_policy.contract.rows import (
     REQUIRE,
@@ -111,7 +110,7 @@ def _rollout_batch_invariant(c: Context) -> Side:
         return Side("on" if settings.deterministic else "off", f"{R}.name={r.name} + {TOP}.deterministic (project kernels)")
     rl = f"{R}.engine_kwargs.vllm.additional_config.rl_config"
     rl_on = r.vllm is not None and r.vllm.rl_enabled and r.vllm.rl_batch_invariant
-    on = vllm_batch_invariant(r.env) or rl_on
+    on = r.vllm_batch_invariant or rl_on
     return Side("on" if on else "off", f"{ENV}.VLLM_BATCH_INVARIANT" + (f" / {rl}.enable_batch_invariant" if settings.platform.npu else ""))
 
 

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from true_on_policy.contract.determinism_plan import MEGATRON_BI_MODE_UNDER_VERL, SOURCES
 from true_on_policy.config.platforms import Platform, is_cpu_engine, is_vllm
 from true_on_policy.config.launch import ENV_PATH, A, MEGATRON_TC, R, RolloutView, TrainingView
-from true_on_policy.contract.names import vllm_batch_invariant
 PROJECT = "true_on_policy.kernels (order-fixed consistent kernels)"
 
 OPS = ("gemm", "norm", "log_softmax")
@@ -55,15 +54,13 @@ def families(
     *,
     platform: Platform,
     versions: Mapping[str, str | None],
-    rollout_env: Mapping[str, str],
     project: bool,
     project_rollout: bool,
 ) -> list[OpFamilies]:
     """GEMM / RMSNorm / log-softmax implementation per side. ``project`` / ``project_rollout``: the
-    project's kernels run in training (unless Megatron) / in the rollout; ``rollout_env`` what the
-    rollout engine's processes end up with."""
+    project's kernels run in training (unless Megatron) / in the rollout."""
     training = _training(training_view, platform, project)
-    rollout = _rollout(rollout_view, platform, versions, rollout_env, project_rollout)
+    rollout = _rollout(rollout_view, platform, versions, project_rollout)
     return [_relate(op, training[op], rollout[op], platform) for op in OPS]
 
 
@@ -136,15 +133,14 @@ def _training(t: TrainingView, platform: Platform, project: bool) -> dict[str, F
     }
 
 
-def _rollout(r: RolloutView, platform: Platform, versions: Mapping[str, str | None], env: Mapping[str, str],
-             project_rollout: bool) -> dict[str, Family]:
+def _rollout(r: RolloutView, platform: Platform, versions: Mapping[str, str | None], project_rollout: bool) -> dict[str, Family]:
     name = r.name
     if project_rollout:
         via = "" if is_cpu_engine(name) else " through true_on_policy.vllm_adapter"
         return {op: Family(PROJECT, f"{R}.name={name} on {platform} (project kernels{via})") for op in OPS}
     if not is_vllm(name):
         return {op: _unpinned(f"{R}.name={name}: no kernel setting known to this project") for op in OPS}
-    bi = vllm_batch_invariant(env)
+    bi = r.vllm_batch_invariant
     if platform.npu:
         bi = bi or (r.vllm.rl_enabled and r.vllm.rl_batch_invariant)
         if not bi:
@@ -175,17 +171,3 @@ def _rollout(r: RolloutView, platform: Platform, versions: Mapping[str, str | No
         "norm": Family("vLLM batch-invariant RMSNorm (Triton)", src),
         "log_softmax": Family("vLLM batch-invariant log_softmax (Triton)", src),
     }
-
-
-def attention_unverified(platform: Platform, training_impl: str, rollout_impl: str) -> str:
-    """Why two attention sides of the same family still cannot count as verified on a device stack."""
-    if platform.cpu_backend:
-        return ""
-    if training_impl == rollout_impl == "consistent":
-        return f"the project's attention (true_on_policy.kernels.ops.attention) on both sides: written, not run on a device ({platform})"
-    if {training_impl, rollout_impl} == {"flash_attn_npu", "flash_attn_npu_v3"}:
-        return (
-            "training flash_attn_npu (MindSpeed batch-invariant) vs rollout flash_attn_npu_v3 (vllm-ascend FA3): "
-            "two packages; that they run the same kernel with the same KV split is not established"
-        )
-    return f"training {training_impl} vs rollout {rollout_impl}: same family, bitwise equality not established on {platform}"

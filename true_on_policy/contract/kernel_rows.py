@@ -16,7 +16,7 @@ from true_on_policy.config.launch import (
     TrainingView,
     VllmView,
 )
-from true_on_policy.config.platforms import is_sglang
+from true_on_policy.config.platforms import Platform, is_sglang
 from true_on_policy.config.settings import Settings
 from true_on_policy.contract import kernel_families
 from true_on_policy.contract.determinism_plan import SOURCES
@@ -83,20 +83,6 @@ def model_rows(c: Context) -> list[Row]:
     ]
 
 
-def training_compute_dtype(t: TrainingView) -> Side:
-    if t.megatron is not None:
-        return Side(t.megatron.dtype, f"{MEGATRON}.dtype")
-    if t.torchtitan is not None:
-        return Side(t.torchtitan.dtype, f"{A}.torchtitan.dtype")
-    if t.veomni is not None:
-        return Side("bfloat16" if t.veomni.mixed_precision else "float32", f"{A}.veomni.mixed_precision")
-    param = t.fsdp.param_dtype
-    return Side(
-        param or "bfloat16",
-        f"{A}.fsdp_config.mixed_precision.param_dtype" + ("" if param else " (verl default bf16)"),
-    )
-
-
 def _training_master_dtype(t: TrainingView) -> Side:
     if t.fsdp is not None and t.strategy.startswith("fsdp"):
         return Side(t.fsdp.model_dtype, f"{A}.fsdp_config.model_dtype")
@@ -108,7 +94,7 @@ def _training_master_dtype(t: TrainingView) -> Side:
 
 
 def dtype_rows(c: Context) -> list[Row]:
-    t_compute = training_compute_dtype(c.t)
+    t_compute = Side(*c.t.compute_dtype)
     r_dtype = c.r.dtype
     rows = [
         Row(
@@ -233,12 +219,26 @@ def _rollout_attention(c: Context) -> Side:
     return Side(value, key + ("" if explicit else " (unset: vLLM auto-selects)"), impl)
 
 
+def _attention_unverified(platform: Platform, training_impl: str, rollout_impl: str) -> str:
+    """Why two attention sides of the same family still cannot count as verified on a device stack."""
+    if platform.cpu_backend:
+        return ""
+    if training_impl == rollout_impl == "consistent":
+        return f"the project's attention (true_on_policy.kernels.ops.attention) on both sides: written, not run on a device ({platform})"
+    if {training_impl, rollout_impl} == {"flash_attn_npu", "flash_attn_npu_v3"}:
+        return (
+            "training flash_attn_npu (MindSpeed batch-invariant) vs rollout flash_attn_npu_v3 (vllm-ascend FA3): "
+            "two packages; that they run the same kernel with the same KV split is not established"
+        )
+    return f"training {training_impl} vs rollout {rollout_impl}: same family, bitwise equality not established on {platform}"
+
+
 def attention_row(c: Context) -> Row:
     t = _training_attention(c.t, c.settings)
     r = _rollout_attention(c)
     unverified = ""
     if t.value == r.value and AUTO not in (t.value, r.value):
-        unverified = kernel_families.attention_unverified(c.platform, t.show(), r.show())
+        unverified = _attention_unverified(c.platform, t.show(), r.show())
     pin = c.settings.attention_backend
     return Row(
         "attention",
@@ -267,7 +267,6 @@ def kernel_rows(c: Context) -> list[Row]:
         c.r,
         platform=c.platform,
         versions=c.plan.versions.effective,
-        rollout_env=c.rollout_env,
         project=c.project,
         project_rollout=c.project_rollout,
     ):

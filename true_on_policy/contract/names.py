@@ -7,13 +7,10 @@ marks a side no setting determines, :data:`AUTO` one the engine picks at run tim
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from true_on_policy.config.launch import ENV_PATH, parse_bool
+from true_on_policy.config.launch import ENV_PATH
 from true_on_policy.config.vocabulary import AUTO, canonical_attention, canonical_dtype
 
-__all__ = ["AUTO", "CPU_EP_KEY", "CPU_TP_KEY", "ENV", "NA", "TOP", "UNVERIFIED", "canonical_attention", "canonical_dtype",
-           "vllm_batch_invariant"]
+__all__ = ["AUTO", "CPU_EP_KEY", "CPU_TP_KEY", "ENV", "NA", "TOP", "UNVERIFIED", "canonical_attention", "canonical_dtype"]
 
 UNVERIFIED = "unverified"  # a side whose value no engine setting determines: never a mismatch, always flagged
 NA = "n/a"
@@ -25,7 +22,3 @@ ENV = ENV_PATH
 CPU_TP_KEY = f"{TOP}.cpu_tensor_parallel_size"
 CPU_EP_KEY = f"{TOP}.cpu_expert_parallel_size"
 
-
-def vllm_batch_invariant(env: Mapping[str, str]) -> bool:
-    """``VLLM_BATCH_INVARIANT`` in the workers' environment (vLLM's and vllm-ascend's switch)."""
-    return parse_bool(f"{ENV}.VLLM_BATCH_INVARIANT", env.get("VLLM_BATCH_INVARIANT"))

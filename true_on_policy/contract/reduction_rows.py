@@ -5,7 +5,6 @@ and router dtype.
 from __future__ import annotations
 
 
-
 from true_on_policy.config.launch import (
     ROW_PARALLEL_ALL_REDUCE,
     ROW_PARALLEL_NONE,
@@ -15,11 +14,9 @@ from true_on_policy.config.launch import (
     MEGATRON_TC,
     R,
     RolloutView,
-    parse_bool,
 )
 from true_on_policy.config.platforms import Platform, is_cpu_engine, is_vllm
 from true_on_policy.contract.determinism_plan import SOURCES
-from true_on_policy.contract.kernel_rows import training_compute_dtype
 from true_on_policy.contract.names import (
     CPU_TP_KEY,
     ENV,
@@ -48,9 +45,8 @@ def _rollout_row_parallel(r: RolloutView, platform: Platform) -> Side:
         return Side(ROW_PARALLEL_REDUCTION, f"{R}.name=cpu, {R}.tensor_model_parallel_size={tp} (true_on_policy.kernels.tensor_parallel)")
     if r.vllm is not None and platform.npu:
         key = f"{R}.engine_kwargs.vllm.additional_config.enable_flashcomm1"
-        on = r.vllm.flashcomm1 or parse_bool(f"{ENV}.VLLM_ASCEND_ENABLE_FLASHCOMM1", r.env.get("VLLM_ASCEND_ENABLE_FLASHCOMM1"))
         src = f"{ENV}.VLLM_ASCEND_ENABLE_FLASHCOMM1 / {key}"
-        return Side(ROW_PARALLEL_RS_AG if on else ROW_PARALLEL_ALL_REDUCE, src)
+        return Side(ROW_PARALLEL_RS_AG if r.flashcomm1 else ROW_PARALLEL_ALL_REDUCE, src)
     if r.vllm is not None:
         src = f"{R}.engine_kwargs.vllm.compilation_config.pass_config.enable_sp"
         return Side(ROW_PARALLEL_RS_AG if r.vllm.sequence_parallel else ROW_PARALLEL_ALL_REDUCE, src)
@@ -138,7 +134,7 @@ def _rollout_router_dtype(c: Context, compute: str) -> Side:
 def moe_rows(c: Context) -> list[Row]:
     settings = c.settings
     ep_t, ep_r = as_size(c.tl.ep.value), as_size(c.rl.ep.value)
-    t_compute = training_compute_dtype(c.t)
+    t_compute = Side(*c.t.compute_dtype)
     r_dtype = c.r.dtype
     combine = settings.moe_combine
     t_project = c.project and c.t.megatron is None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from collections.abc import Mapping
 from typing import Any
 
 from true_on_policy.config.launch import RolloutView, TrainingView
@@ -17,6 +16,7 @@ from true_on_policy.config.platforms import Platform
 from true_on_policy.config.settings import Settings
 from true_on_policy.contract.determinism_plan import Plan
 from true_on_policy.contract.names import AUTO, UNVERIFIED
+from true_on_policy.kernels.architectures import Checkpoint
 
 INFO, STRICT, REQUIRE = "info", "strict", "require"
 
@@ -160,7 +160,7 @@ class Context:
     settings: Settings
     plan: Plan
     notes: list[str]
-    checkpoint: Mapping[str, Any] | None  # the model's config.json; None: not a local checkpoint
+    checkpoint: Checkpoint | None  # the model's config.json, judged once; None: not a local checkpoint
     platform: Platform | None = None
     deterministic: bool = True
     project: bool = False  # the flag switches on the project's kernels (training: unless Megatron)
@@ -170,7 +170,7 @@ class Context:
     rollout_env: dict[str, str] = dataclasses.field(default_factory=dict)
     tl: Layout | None = None
     rl: Layout | None = None
-    # each layer's type as the architecture table derives it (kernels.architectures.layer_types); () without a checkpoint
+    # each layer's type as the architecture table derives it (Checkpoint.layer_types); () without a checkpoint
     layer_types: tuple[str, ...] = ()
 
 

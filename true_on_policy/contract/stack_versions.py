@@ -237,6 +237,11 @@ class Versions:
     def get(self, package: str) -> str | None:
         return self.effective.get(package)
 
+    @property
+    def vllm_ascend_line(self) -> str | None:
+        """The line of the effective vllm-ascend (:func:`vllm_ascend_line`)."""
+        return vllm_ascend_line(self.effective.get("vllm-ascend"))
+
 
 def resolve_versions(
     platform: str,

@@ -6,13 +6,14 @@ its code, printing its text. It runs, in order, on the config as composed:
 
 1. the config, read once (:func:`~true_on_policy.config.launch.read_launch`): the ``true_on_policy:``
    section (:class:`~true_on_policy.config.settings.Settings`), the two sides' views, the invariants'
-   keys and the checkpoint's config.json; everything below works on those;
+   keys and the checkpoint's config.json, judged once by
+   :func:`~true_on_policy.kernels.architectures.inspect_checkpoint`; everything below works on those;
 2. the platform: ``auto`` is detected from the machine, an explicit one must be this machine's
    (``check`` evaluates a device config on another machine as declared and says so);
 3. the FlashREINFORCE invariants, when the loss or the estimator is FlashREINFORCE, and the
    FlashREINFORCE-only settings otherwise;
 4. the platform's limits (CPU TP/EP is library level only) and, when the project's kernels run,
-   the checkpoint's architecture (:func:`~true_on_policy.kernels.architectures.check_config`);
+   what the checkpoint's architecture check refused (:func:`~true_on_policy.kernels.architectures.check_config`);
 5. the determinism plan and the consistency contract on the two sides' views;
 6. the contract's mismatches (refused unless ``allow_contract_mismatch``) and unverified rows
    (refused unless each is named in ``accept_unverified``).
@@ -30,12 +31,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from true_on_policy.config import invariants
-from true_on_policy.config.launch import Algorithm, Launch, read_launch
+from true_on_policy.config.launch import read_launch
 from true_on_policy.config.platform import Machine
-from true_on_policy.config.settings import ConfigError, Settings, resolve_platform
+from true_on_policy.config.settings import ConfigError, Settings, platform_limits, resolve_platform
 from true_on_policy.contract import consistency, determinism_plan
 from true_on_policy.contract.stack_versions import resolve_versions
-from true_on_policy.kernels import architectures
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_UNVERIFIED = 0, 1, 2, 3
 PREFIX = "true_on_policy: "
@@ -98,16 +98,19 @@ def decide(
     settings = resolve_platform(launch.settings, machine, launching, refusals, notes)
     if settings is None:
         return _refused(refusals)
-    consistent_kernels = settings.consistent_kernels
-    refusals += _algorithm_refusals(launch.algorithm, settings, notes)
-    refusals += _platform_limits(settings)
-    refusals += _architecture_refusals(launch, consistent_kernels)
+    limits = platform_limits(settings)
+    checkpoint = launch.checkpoint
+    if settings.consistent_kernels and checkpoint is not None and checkpoint.uncovered:
+        # the project's kernels refuse, by name, what they do not cover (a hub name: the engines check it at load)
+        limits.append(f"uncovered model: actor_rollout_ref.model.path={launch.sides.training.model_path!r}: {checkpoint.uncovered}")
+    refusals += invariants.refusals(launch.algorithm, settings, notes)
+    refusals += limits
 
     plan = contract = None
     try:
         versions = resolve_versions(settings.platform, declared=dict(settings.stack_versions), detected=detected)
         plan = determinism_plan.plan(settings, launch.sides, versions, importer=importer)
-        contract = consistency.build_contract(settings, launch.sides, plan, checkpoint=launch.checkpoint)
+        contract = consistency.build_contract(settings, launch.sides, plan, checkpoint=checkpoint)
     except ConfigError as error:
         refusals.append(f"bad config value: {error}")
     if contract is None:
@@ -127,15 +130,7 @@ def decide(
     if refusals:
         return _refused(refusals, notes, settings, plan, contract)
     if open_rows:
-        names = ",".join(row.field for row, _ in open_rows)
-        flags = " ".join(f"--accept-unverified {row.field}" for row, _ in open_rows)
-        lines = [
-            PREFIX + "refused: contract rows that cannot be verified for this stack (consistent where visible):",
-            *(f"UNVERIFIED {row.title} [{row.field}]: {reason}" for row, reason in open_rows),
-            f"launch anyway only by naming them: true_on_policy.accept_unverified=[{names}] (check: {flags})",
-            *notes,
-        ]
-        return Verdict(EXIT_UNVERIFIED, tuple(lines), settings, plan, contract)
+        return _refused_unverified(open_rows, notes, settings, plan, contract)
     headline = "consistent and verified" if not mismatches and not accepted_lines else "accepted as configured"
     return Verdict(
         EXIT_OK,
@@ -151,50 +146,16 @@ def _refused(refusals, notes=(), settings=None, plan=None, contract=None) -> Ver
     return Verdict(EXIT_REFUSED, lines, settings, plan, contract)
 
 
-def _algorithm_refusals(algorithm: Algorithm, settings: Settings, notes: list[str]) -> list[str]:
-    """FlashREINFORCE's invariants when it trains; its settings left at their defaults when it does not."""
-    try:
-        if algorithm.flashreinforce:
-            return [str(v) for v in invariants.check_invariants(algorithm.found, relax=settings.relax_invariants)]
-        invariants.validate_relax(settings.relax_invariants)
-    except ValueError as error:
-        return [f"bad config value: {error}"]
-    if settings.relax_invariants:
-        notes.append(
-            f"true_on_policy.relax_invariants={list(settings.relax_invariants)} has no effect: the FlashREINFORCE "
-            "invariants apply when actor_rollout_ref.actor.policy_loss.loss_mode or algorithm.adv_estimator is flashreinforce"
-        )
-    if settings.negative_token_fraction < 1.0:
-        return [
-            f"bad config value: true_on_policy.negative_token_fraction={settings.negative_token_fraction!r} is "
-            "FlashREINFORCE's entropy filter (its keep mask travels in rollout_is_weights, which another loss reads as "
-            "importance weights); with loss_mode "
-            f"{algorithm.found[invariants.LOSS_MODE_KEY]!r} leave it at 1.0"
-        ]
-    return []
-
-
-def _platform_limits(settings: Settings) -> list[str]:
-    if settings.platform.cpu_backend and (settings.cpu_tensor_parallel_size > 1 or settings.cpu_expert_parallel_size > 1):
-        return [
-            "bad config value: true_on_policy.cpu_tensor_parallel_size / cpu_expert_parallel_size > 1 "
-            f"(got {settings.cpu_tensor_parallel_size} / {settings.cpu_expert_parallel_size}): CPU TP/EP is implemented "
-            "at library level (true_on_policy.kernels.tensor_parallel) and proven bitwise there, but neither verl's FSDP "
-            "engine nor the Ray-served CPU rollout shards the model; run CPU jobs with both set to 1"
-        ]
-    return []
-
-
-def _architecture_refusals(launch: Launch, consistent_kernels: bool) -> list[str]:
-    """The project's kernels refuse, by name, an architecture or feature they do not cover (a hub name:
-    the engines check it at load)."""
-    if not consistent_kernels or launch.checkpoint is None:
-        return []
-    try:
-        architectures.check_config(launch.checkpoint)
-    except architectures.UnsupportedFeatureError as error:
-        return [f"uncovered model: actor_rollout_ref.model.path={launch.sides.training.model_path!r}: {error}"]
-    return []
+def _refused_unverified(open_rows, notes, settings, plan, contract) -> Verdict:
+    names = ",".join(row.field for row, _ in open_rows)
+    flags = " ".join(f"--accept-unverified {row.field}" for row, _ in open_rows)
+    lines = [
+        PREFIX + "refused: contract rows that cannot be verified for this stack (consistent where visible):",
+        *(f"UNVERIFIED {row.title} [{row.field}]: {reason}" for row, reason in open_rows),
+        f"launch anyway only by naming them: true_on_policy.accept_unverified=[{names}] (check: {flags})",
+        *notes,
+    ]
+    return Verdict(EXIT_UNVERIFIED, tuple(lines), settings, plan, contract)
 
 
 def _unverified(contract, rows, settings: Settings, refusals: list[str]):

@@ -32,6 +32,8 @@ from true_on_policy.kernels.scope import MAX_TP
 
 __all__ = [
     "Architecture",
+    "BUILT_FEATURES",
+    "Checkpoint",
     "Features",
     "LinearAttention",
     "Moe",
@@ -44,6 +46,7 @@ __all__ = [
     "check_config",
     "check_sharding",
     "config_dict",
+    "inspect_checkpoint",
     "layer_types",
     "names",
     "rope_parameters",
@@ -499,9 +502,17 @@ _ROPE_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 
-def check_built(features: Features, built: Mapping[str, bool], engine: str) -> None:
-    """Refuse a model whose built modules (``built``: feature -> present, e.g. ``{"qkv_bias": True}``)
-    differ from what its architecture's entry describes for its config."""
+# What each engine reports of the model it built (``mlp_bias`` only where a dense MLP exists): both engines
+# compare the same features with the table's.
+BUILT_FEATURES = ("qkv_bias", "o_bias", "qk_norm", "rotary_dim", "mlp_bias", "linear_attention", "shared_expert")
+
+
+def check_built(features: Features, built: Mapping[str, Any], engine: str) -> None:
+    """Refuse a model whose built modules (``built``: feature -> what was built, e.g. ``{"qkv_bias": True}``,
+    every key of :data:`BUILT_FEATURES`) differ from what its architecture's entry describes for its config."""
+    reported = set(built) | {"mlp_bias"}
+    if set(built) - set(BUILT_FEATURES) or reported != set(BUILT_FEATURES):
+        raise AssertionError(f"{engine}'s built features {sorted(built)} are not {list(BUILT_FEATURES)}")
     wrong = [f"{key}: built {value}, described {getattr(features, key)}" for key, value in built.items()
              if value != getattr(features, key)]
     if wrong:
@@ -520,6 +531,33 @@ def read_checkpoint(path: str | os.PathLike) -> dict | None:
         return None
     with open(config_file) as handle:
         return json.load(handle)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A local checkpoint's config.json, read and judged once (by :func:`inspect_checkpoint`): what the
+    verdict and the contract read of it."""
+
+    config: dict
+    layer_types: tuple[str, ...]  # as :func:`layer_types` derives them (a config without ``layer_types`` too)
+    features: Features | None  # None: not covered (``uncovered`` says why)
+    uncovered: str = ""  # check_config's refusal, naming the architecture and the feature
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> Checkpoint | None:
+    """``path``'s config.json with its layer types and :func:`check_config`'s answer; None if ``path``
+    is not a local checkpoint directory. Nothing is refused here: the verdict refuses ``uncovered`` when
+    the project's kernels run."""
+    config = read_checkpoint(path)
+    if config is None:
+        return None
+    try:
+        features, uncovered = check_config(config), ""
+    except UnsupportedFeatureError as error:
+        features, uncovered = None, str(error)
+    except (KeyError, TypeError, ValueError) as error:  # a config.json no engine could build a model from
+        features, uncovered = None, f"true_on_policy: its config.json is not a model config ({type(error).__name__}: {error})"
+    return Checkpoint(config, layer_types(config), features, uncovered)
 
 
 def check_sharding(config, tp_size: int, ep_size: int = 1) -> None:

@@ -273,6 +273,8 @@ def built_features(model: nn.Module) -> dict[str, bool]:
         "qkv_bias": getattr(attention.q_proj, "bias", None) is not None,
         "o_bias": getattr(attention.o_proj, "bias", None) is not None,
         "qk_norm": hasattr(attention, "q_norm"),
+        # transformers keeps one rotary embedding per model: its inverse frequencies, one per rotated pair
+        "rotary_dim": 2 * next(m for m in model.modules() if hasattr(m, "inv_freq")).inv_freq.numel(),
     }
     mlp = next((m for m in model.modules() if isinstance(m, patches.covered("mlp"))), None)
     if mlp is not None:  # none in a model of MoE layers only

@@ -84,7 +84,7 @@ def apply_verdict(config, verdict) -> dict[str, str]:
             env.update(_vllm_cpu_env(config))
     elif recipe.consistent_kernels and is_vllm(rollout_name):
         env.update(_rollout_vocab_env(config))  # kernels=project on a device: written, not run on a device
-    updates = determinism_plan.config_updates(plan)
+    updates = plan.config_updates
     updates.update({f"{determinism_plan.ENV_PATH}.{key}": value for key, value in env.items()})
     with open_dict(config):
         for path, value in updates.items():
