@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -49,10 +50,18 @@ def test_the_native_loops_run_on_torchs_threads():
             assert lib.parallel_threads(8) == n_threads
 
 
-def test_twin_without_openmp_the_native_loops_run_serially():
+def test_twin_without_openmp_the_native_loops_run_serially(tmp_path):
     """Why CFLAGS has -fopenmp: ATen's at::parallel_for is header-only, and compiled without OpenMP it
-    is a serial loop whatever torch's thread count (the C++ path then ran on one core)."""
-    serial = native.build([f for f in native.CFLAGS if f != "-fopenmp"], [])
+    is a serial loop whatever torch's thread count (the C++ path then ran on one core). The library's
+    own parallel_threads, compiled alone (not the whole library: minutes) with its flags but -fopenmp."""
+    from torch.utils.cpp_extension import load_inline
+
+    source = (native.CSRC / "fixed_order.cpp").read_text()
+    function = re.search(r"^int64_t parallel_threads\(.*?^}$", source, re.S | re.M).group(0)
+    serial = load_inline(
+        "true_on_policy_serial_parallel_threads", "#include <atomic>\n" + function, functions=["parallel_threads"],
+        extra_cflags=[f for f in native.CFLAGS if f != "-fopenmp"], build_directory=str(tmp_path),
+    )
     with threads(2):
         assert serial.parallel_threads(8) == 1
 

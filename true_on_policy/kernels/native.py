@@ -45,10 +45,10 @@ _tried = False
 _constants: dict[str, int] | None = None
 
 
-def build_directory(cflags=CFLAGS, ldflags=LDFLAGS) -> Path:
+def build_directory() -> Path:
     """Where this environment's library lives: one folder per (sources and headers, flags, torch version)."""
     code = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    digest = hashlib.sha256(code + " ".join(cflags + ldflags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
     name = f"fixed_order-{digest}-torch{torch.__version__.replace('+', '_')}"
     for root in (Path(sys.prefix) / "var" / "true_on_policy", Path.home() / ".cache" / "true_on_policy" / "native"):
         try:
@@ -77,17 +77,16 @@ def staged_sources(directory: Path) -> list[Path]:
     return [staged / path.name for path in SOURCES]
 
 
-def build(cflags=CFLAGS, ldflags=LDFLAGS) -> ModuleType:
-    """Build (or load the already built) library; raises if the compiler fails. Other flags than the
-    defaults are for tests (a build without OpenMP shows what -fopenmp is for)."""
+def build() -> ModuleType:
+    """Build (or load the already built) library; raises if the compiler fails."""
     from torch.utils.cpp_extension import load
 
-    directory = build_directory(cflags, ldflags)
+    directory = build_directory()
     return load(
         name=f"true_on_policy_fixed_order_{directory.name.split('-')[1]}",
         sources=[str(path) for path in staged_sources(directory)],
-        extra_cflags=list(cflags),
-        extra_ldflags=list(ldflags),
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
         build_directory=str(directory),
         verbose=False,
     )
