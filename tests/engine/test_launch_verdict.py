@@ -42,6 +42,14 @@ CASES = [
     ("cpu_tiny_qwen35_vllm", [], 0, "launch accepted (consistent and verified"),
     ("cpu_tiny_qwen35_moe_vllm", [], 0, "launch accepted (consistent and verified"),
     ("cpu_tiny_qwen35_vllm", [f"{R}.engine_kwargs.vllm.mamba_ssm_cache_dtype=bfloat16"], 2, "[ssm_state_dtype]"),
+    # what the vLLM adapter refuses at load, refused before Ray by key (twin: the shipped configs above)
+    ("cpu_tiny_qwen35_vllm", [f"{R}.enable_prefix_caching=true"], 2, "[prefix_caching]"),
+    ("cpu_tiny_qwen35_moe_vllm", [f"+{R}.engine_kwargs.vllm.mamba_cache_mode=align"], 2, "[mamba_cache_mode]"),
+    ("cpu_tiny_qwen35_vllm", [f"+{R}.engine_kwargs.vllm.speculative_config={{method:mtp,num_speculative_tokens:1}}"], 2,
+     "[speculative]"),
+    ("cpu_tiny_qwen35_moe_vllm", ["actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_rollout=true"],
+     2, "[speculative]"),
+    ("cpu_tiny_qwen35_vllm", ["actor_rollout_ref.model.mtp.enable=true"], 0, "launch accepted"),  # MTP weights, no drafts
     ("cpu_tiny_vllm_tp2", [], 0, "launch accepted (consistent and verified"),  # training TP 1, rollout TP 2: the TP-invariant kernels
     ("cpu_tiny_moe_vllm_ep2", [], 0, "launch accepted (consistent and verified"),
     ("cpu_tiny", [f"{R}.n=2", f"{T}.relax_invariants=[single_rollout]"], 0, "launch accepted"),

@@ -249,6 +249,33 @@ def test_vllm_on_cpu_runs_the_project_kernels_but_only_eager_and_without_sleep_m
     assert not {"eager", "sleep_mode"} & {m.field for m in consistency.compare(eager)}
 
 
+HYBRID_REFUSALS = [
+    ({f"{R}.enable_prefix_caching": True}, "prefix_caching"),
+    ({f"{R}.engine_kwargs.vllm.mamba_cache_mode": "align"}, "mamba_cache_mode"),
+    ({f"{R}.engine_kwargs.vllm.speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}, "speculative"),
+    ({f"{R}.mtp.enable": True, f"{R}.mtp.enable_rollout": True}, "speculative"),  # model.mtp, as verl interpolates it
+]
+
+
+@pytest.mark.parametrize("changes, field", HYBRID_REFUSALS)
+@pytest.mark.parametrize("name", ["cpu_tiny_qwen35_vllm", "cpu_tiny_qwen35_moe_vllm"])
+def test_what_the_vllm_adapter_refuses_at_load_is_a_contract_mismatch_first(name, changes, field):
+    """Prefix caching, a Mamba cache mode other than none and speculative decoding (MTP included): the
+    adapter refuses them when vLLM loads the model, after Ray started; the contract names the key first.
+    Twin: the shipped config (prefix caching off, no drafts) has no mismatch."""
+    cfg = check.compose_config(str(CONFIGS), name)
+    assert not consistency.compare(_contract(cfg))
+    assert field in {m.field for m in consistency.compare(_contract(_with(cfg, **changes)))}
+
+
+def test_prefix_caching_is_refused_on_hybrid_models_only():
+    """A full-attention model's prefix cache replays keys and values the consistent attention reads the
+    same way (cpu_tiny_vllm ships it on); the Gated DeltaNet has no cached block to replay."""
+    cfg = _with(check.compose_config(str(CONFIGS), "cpu_tiny_vllm"), **{f"{R}.enable_prefix_caching": True})
+    contract = _contract(cfg)
+    assert "prefix_caching" not in {row.field for row in contract.rows} and not consistency.compare(contract)
+
+
 @pytest.mark.parametrize(
     "engine, key",
     [

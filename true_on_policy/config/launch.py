@@ -331,6 +331,8 @@ class VllmView:
     block_size: int | None = _key(f"{ROLLOUT_VLLM}.block_size", "int")
     kv_cache_dtype: str = _key(f"{ROLLOUT_VLLM}.kv_cache_dtype", "text", "auto")  # auto = the model dtype
     mamba_ssm_cache_dtype: str = _key(f"{ROLLOUT_VLLM}.mamba_ssm_cache_dtype", "text", "auto")  # auto = the model dtype
+    mamba_cache_mode: str = _key(f"{ROLLOUT_VLLM}.mamba_cache_mode", "text", "none")  # vLLM's CacheConfig default
+    speculative_config: dict = _key(f"{ROLLOUT_VLLM}.speculative_config", "mapping")  # passed to vLLM as given
     hf_overrides: dict = _key(f"{ROLLOUT_VLLM}.hf_overrides", "mapping")
     decode_context_parallel_size: int = _key(f"{ROLLOUT_VLLM}.decode_context_parallel_size", "int", 1)
     prefill_context_parallel_size: int = _key(f"{ROLLOUT_VLLM}.prefill_context_parallel_size", "int", 1)
@@ -383,6 +385,10 @@ class _RolloutKeys:
     logprobs_mode: str = _key(f"{R}.logprobs_mode", "text", "processed_logprobs")
     enforce_eager: bool = _key(f"{R}.enforce_eager", "bool", False)
     enable_sleep_mode: bool = _key(f"{R}.enable_sleep_mode", "bool", True)
+    enable_prefix_caching: bool = _key(f"{R}.enable_prefix_caching", "bool", True)  # verl's default
+    # verl's MTP rollout (rollout.mtp interpolates model.mtp): vLLM's speculative decoding with MTP drafts
+    mtp_enable: bool = _key(f"{R}.mtp.enable", "bool", False)
+    mtp_enable_rollout: bool = _key(f"{R}.mtp.enable_rollout", "bool", False)
     free_cache_engine: bool = _key(f"{R}.free_cache_engine", "bool", True)
     # the environment of every Ray worker (training and rollout alike); the plan adds its keys here
     env: dict = _key(ENV_PATH, "env")

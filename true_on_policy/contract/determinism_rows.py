@@ -148,19 +148,7 @@ def determinism_rows(c: Context) -> list[Row]:
         ),
     ]
     if is_vllm(c.name) and c.project:  # vLLM with true_on_policy.vllm_adapter
-        rows.append(
-            Row(
-                "eager",
-                "vLLM eager mode",
-                Side(NA, "training runs eagerly"),
-                Side(c.r.enforce_eager, f"{R}.enforce_eager"),
-                kind=REQUIRE,
-                required=True,
-                required_source="vLLM adapter (compiled graphs broke bitwise equality)",
-                only_when_deterministic=True,
-                fix=f"set {R}.enforce_eager=true",
-            )
-        )
+        rows += _vllm_adapter_rows(c)
     if is_vllm(c.name) and c.platform.cpu_backend:
         sleep = c.r.enable_sleep_mode or c.r.free_cache_engine
         rows.append(
@@ -190,3 +178,33 @@ def determinism_rows(c: Context) -> list[Row]:
             )
         )
     return rows
+
+
+def _vllm_adapter_rows(c: Context) -> list[Row]:
+    """What the vLLM adapter refuses when it loads the model (vllm_adapter/patches.py, check_engine_config),
+    refused here first, by key: compiled graphs, speculative decoding; on a hybrid (Gated DeltaNet) model
+    prefix caching and a Mamba cache mode other than ``none``."""
+    vllm = c.r.vllm
+    speculative = bool(vllm.speculative_config) or (c.r.mtp_enable and c.r.mtp_enable_rollout)
+    rows = [
+        Row("eager", "vLLM eager mode", Side(NA, "training runs eagerly"), Side(c.r.enforce_eager, f"{R}.enforce_eager"),
+            kind=REQUIRE, required=True, required_source="vLLM adapter (compiled graphs broke bitwise equality)",
+            only_when_deterministic=True, fix=f"set {R}.enforce_eager=true"),
+        Row("speculative", "vLLM speculative decoding / MTP", Side(NA, "training scores the sampled tokens"),
+            Side(speculative, f"{R}.engine_kwargs.vllm.speculative_config / {R}.mtp.enable + enable_rollout"),
+            kind=REQUIRE, required=False,
+            required_source="vLLM adapter (a draft's verification step is not the consistent forward)",
+            only_when_deterministic=True,
+            fix=f"remove {R}.engine_kwargs.vllm.speculative_config and set {R}.mtp.enable_rollout=false"),
+    ]
+    if "linear_attention" not in c.layer_types:
+        return rows
+    why = "the consistent Gated DeltaNet keeps one recurrent state per request and replays no cached block"
+    return rows + [
+        Row("prefix_caching", "vLLM prefix caching (hybrid model)", Side(NA, "training recomputes every state"),
+            Side(c.r.enable_prefix_caching, f"{R}.enable_prefix_caching"), kind=REQUIRE, required=False,
+            required_source=why, only_when_deterministic=True, fix=f"set {R}.enable_prefix_caching=false"),
+        Row("mamba_cache_mode", "vLLM Mamba cache mode (hybrid model)", Side(NA, "training recomputes every state"),
+            Side(vllm.mamba_cache_mode, f"{R}.engine_kwargs.vllm.mamba_cache_mode"), kind=REQUIRE, required="none",
+            required_source=why, only_when_deterministic=True, fix=f"set {R}.engine_kwargs.vllm.mamba_cache_mode=none"),
+    ]
