@@ -7,6 +7,7 @@ runs are the suite's shared ones (tests/support/verl_run.py): the resume and run
 
 import pytest
 
+from true_on_policy.verl_adapter.trainer_hooks import LOGPROB_DIFF_METRIC, MISMATCHED_TOKENS_METRIC
 from verl_run import CPU_TINY, CPU_TINY_FLAG_OFF, CPU_TINY_MOE, STEPS, Run, train_steps
 
 pytestmark = pytest.mark.e2e
@@ -27,6 +28,8 @@ def test_trainer_runs_flashreinforce_with_zero_logdiff(verl_runs, run):
     for step, values in metrics.items():
         # The true-on-policy guarantee, measured by verl itself: recomputed == recorded, bitwise.
         assert values["training/rollout_probs_diff_max"] == 0.0, (step, values["training/rollout_probs_diff_max"])
+        # ... and by the recipe's own count, in log space, bit for bit (verl's compares exp(log-prob))
+        assert values[MISMATCHED_TOKENS_METRIC] == 0.0 and values[LOGPROB_DIFF_METRIC] == 0.0, (step, values)
         assert values["actor/flashreinforce/acceptance_rate"] == 1.0
         assert 0.0 <= values["critic/score/mean"] <= 1.0
         assert "actor/pg_loss" in values
@@ -34,7 +37,9 @@ def test_trainer_runs_flashreinforce_with_zero_logdiff(verl_runs, run):
 
 def test_flag_off_twin_shows_the_logdiff(verl_runs):
     """Without the consistent kernels the same run's recompute and rollout disagree."""
-    assert verl_runs(CPU_TINY_FLAG_OFF).metrics[1]["training/rollout_probs_diff_max"] > 0.0
+    first = verl_runs(CPU_TINY_FLAG_OFF).metrics[1]
+    assert first["training/rollout_probs_diff_max"] > 0.0
+    assert first[MISMATCHED_TOKENS_METRIC] >= 1.0 and first[LOGPROB_DIFF_METRIC] > 0.0
 
 
 def test_twin_a_training_only_config_override_breaks_the_log_probs(verl_runs):

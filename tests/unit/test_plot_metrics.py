@@ -22,6 +22,7 @@ def write_run(path, monkeypatch, rewards, extra=None):
             "actor/flashreinforce/acceptance_rate": 1.0,
             "actor/flashreinforce/sequence_kl_mean": 0.0,
             "training/rollout_probs_diff_max": 0.0,
+            "logdiff/mismatched_tokens": 0.0,
             "timing_s/step": 0.5 + step,
             "response_length/mean": np.int64(step),
         }

@@ -493,3 +493,34 @@ def test_a_batch_missing_failed_rollouts_is_refused_by_name():
     )
     with pytest.raises(trainer_hooks.ShortBatchError, match=r"6 prompts, expected 8.*re-queues a failed prompt"):
         trainer_hooks.require_full_batch(short, 8)
+
+
+# --- the per-token agreement of the recompute and the recorded log-probs ---------------------------------
+
+
+def test_one_flipped_ulp_is_one_mismatched_token():
+    """Log space, by bits: one ulp at one response token is counted; a difference under the mask is not."""
+    rollout = torch.tensor([[-0.5, -2.25, -120.0, 0.0], [-1.0, -3.0, -7.0, -9.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    training = rollout.clone()
+    training[1, 3] = 5.0  # a padding position: not a response token
+    same = trainer_hooks.logprob_agreement(training, rollout, mask)
+    assert same == {trainer_hooks.MISMATCHED_TOKENS_METRIC: 0.0, trainer_hooks.LOGPROB_DIFF_METRIC: 0.0}
+    training[0, 2] = torch.nextafter(rollout[0, 2], torch.tensor(0.0))
+    flipped = trainer_hooks.logprob_agreement(training, rollout, mask)
+    assert flipped[trainer_hooks.MISMATCHED_TOKENS_METRIC] == 1.0
+    assert flipped[trainer_hooks.LOGPROB_DIFF_METRIC] == (training[0, 2] - rollout[0, 2]).abs().item() > 0
+    training[0, 3] = -0.0  # the same value, other bits: counted
+    assert trainer_hooks.logprob_agreement(training, rollout, mask)[trainer_hooks.MISMATCHED_TOKENS_METRIC] == 2.0
+
+
+def test_twin_verls_probability_space_metric_does_not_see_that_ulp():
+    """Why the recipe logs its own: verl's ``training/rollout_probs_diff_max`` compares exp(log-prob), and a
+    log-prob of -120 has no fp32 exp above 0, so the flipped ulp above is a difference of 0.0 there."""
+    from verl.utils.debug.metrics import calculate_log_prob_diff
+
+    rollout = torch.tensor([[-120.0]])
+    training = torch.nextafter(rollout, torch.tensor(0.0))
+    mask = torch.ones_like(rollout, dtype=torch.bool)
+    assert calculate_log_prob_diff(training.exp(), rollout.exp(), mask).max().item() == 0.0
+    assert trainer_hooks.logprob_agreement(training, rollout, mask)[trainer_hooks.MISMATCHED_TOKENS_METRIC] == 1.0

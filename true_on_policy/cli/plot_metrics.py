@@ -21,6 +21,7 @@ PANELS = (
     ("actor/flashreinforce/acceptance_rate", "trust-region acceptance rate"),
     ("actor/flashreinforce/sequence_kl_mean", "sequence KL (mean)"),
     ("training/rollout_probs_diff_max", "rollout_probs_diff_max (training vs rollout)"),
+    ("logdiff/mismatched_tokens", "tokens whose log-prob bits differ (training vs rollout)"),
     (STEP_TIME, "step time (s)"),
 )
 

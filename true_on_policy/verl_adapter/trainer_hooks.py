@@ -7,8 +7,11 @@
 3. :func:`canonical_order` (flag on): the batch sorted by token sequence before verl balances it.
 4. :func:`require_full_batch`: a batch short of prompts raises :class:`ShortBatchError`, never padded.
 5. :func:`validate_flashreinforce_batch`: host-side checks, once per batch, in the driver.
+6. :func:`logprob_agreement`: where verl compares the recompute with the rollout's recorded log-probs
+   (``training/rollout_probs_diff_*``, in probability space), the same tokens compared in log space, by
+   bits: :data:`MISMATCHED_TOKENS_METRIC` and :data:`LOGPROB_DIFF_METRIC`, every step.
 
-Hooks 1, 2 and 5 run only with ``loss_mode=flashreinforce``; 3 and 4 serve every verl algorithm.
+Hooks 1, 2 and 5 run only with ``loss_mode=flashreinforce``; 3, 4 and 6 serve every verl algorithm.
 Installed only in a process whose launch configured the recipe. Why each hook exists and how verl
 calls it: docs/flashreinforce.md ("The trainer hooks and the registered loss").
 """
@@ -28,6 +31,33 @@ from true_on_policy.verl_adapter.flashreinforce_registration import FILTER_MASK_
 # Driver-side metric: the fraction of the step's trajectories the filter treats as failed.
 FAILED_FRACTION_METRIC = METRIC_PREFIX + "failed_fraction"
 FILTER_INPUT_FIELDS = ("response_mask", "entropy", "rm_scores")
+# Driver-side metrics, the training recompute vs the rollout's recorded log-probs, per response token.
+MISMATCHED_TOKENS_METRIC = "logdiff/mismatched_tokens"
+LOGPROB_DIFF_METRIC = "logdiff/abs_max"
+VERL_DIFF_METRIC = "training/rollout_probs_diff_max"  # verl's, present when it compared the two
+AGREEMENT_FIELDS = ("old_log_probs", "rollout_log_probs", "response_mask", "responses")
+
+
+def logprob_agreement(training: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How many tokens under ``mask`` have a training log-prob whose fp32 bits differ from the rollout's
+    (verl's probability-space metric cannot see one ulp: many adjacent log-probs share an ``exp``), and
+    the largest |training - rollout| among them. One host transfer for both."""
+    mask = mask.bool()
+    training, rollout = training.float(), rollout.float()
+    differ = (training.view(torch.int32) != rollout.view(torch.int32)) & mask
+    gap = torch.where(mask, (training - rollout).abs(), torch.zeros_like(training))
+    count, largest = torch.stack([differ.sum().float(), gap.amax() if gap.numel() else gap.new_zeros(())]).tolist()
+    return {MISMATCHED_TOKENS_METRIC: count, LOGPROB_DIFF_METRIC: largest}
+
+
+def agreement_metrics(batch, tq) -> dict[str, float]:
+    """:func:`logprob_agreement` on the batch verl has just recomputed (its padded response tensors)."""
+    from verl import DataProto
+
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(AGREEMENT_FIELDS))
+    padded = DataProto(batch=data.to_padded_tensor()).batch
+    mask = padded["response_mask"][:, -padded["responses"].size(1):]
+    return logprob_agreement(padded["old_log_probs"], padded["rollout_log_probs"], mask)
 
 
 def use_rollout_log_probs_as_old(batch, tq) -> None:
@@ -224,6 +254,8 @@ def install_on(trainer_cls, tq) -> None:
     def old_log_prob(recompute_old_log_prob):
         def compute_old_log_prob(self, batch, metrics):
             batch = recompute_old_log_prob(self, batch, metrics)
+            if VERL_DIFF_METRIC in metrics:  # verl compared the recompute with the recorded log-probs
+                metrics.update(agreement_metrics(batch, tq))
             if uses_flashreinforce_loss(self.config):
                 use_rollout_log_probs_as_old(batch, tq)
             return batch
