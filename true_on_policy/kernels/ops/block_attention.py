@@ -274,8 +274,8 @@ def _torch_backward(do, delta, probs, q_tiles, k_blocks, v_blocks, plan: Attenti
     Per pair p (tile t, block j): grad_s = (do_t @ v_j^T - delta_t) * probs_p; grad_v_j += probs_p^T @ do_t;
     grad_q_t += grad_s @ k_j^T; grad_k_j += grad_s^T @ q_t, the sums in pair order (index_add_). Pairs go
     ``step`` at a time: each pair's products are per-pair bmm entries with the same operand layouts
-    whatever the step, and each sum keeps its pair order, so any step gives the same bits (the
-    whole-``P`` step is the save-everything backward this replaced)."""
+    whatever the step, and each sum keeps its pair order, so any step gives the same bits (a step of
+    all ``P`` pairs is the backward this replaced, whose memory grew with the pairs: quadratic in T)."""
     S, _, _, Hkv, _, _, _, tiles, live, n_blocks, _ = plan.dims
     D, B = do.shape[-1], plan.B
     grad_q = do.new_zeros(S, Hkv, tiles, live, D)
@@ -308,10 +308,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         st, plan = ctx.state, ctx.plan
-        S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
-        B = plan.B
-        D = grad_out.shape[-1]
-        pair_t, pair_j = plan.pair_t, plan.pair_j
+        live, n_blocks = plan.dims[8], plan.dims[9]
         with _no_autocast(grad_out.device):
             do = _heads_to_tiles(grad_out, plan, live)
             delta = (do * st["out_tiles"]).sum(-1)  # [S, Hkv, tiles, live]
@@ -319,7 +316,7 @@ class _Attention(torch.autograd.Function):
             # the same bits, fused in C++ (after the native forward, whose state holds q, k, v)
             if "q" in st and (kernel := _route("attention_backward", grad_out.device, grad_out, plan)).run:
                 grad_q, grad_k, grad_v = kernel.run(
-                    do, delta, probs, st["q"], st["k"], st["v"], st["scaling"], plan.R, pair_t, pair_j,
+                    do, delta, probs, st["q"], st["k"], st["v"], st["scaling"], plan.R, plan.pair_t, plan.pair_j,
                     plan.kv_invalid, n_blocks,
                 )
                 return _Attention.finish(ctx, grad_q, grad_k, grad_v)
