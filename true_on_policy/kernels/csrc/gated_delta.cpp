@@ -34,6 +34,22 @@ void check(const at::Tensor& x, const char* name, at::ScalarType dtype, int64_t 
               x.scalar_type(), " ", x.sizes(), " on ", x.device());
 }
 
+// The inputs delta_rule and delta_rule_backward share: q, k (B, T, H, dk), v (B, T, H, dv), decay, beta (B, T, H)
+// contiguous fp32 CPU tensors and lengths (B,) int64. Checks their kinds (each by name) and returns whether their
+// shapes fit each other, for the caller's one shape check (its message names the call).
+bool check_core_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& decay,
+                       const at::Tensor& beta, const at::Tensor& lengths) {
+  check(q, "q", at::kFloat, 4);
+  check(k, "k", at::kFloat, 4);
+  check(v, "v", at::kFloat, 4);
+  check(decay, "decay", at::kFloat, 3);
+  check(beta, "beta", at::kFloat, 3);
+  check(lengths, "lengths", at::kLong, 1);
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2);
+  return k.sizes() == q.sizes() && v.size(0) == B && v.size(1) == T && v.size(2) == H &&
+         decay.sizes() == at::IntArrayRef({B, T, H}) && beta.sizes() == decay.sizes() && lengths.size(0) == B;
+}
+
 // One token of one head: state s (dv x dk) updated in place, output row o (dv).
 void token_step(float* s, const float* q, const float* k, const float* v, float decay, float beta, float* o,
                 int64_t dv, int64_t dk, int64_t width, float* buf) {
@@ -116,18 +132,11 @@ bool vector_path(int64_t dk) {
 std::tuple<at::Tensor, at::Tensor> delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               const at::Tensor& decay, const at::Tensor& beta,
                                               const at::Tensor& state, const at::Tensor& lengths) {
-  check(q, "q", at::kFloat, 4);
-  check(k, "k", at::kFloat, 4);
-  check(v, "v", at::kFloat, 4);
-  check(decay, "decay", at::kFloat, 3);
-  check(beta, "beta", at::kFloat, 3);
+  const bool core_fits = check_core_inputs(q, k, v, decay, beta, lengths);
   check(state, "state", at::kFloat, 4);
-  check(lengths, "lengths", at::kLong, 1);
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3), dv = v.size(3);
-  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == B && v.size(1) == T && v.size(2) == H &&
-                  decay.sizes() == at::IntArrayRef({B, T, H}) && beta.sizes() == decay.sizes() &&
-                  state.sizes() == at::IntArrayRef({B, H, dv, dk}) && lengths.size(0) == B,
-              "delta_rule: shapes do not fit q ", q.sizes());
+  TORCH_CHECK(core_fits && state.sizes() == at::IntArrayRef({B, H, dv, dk}), "delta_rule: shapes do not fit q ",
+              q.sizes());
   auto out = at::zeros({B, T, H, dv}, q.options());
   auto new_state = state.clone();
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
@@ -215,22 +224,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& decay, const at::Tensor& beta,
     const at::Tensor& lengths, const at::Tensor& checkpoints, const at::Tensor& grad_out,
     const at::Tensor& grad_state, int64_t chunk) {
-  check(q, "q", at::kFloat, 4);
-  check(k, "k", at::kFloat, 4);
-  check(v, "v", at::kFloat, 4);
-  check(decay, "decay", at::kFloat, 3);
-  check(beta, "beta", at::kFloat, 3);
-  check(lengths, "lengths", at::kLong, 1);
+  const bool core_fits = check_core_inputs(q, k, v, decay, beta, lengths);
   check(checkpoints, "checkpoints", at::kFloat, 5);
   check(grad_out, "grad_out", at::kFloat, 4);
   check(grad_state, "grad_state", at::kFloat, 4);
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), dk = q.size(3), dv = v.size(3);
   TORCH_CHECK(chunk > 0, "delta_rule_backward: chunk must be positive, got ", chunk);
   const int64_t chunks = (T + chunk - 1) / chunk;
-  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == B && v.size(1) == T && v.size(2) == H &&
-                  grad_out.sizes() == v.sizes() && decay.sizes() == at::IntArrayRef({B, T, H}) &&
-                  beta.sizes() == decay.sizes() && grad_state.sizes() == at::IntArrayRef({B, H, dv, dk}) &&
-                  checkpoints.sizes() == at::IntArrayRef({chunks, B, H, dv, dk}) && lengths.size(0) == B,
+  TORCH_CHECK(core_fits && grad_out.sizes() == v.sizes() && grad_state.sizes() == at::IntArrayRef({B, H, dv, dk}) &&
+                  checkpoints.sizes() == at::IntArrayRef({chunks, B, H, dv, dk}),
               "delta_rule_backward: shapes do not fit q ", q.sizes(), " and chunk ", chunk);
   auto dq = at::zeros_like(q), dk_ = at::zeros_like(k), dv_ = at::zeros_like(v);
   auto ddecay = at::zeros_like(decay), dbeta = at::zeros_like(beta);

@@ -257,6 +257,44 @@ def _torch_backward_operands(state, plan: AttentionPlan):
     return state["q_tiles"], state["k_blocks"], state["v_blocks"]
 
 
+# Pairs per step of the torch backward: its per-pair operands ([pairs, B, D] gathered keys, values and
+# products) exist for one step at a time, so its memory grows with the sequence, not with the pairs.
+BACKWARD_PAIRS = 256
+
+
+def _pairs(x, index):
+    """``x.index_select(2, index)``: the same values and layout (contiguous); copied by advanced indexing,
+    which on CPU is many times faster than index_select for some of these operands."""
+    return x[:, :, index].contiguous()
+
+
+def _torch_backward(do, delta, probs, q_tiles, k_blocks, v_blocks, plan: AttentionPlan, step: int = BACKWARD_PAIRS):
+    """_Attention.backward's torch code: (grad_q [S, Hkv, tiles, live, D], grad_k, grad_v [S, Hkv, n_blocks, B, D]).
+
+    Per pair p (tile t, block j): grad_s = (do_t @ v_j^T - delta_t) * probs_p; grad_v_j += probs_p^T @ do_t;
+    grad_q_t += grad_s @ k_j^T; grad_k_j += grad_s^T @ q_t, the sums in pair order (index_add_). Pairs go
+    ``step`` at a time: each pair's products are per-pair bmm entries with the same operand layouts
+    whatever the step, and each sum keeps its pair order, so any step gives the same bits (a step of
+    all ``P`` pairs is the backward this replaced, whose memory grew with the pairs: quadratic in T)."""
+    S, _, _, Hkv, _, _, _, tiles, live, n_blocks, _ = plan.dims
+    D, B = do.shape[-1], plan.B
+    grad_q = do.new_zeros(S, Hkv, tiles, live, D)
+    grad_k, grad_v = do.new_zeros(S, Hkv, n_blocks, B, D), do.new_zeros(S, Hkv, n_blocks, B, D)
+    q_rows = q_tiles[:, :, :, :live]
+    for lo in range(0, plan.pair_t.numel(), step):
+        pair_t, pair_j = plan.pair_t[lo : lo + step], plan.pair_j[lo : lo + step]
+        probs_p = probs[:, :, lo : lo + step].contiguous()  # the layout the whole-P step has
+        do_p = _pairs(do, pair_t)
+        v_p = _pairs(v_blocks, pair_j)[..., :D]
+        # == probs * (dP - delta), in dP's buffer (IEEE products commute)
+        grad_s = (do_p @ v_p.transpose(-1, -2)).sub_(delta[:, :, pair_t][..., None]).mul_(probs_p)
+        grad_v.index_add_(2, pair_j, probs_p.transpose(-1, -2) @ do_p)
+        del v_p, do_p, probs_p
+        grad_q.index_add_(2, pair_t, grad_s @ _pairs(k_blocks, pair_j).transpose(-1, -2))
+        grad_k.index_add_(2, pair_j, grad_s.transpose(-1, -2) @ _pairs(q_rows, pair_t))
+    return grad_q, grad_k, grad_v
+
+
 class _Attention(torch.autograd.Function):
     """Forward: the consistent kernel. Backward: the same (tile, block) pairs with plain bmm and
     index_add (gradients need not be batch-invariant)."""
@@ -270,10 +308,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         st, plan = ctx.state, ctx.plan
-        S, Hq, Tq, Hkv, Tk, rep, rows, tiles, live, n_blocks, n_used = plan.dims
-        B = plan.B
-        D = grad_out.shape[-1]
-        pair_t, pair_j = plan.pair_t, plan.pair_j
+        live, n_blocks = plan.dims[8], plan.dims[9]
         with _no_autocast(grad_out.device):
             do = _heads_to_tiles(grad_out, plan, live)
             delta = (do * st["out_tiles"]).sum(-1)  # [S, Hkv, tiles, live]
@@ -281,20 +316,11 @@ class _Attention(torch.autograd.Function):
             # the same bits, fused in C++ (after the native forward, whose state holds q, k, v)
             if "q" in st and (kernel := _route("attention_backward", grad_out.device, grad_out, plan)).run:
                 grad_q, grad_k, grad_v = kernel.run(
-                    do, delta, probs, st["q"], st["k"], st["v"], st["scaling"], plan.R, pair_t, pair_j,
+                    do, delta, probs, st["q"], st["k"], st["v"], st["scaling"], plan.R, plan.pair_t, plan.pair_j,
                     plan.kv_invalid, n_blocks,
                 )
                 return _Attention.finish(ctx, grad_q, grad_k, grad_v)
-            q_tiles, k_blocks, v_blocks = _torch_backward_operands(st, plan)
-            do_p = do.index_select(2, pair_t)
-            v_p = v_blocks.index_select(2, pair_j)[..., :D]
-            # == probs * (dP - delta), in dP's buffer (IEEE products commute)
-            grad_s = (do_p @ v_p.transpose(-1, -2)).sub_(delta[:, :, pair_t][..., None]).mul_(probs)
-            grad_v = v_p.new_zeros(S, Hkv, n_blocks, B, D).index_add_(2, pair_j, probs.transpose(-1, -2) @ do_p)
-            k_p = k_blocks.index_select(2, pair_j)  # [S, Hkv, P, D, B]
-            grad_q = do.new_zeros(S, Hkv, tiles, live, D).index_add_(2, pair_t, grad_s @ k_p.transpose(-1, -2))
-            q_p = q_tiles[:, :, :, :live].index_select(2, pair_t)
-            grad_k = do.new_zeros(S, Hkv, n_blocks, B, D).index_add_(2, pair_j, grad_s.transpose(-1, -2) @ q_p)
+            grad_q, grad_k, grad_v = _torch_backward(do, delta, probs, *_torch_backward_operands(st, plan), plan)
         return _Attention.finish(ctx, grad_q, grad_k, grad_v)
 
     @staticmethod
