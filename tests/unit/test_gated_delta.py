@@ -2,7 +2,8 @@
 
 Bitwise (``torch.equal``): the layer on a full sequence == the same sequence split as prefix +
 continuation, in chunks of 1/7/64/100 tokens; alone == in a right-padded batch with other lengths;
-1 == 2 threads; the C++ core == the torch specification. Close (not bitwise, by design): the
+1 == 2 threads; the C++ core == the torch specification; the serving step over state slots in one C++ call
+== the torch code. Close (not bitwise, by design): the
 specification's autograd gradient and the layer's forward vs transformers' references. Twins: the
 stock torch paths of transformers (chunked prefill vs recurrent decode, or a chunked prefix +
 continuation) give other bits for the same tokens, on inputs found here; torch's sigmoid and softplus
@@ -155,6 +156,56 @@ def test_the_layer_in_cpp_and_in_torch_gives_the_same_bits(dtype):
     fast = run_in_pieces(inputs, weights, [31, 19])
     with ops.switched(native=False):
         assert_same(fast, run_in_pieces(inputs, weights, [31, 19]))
+
+
+def slot_step(dtype, dk, dv, weight_dtype, seed=5):
+    """A serving step over state slots: four sequences (a fresh 9-token prefill, a continuing 6-token chunk, a
+    1-token decode, an empty one) in slots 4, 0, 2, 1 of 5, conv states in vLLM's (slots, K - 1, C) layout seen
+    transposed, random entering states; the op's keyword arguments."""
+    g = gen(seed)
+    channels, lengths = 2 * HK * dk + HV * dv, [9, 6, 1, 0]
+    total = sum(lengths)
+    mixed_qkvz = torch.randn(total, channels + HV * dv, generator=g).to(dtype)
+    ba = torch.randn(total, 2 * HV, generator=g).to(dtype)
+    weights = layer_weights(dtype, seed=seed, dk=dk)
+    weights["conv_weight"] = (torch.randn(channels, 1, TAPS, generator=g) * 0.5).to(dtype)
+    weights["norm_weight"] = (1 + 0.1 * torch.randn(dv, generator=g)).to(weight_dtype)
+    return dict(
+        mixed_qkv=mixed_qkvz[:, :channels], z=mixed_qkvz[:, channels:], b=ba[:, :HV], a=ba[:, HV:],
+        cu_seqlens=torch.tensor([0, *lengths]).cumsum(0).to(torch.int32), slots=torch.tensor([4, 0, 2, 1]),
+        fresh=torch.tensor([True, False, False, False]),
+        conv_cache=torch.randn(5, TAPS - 1, channels, generator=g).to(dtype).transpose(1, 2),
+        state_cache=torch.randn(5, HV, dv, dk, generator=g), **{**weights, "head_v_dim": dv})
+
+
+def run_slot_step(args):
+    """The op on fresh copies of the caches: ``(y, conv_cache, state_cache)`` after it."""
+    args = {**args, "conv_cache": args["conv_cache"].clone(), "state_cache": args["state_cache"].clone()}
+    return gated_delta.gated_delta_net_slots(**args), args["conv_cache"], args["state_cache"]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dk, dv, weight_dtype", [(16, 8, None), (12, 5, None), (128, 128, None),
+                                                  (16, 8, torch.float32)], ids=["vector", "scalar", "qwen35",
+                                                                                "fp32-norm-weight"])
+def test_the_slot_step_in_cpp_computes_the_torch_codes_bits(dtype, dk, dv, weight_dtype):
+    """The serving engine's whole GDN layer step as one C++ call == the torch code (gated_delta_net_varlen on
+    the gathered slots), output and both caches, at 1 and 2 threads; untouched slots stay as they were. The
+    twin: the same step with one sequence's state dropped (fresh) changes that sequence's rows, so the
+    comparison sees the state."""
+    args = slot_step(dtype, dk, dv, weight_dtype or dtype)
+    assert ops._route("gated_delta_net_slots", torch.device("cpu"), args["mixed_qkv"], args["z"], args["a"],
+                      args["b"], args["conv_cache"], args["state_cache"], args["conv_weight"].squeeze(1),
+                      args["norm_weight"]).path == "native"
+    with ops.switched(native=False):
+        reference = run_slot_step(args)
+    for n in (1, 2):
+        with threads(n):
+            fast = run_slot_step(args)
+        assert all(torch.equal(x, y) for x, y in zip(fast, reference))
+    assert torch.equal(fast[2][3], args["state_cache"][3]) and torch.equal(fast[1][3], args["conv_cache"][3])
+    dropped = run_slot_step({**args, "fresh": torch.tensor([True, True, False, False])})
+    assert not torch.equal(dropped[0][9:15], fast[0][9:15]) and torch.equal(dropped[0][15:], fast[0][15:])
 
 
 def test_the_trainers_forward_under_autograd_gives_the_rollouts_bits(dtype):

@@ -19,7 +19,9 @@ used: correctly rounded ``+ - * /``, fp32 ``exp``/``log``/``sqrt`` (measured); s
 built from them (:func:`ops.sigmoid`; torch's ``sigmoid``, ``softplus``, ``log1p`` and bf16 ``rsqrt`` are not position-invariant).
 
 On CPU the core runs in C++ (``csrc/gated_delta.cpp`` in :mod:`.native`'s library, the same bits) when no
-gradient is needed (:data:`ops.ROUTES`); ``ops.switched(native=False)`` forces the torch code. With a
+gradient is needed (:data:`ops.ROUTES`), and a serving engine's whole layer step over its state slots
+(:func:`gated_delta_net_slots`: conv, gating, l2norm, core, gated norm) is one C++ call
+(``csrc/gated_delta_layer.cpp``); ``ops.switched(native=False)`` forces the torch code. With a
 gradient, :class:`CheckpointedDeltaRule` runs the same forward bits chunk by chunk, keeping one fp32
 state per :data:`CHUNK` tokens, and its backward recomputes each chunk's states from its checkpoint
 (memory: ``T / CHUNK + CHUNK`` states, not one per token); its gradients are close to autograd's
@@ -380,3 +382,31 @@ def gated_delta_net_varlen(mixed_qkv, z, a, b, *, cu_seqlens, conv_weight, A_log
                                    A_log=A_log, dt_bias=dt_bias, norm_weight=norm_weight, head_k_dim=head_k_dim,
                                    head_v_dim=head_v_dim, eps=eps, state=state, lengths=lengths)
     return y[seq, local], new_state
+
+
+def gated_delta_net_slots(mixed_qkv, z, a, b, *, cu_seqlens, slots, fresh, conv_cache, state_cache, conv_weight,
+                          A_log, dt_bias, norm_weight, head_k_dim: int, head_v_dim: int, eps: float) -> torch.Tensor:
+    """:func:`gated_delta_net_varlen` over a serving engine's state slots: ``y`` ``(T, Hv * dv)``, the slots updated.
+
+    Sequence ``i`` (rows ``cu_seqlens[i]:cu_seqlens[i + 1]``) enters with the states of slot ``slots[i]`` --
+    ``conv_cache`` ``(n, C, K - 1)`` in the input dtype (any strides: vLLM's may be a transposed view),
+    ``state_cache`` ``(n, Hv, dv, dk)`` fp32 -- or with zeros where ``fresh[i]``, and leaves its new states there.
+    Each token has :func:`gated_delta_net_varlen`'s bits. Without a gradient on CPU one C++ call computes the
+    whole step (conv, gating, l2norm, delta rule, gated norm: :data:`ops.ROUTES`), the same bits.
+    """
+    weight = conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight
+    route = ops._route("gated_delta_net_slots", mixed_qkv.device, mixed_qkv, z, a, b, conv_cache, state_cache,
+                       weight, norm_weight)
+    if route.run:
+        return route.run(mixed_qkv, z, a, b, cu_seqlens.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous(),
+                         fresh.to(torch.bool).contiguous(), conv_cache, state_cache, weight.contiguous(), A_log, dt_bias,
+                         norm_weight.contiguous(), L2NORM_EPS, 1 / (head_k_dim ** 0.5), SOFTPLUS_THRESHOLD, eps)
+    keep = (~fresh)[:, None, None]
+    conv = torch.where(keep, conv_cache[slots], torch.zeros((), dtype=conv_cache.dtype))
+    recurrent = torch.where(keep[..., None], state_cache[slots], torch.zeros((), dtype=torch.float32))
+    y, state = gated_delta_net_varlen(mixed_qkv, z, a, b, cu_seqlens=cu_seqlens, conv_weight=weight, A_log=A_log,
+                                      dt_bias=dt_bias, norm_weight=norm_weight, head_k_dim=head_k_dim,
+                                      head_v_dim=head_v_dim, eps=eps, state=GatedDeltaState(conv, recurrent))
+    conv_cache[slots] = state.conv
+    state_cache[slots] = state.recurrent
+    return y

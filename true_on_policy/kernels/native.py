@@ -32,8 +32,9 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 # one extension, one module (fixed_order.cpp's): each op family's source registers its own functions there
 SOURCES = tuple(CSRC / name for name in ("fixed_order.cpp", "norms.cpp", "activation.cpp", "linear.cpp", "moe.cpp",
-                                         "attention.cpp", "gated_delta.cpp"))
-HEADERS = tuple(CSRC / name for name in ("library.h", "common.h", "fma_chain.h", "bf16_dot.h", "fixed_tree.h"))
+                                         "attention.cpp", "gated_delta.cpp", "gated_delta_layer.cpp"))
+HEADERS = tuple(CSRC / name for name in ("library.h", "common.h", "fma_chain.h", "bf16_dot.h", "fixed_tree.h",
+                                         "delta_step.h"))
 # no FMA contraction, no fast-math: the C++ must round exactly where the torch code rounds.
 # -fopenmp: without it ATen's header-only at::parallel_for compiles to a serial loop; the library then
 # links libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool)

@@ -27,7 +27,7 @@ def gated_attention_forward(layer, positions: torch.Tensor, hidden_states: torch
 
 
 def gdn_forward(layer, hidden_states: torch.Tensor) -> torch.Tensor:
-    """vLLM's ``QwenGatedDeltaNetAttention.forward_cpu`` on :func:`gated_delta.gated_delta_net_varlen`.
+    """vLLM's ``QwenGatedDeltaNetAttention.forward_cpu`` on :func:`gated_delta.gated_delta_net_slots`.
 
     The input projections (``in_proj_qkvz`` as q|k|v and z, ``in_proj_ba`` as b|a) and ``out_proj``
     run the consistent linears; the conv, gating, delta rule and gated norm run the one order-fixed
@@ -61,9 +61,9 @@ def gdn_forward(layer, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _gdn_step(layer, m, mixed_qkv, z, b, a, y) -> None:
-    """One step's requests (decodes first, then prefill chunks: vLLM's order) through the op, each
-    entering with its slot's conv and recurrent state (zeros where a prefill has none yet) and
-    leaving its new state in the slot; ``y``'s rows of the step's tokens written."""
+    """One step's requests (decodes first, then prefill chunks: vLLM's order) through the op -- one
+    native call on CPU -- each entering with its slot's conv and recurrent state (zeros where a prefill
+    has none yet) and leaving its new state in the slot; ``y``'s rows of the step's tokens written."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     if m.num_spec_decodes or m.spec_sequence_masks is not None:
@@ -85,16 +85,10 @@ def _gdn_step(layer, m, mixed_qkv, z, b, a, y) -> None:
     fresh = torch.zeros(requests, dtype=torch.bool)
     if m.num_prefills:
         fresh[m.num_decodes :] = ~m.has_initial_state[m.num_decodes : requests].to(torch.bool)
-    keep = (~fresh)[:, None, None]
-    conv = torch.where(keep, conv_cache[slots], torch.zeros((), dtype=conv_cache.dtype))
-    recurrent = torch.where(keep[..., None], state_cache[slots], torch.zeros((), dtype=torch.float32))
-    out, state = gated_delta.gated_delta_net_varlen(
-        mixed_qkv[:n], z[:n], a[:n], b[:n], cu_seqlens=bounds, conv_weight=layer.conv1d.weight,
+    y[:n] = gated_delta.gated_delta_net_slots(
+        mixed_qkv[:n], z[:n], a[:n], b[:n], cu_seqlens=bounds, slots=slots, fresh=fresh, conv_cache=conv_cache,
+        state_cache=state_cache, conv_weight=layer.conv1d.weight,
         # transformers holds A_log in the model dtype; vLLM keeps it fp32: the training model's value
         A_log=layer.A_log.to(layer.dt_bias.dtype), dt_bias=layer.dt_bias, norm_weight=layer.norm.weight,
         head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim, eps=layer.norm.eps,
-        state=gated_delta.GatedDeltaState(conv, recurrent),
     )
-    y[:n] = out
-    conv_cache[slots] = state.conv
-    state_cache[slots] = state.recurrent

@@ -9,8 +9,8 @@
 // (checked at load: native.bf16_dot_lib). Built with -ffp-contract=off and without -ffast-math: no other
 // FMA contraction, no reassociation.
 //
-// One source per op family (norms, activation, linear, moe, attention, gated_delta), each registering its
-// own functions (library.h); this one holds the module and the library's own functions.
+// One source per op family (norms, activation, linear, moe, attention, gated_delta, gated_delta_layer), each
+// registering its own functions (library.h); this one holds the module and the library's own functions.
 #include "bf16_dot.h"
 #include "library.h"
 
@@ -56,4 +56,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_moe(m);
   register_attention(m);
   register_gated_delta(m);
+  register_gated_delta_layer(m);
 }

@@ -9,3 +9,4 @@ void register_linear(pybind11::module& m);
 void register_moe(pybind11::module& m);
 void register_attention(pybind11::module& m);
 void register_gated_delta(pybind11::module& m);
+void register_gated_delta_layer(pybind11::module& m);

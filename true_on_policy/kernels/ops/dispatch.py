@@ -218,6 +218,19 @@ def _fits_delta_rule(q, k, v, decay, beta, state):  # fp32 * + - and the fixed t
     return _inference(q, k, v, decay, beta, state) and native.lib()
 
 
+def _fits_gated_delta_net_slots(mixed_qkv, z, a, b, conv_cache, state_cache, conv_weight, norm_weight):
+    """One dtype (fp32 or bf16) for the activations, conv state and weight; rows of unit inner stride; fp32 states."""
+    dtype = mixed_qkv.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or any(x.dtype != dtype for x in (z, a, b, conv_cache, conv_weight)):
+        return None
+    if state_cache.dtype != torch.float32 or state_cache.dim() != 4 or state_cache.stride()[1:] != (
+            state_cache.shape[2] * state_cache.shape[3], state_cache.shape[3], 1) \
+            or norm_weight.dtype not in (torch.float32, torch.bfloat16) \
+            or any(x.dim() != 2 or x.stride(1) != 1 for x in (mixed_qkv, z, a, b)):
+        return None
+    return _inference(mixed_qkv, z, a, b, conv_weight, norm_weight) and native.lib()
+
+
 def _fits_delta_rule_backward(q):  # the backward itself: no graph to keep, no CPU premise
     return native.lib()
 
@@ -236,6 +249,8 @@ ROUTES: dict[str, tuple[Route, ...]] = {
     "paged_attention": (Route("native", "attention", _fits_paged_attention),),
     "moe_experts": (Route("dot", "moe_experts", _fits_moe_dot), Route("chain", "moe_experts_chain", _fits_moe_chain)),
     "delta_rule": (Route("native", "delta_rule", _fits_delta_rule),),  # gated_delta.delta_rule's core
+    # gated_delta.gated_delta_net_slots: a serving engine's whole GDN layer step in one call
+    "gated_delta_net_slots": (Route("native", "gated_delta_net_slots", _fits_gated_delta_net_slots),),
     # gated_delta.CheckpointedDeltaRule's backward walk (close to autograd's, not bitwise)
     "delta_rule_backward": (Route("native", "delta_rule_backward", _fits_delta_rule_backward),),
 }
