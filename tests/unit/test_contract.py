@@ -254,14 +254,16 @@ HYBRID_REFUSALS = [
     ({f"{R}.engine_kwargs.vllm.mamba_cache_mode": "align"}, "mamba_cache_mode"),
     ({f"{R}.engine_kwargs.vllm.speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}, "speculative"),
     ({f"{R}.mtp.enable": True, f"{R}.mtp.enable_rollout": True}, "speculative"),  # model.mtp, as verl interpolates it
+    ({f"{R}.tensor_model_parallel_size": 2, "trainer.n_gpus_per_node": 2}, "gdn_tensor_parallel"),
 ]
 
 
 @pytest.mark.parametrize("changes, field", HYBRID_REFUSALS)
 @pytest.mark.parametrize("name", ["cpu_tiny_qwen35_vllm", "cpu_tiny_qwen35_moe_vllm"])
 def test_what_the_vllm_adapter_refuses_at_load_is_a_contract_mismatch_first(name, changes, field):
-    """Prefix caching, a Mamba cache mode other than none and speculative decoding (MTP included): the
-    adapter refuses them when vLLM loads the model, after Ray started; the contract names the key first.
+    """Prefix caching, a Mamba cache mode other than none, speculative decoding (MTP included) and a rollout
+    TP above 1: the adapter refuses them when vLLM loads the model, after Ray started; the contract names the
+    key first.
     Twin: the shipped config (prefix caching off, no drafts) has no mismatch."""
     cfg = check.compose_config(str(CONFIGS), name)
     assert not consistency.compare(_contract(cfg))

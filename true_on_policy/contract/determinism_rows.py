@@ -181,9 +181,9 @@ def determinism_rows(c: Context) -> list[Row]:
 
 
 def _vllm_adapter_rows(c: Context) -> list[Row]:
-    """What the vLLM adapter refuses when it loads the model (vllm_adapter/patches.py, check_engine_config),
-    refused here first, by key: compiled graphs, speculative decoding; on a hybrid (Gated DeltaNet) model
-    prefix caching and a Mamba cache mode other than ``none``."""
+    """What the vLLM adapter refuses when it loads the model (vllm_adapter/patches.py, check_engine_config;
+    hybrid_layers.gdn_forward), refused here first, by key: compiled graphs, speculative decoding; on a hybrid
+    (Gated DeltaNet) model prefix caching, a Mamba cache mode other than ``none`` and a rollout TP above 1."""
     vllm = c.r.vllm
     speculative = bool(vllm.speculative_config) or (c.r.mtp_enable and c.r.mtp_enable_rollout)
     rows = [
@@ -207,4 +207,8 @@ def _vllm_adapter_rows(c: Context) -> list[Row]:
         Row("mamba_cache_mode", "vLLM Mamba cache mode (hybrid model)", Side(NA, "training recomputes every state"),
             Side(vllm.mamba_cache_mode, f"{R}.engine_kwargs.vllm.mamba_cache_mode"), kind=REQUIRE, required="none",
             required_source=why, only_when_deterministic=True, fix=f"set {R}.engine_kwargs.vllm.mamba_cache_mode=none"),
+        Row("gdn_tensor_parallel", "vLLM TP (hybrid model)", Side(NA, "training side"),
+            Side(c.r.tp, f"{R}.tensor_model_parallel_size"), kind=REQUIRE, required=1,
+            required_source="vLLM adapter (its Gated DeltaNet layer runs unsharded: GDN heads split by TP are not "
+            "covered)", only_when_deterministic=True, fix=f"set {R}.tensor_model_parallel_size=1"),
     ]
