@@ -18,6 +18,7 @@ fp32 ulp apart on an AMD AVX2 one; verl's ``critic/score/mean`` is a mean over t
 
 import pytest
 
+from true_on_policy.verl_adapter.trainer_hooks import LOGPROB_DIFF_METRIC, MISMATCHED_TOKENS_METRIC
 from verl_run import CPU_TINY, Run, same_bits, train_steps
 
 pytestmark = pytest.mark.e2e
@@ -63,4 +64,6 @@ def test_twin_ulysses_sequence_parallel_breaks_the_log_probs(verl_runs):
     """Why the contract refuses Ulysses SP > 1 with the project's attention: verl's recompute no longer
     matches the rollout at step 1, before any update (DP 2 without SP: 0.0, above)."""
     assert verl_runs(DP_2).metrics[1]["training/rollout_probs_diff_max"] == 0.0
+    assert verl_runs(DP_2).metrics[1][MISMATCHED_TOKENS_METRIC] == 0.0
     assert verl_runs(ULYSSES_2).metrics[1]["training/rollout_probs_diff_max"] > 0.0
+    assert verl_runs(ULYSSES_2).metrics[1][MISMATCHED_TOKENS_METRIC] >= 1.0

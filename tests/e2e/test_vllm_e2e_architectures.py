@@ -21,6 +21,7 @@ tests/engine/test_qwen35_vllm.py: the Qwen3.5 models).
 
 import pytest
 
+from true_on_policy.verl_adapter.trainer_hooks import LOGPROB_DIFF_METRIC, MISMATCHED_TOKENS_METRIC
 from verl_run import Run, train_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -52,6 +53,8 @@ def test_zero_logdiff_at_every_step(verl_runs, run_id):
     assert sorted(result.metrics) == list(range(1, STEPS + 1))
     for step, metrics in result.metrics.items():
         assert metrics["training/rollout_probs_diff_max"] == 0.0, (run_id, step, metrics["training/rollout_probs_diff_max"])
+        # the recipe's own per-token count, in log space, bit for bit
+        assert metrics[MISMATCHED_TOKENS_METRIC] == 0.0 and metrics[LOGPROB_DIFF_METRIC] == 0.0, (run_id, step, metrics)
 
 
 def test_it_is_verls_grpo_that_ran(verl_runs):

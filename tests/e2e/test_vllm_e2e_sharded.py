@@ -22,6 +22,7 @@ kernel crashes there); the end-to-end flag-off twin is one launch for all vLLM c
 
 import pytest
 
+from true_on_policy.verl_adapter.trainer_hooks import LOGPROB_DIFF_METRIC, MISMATCHED_TOKENS_METRIC
 from verl_run import Run, train_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -37,6 +38,7 @@ def test_rollout_probs_diff_is_zero_at_every_step(verl_runs):
     diffs = {step: metrics["training/rollout_probs_diff_max"] for step, metrics in steps.items()}
     print(f"training/rollout_probs_diff_max per step: {diffs}")
     assert all(diff == 0.0 for diff in diffs.values())
+    assert all(m[MISMATCHED_TOKENS_METRIC] == 0.0 and m[LOGPROB_DIFF_METRIC] == 0.0 for m in steps.values()), steps
 
 
 def test_the_rollout_ran_in_bf16_on_two_vllm_workers(verl_runs):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from true_on_policy.verl_adapter.trainer_hooks import LOGPROB_DIFF_METRIC, MISMATCHED_TOKENS_METRIC
 from support.overlapping_weight_sync.sitecustomize import OVERLAP_ENV
 from verl_run import FLAG_OFF, Run, differing, train_steps, whole_host
 
@@ -57,12 +58,14 @@ def test_vllm_rollout_zero_logdiff_every_step(side_by_side):
     assert sorted(steps) == list(range(1, STEPS + 1))
     for step, metrics in steps.items():
         assert metrics["training/rollout_probs_diff_max"] == 0.0, (step, metrics["training/rollout_probs_diff_max"])
+        assert metrics[MISMATCHED_TOKENS_METRIC] == 0.0 and metrics[LOGPROB_DIFF_METRIC] == 0.0, (step, metrics)
 
 
 def test_vllm_rollout_flag_off_twin_differs(verl_runs):
     steps = verl_runs(FLAG_OFF_RUN).metrics
     assert sorted(steps) == list(range(1, STEPS + 1))
     assert max(m["training/rollout_probs_diff_max"] for m in steps.values()) > 0.0
+    assert max(m[MISMATCHED_TOKENS_METRIC] for m in steps.values()) >= 1.0
 
 
 def test_two_launches_at_once_both_zero_logdiff_every_step(side_by_side):
@@ -76,5 +79,6 @@ def test_two_launches_at_once_both_zero_logdiff_every_step(side_by_side):
         assert sorted(result.metrics) == list(range(1, STEPS + 1))
         for step, metrics in result.metrics.items():
             assert metrics["training/rollout_probs_diff_max"] == 0.0, (result.run.overrides, step, metrics)
+            assert metrics[MISMATCHED_TOKENS_METRIC] == 0.0, (result.run.overrides, step, metrics)
     # the two launches trained different weights
     assert set(differing(first.metrics, second.metrics, range(2, STEPS + 1))) == set(range(2, STEPS + 1))
