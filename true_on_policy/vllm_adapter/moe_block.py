@@ -56,6 +56,9 @@ def moe_shared_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor
     shape = hidden_states.shape
     h = hidden_states.reshape(-1, shape[-1])
     shared = block.shared_expert
+    if shared.down_proj.tp_size > 1:  # its projections sharded by the model's TP (with or without EP)
+        raise UnsupportedFeatureError(f"true_on_policy (vLLM): the shared expert at TP {shared.down_proj.tp_size} "
+                                      "is not covered")
     packs = (weight_pack(shared.gate_up_proj), weight_pack(shared.down_proj), weight_pack(block.shared_expert_gate))
     shared_out = moe.shared_expert(h, shared.gate_up_proj.weight, shared.down_proj.weight,
                                    block.shared_expert_gate.weight, packs=packs)

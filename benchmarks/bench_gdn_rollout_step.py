@@ -1,0 +1,118 @@
+"""The rollout's Gated DeltaNet layer step: one C++ call vs the composed torch ops, in one run.
+
+vLLM's consistent Qwen3.5 runs each GDN layer's step (conv, gating, l2norm, the recurrence, the gated norm for
+every sequence of the step, states in vLLM's slots) as ``gated_delta.gated_delta_net_slots`` -- on CPU one
+native call ("fused"). Before, the adapter gathered the slots' states, ran ``gated_delta_net_varlen`` (torch's
+elementwise ops around the C++ recurrence, the sequences padded into a batch) and scattered the states back
+("composed"). Both give the same bits (asserted first). Per case the two alternate within each repeat on
+fresh copies of the caches; the median of ``--repeats`` is kept.
+
+Shapes: Qwen3.5's GDN head shape (``--key-heads`` 8 / ``--value-heads`` 16 of 128, 4 conv taps), bf16.
+Cases: decode (``--batch`` sequences of one token, each continuing its state), prefill (``--batch`` fresh
+sequences of ``--prefill`` tokens), at batch 1 and 16.
+
+    python benchmarks/bench_gdn_rollout_step.py [--json] [--repeats N] [--threads N]
+
+Records: ``case``, ``tokens``, ``fused_ms``, ``composed_ms``, ``ratio`` (fused / composed; < 1: fused faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from true_on_policy.kernels import gated_delta
+
+TAPS, EPS = 4, 1e-6
+
+
+def step_args(key_heads, value_heads, head_dim, lengths, fresh, dtype, seed=0):
+    """The op's keyword arguments for one step of sequences of ``lengths`` tokens in slots 0..n-1."""
+    g = torch.Generator().manual_seed(seed)
+    channels, value_dim, total = 2 * key_heads * head_dim + value_heads * head_dim, value_heads * head_dim, sum(lengths)
+    mixed_qkvz = torch.randn(total, channels + value_dim, generator=g).to(dtype)
+    ba = torch.randn(total, 2 * value_heads, generator=g).to(dtype)
+    n = len(lengths)
+    return dict(
+        mixed_qkv=mixed_qkvz[:, :channels], z=mixed_qkvz[:, channels:], b=ba[:, :value_heads], a=ba[:, value_heads:],
+        cu_seqlens=torch.tensor([0, *lengths]).cumsum(0), slots=torch.arange(n), fresh=torch.full((n,), fresh),
+        conv_cache=torch.randn(n, TAPS - 1, channels, generator=g).to(dtype).transpose(1, 2),
+        state_cache=torch.randn(n, value_heads, head_dim, head_dim, generator=g) * 0.1,
+        conv_weight=(torch.randn(channels, 1, TAPS, generator=g) * 0.5).to(dtype),
+        A_log=torch.log(torch.rand(value_heads, generator=g) * 16 + 0.5).to(dtype),
+        dt_bias=torch.randn(value_heads, generator=g).to(dtype),
+        norm_weight=(1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype),
+        head_k_dim=head_dim, head_v_dim=head_dim, eps=EPS)
+
+
+def composed(args):
+    """The adapter's step before the fused call: gather, ``gated_delta_net_varlen``, scatter."""
+    keep = (~args["fresh"])[:, None, None]
+    conv = torch.where(keep, args["conv_cache"][args["slots"]], torch.zeros((), dtype=args["conv_cache"].dtype))
+    recurrent = torch.where(keep[..., None], args["state_cache"][args["slots"]], torch.zeros(()))
+    y, state = gated_delta.gated_delta_net_varlen(
+        args["mixed_qkv"], args["z"], args["a"], args["b"], cu_seqlens=args["cu_seqlens"],
+        conv_weight=args["conv_weight"], A_log=args["A_log"], dt_bias=args["dt_bias"],
+        norm_weight=args["norm_weight"], head_k_dim=args["head_k_dim"], head_v_dim=args["head_v_dim"],
+        eps=args["eps"], state=gated_delta.GatedDeltaState(conv, recurrent))
+    args["conv_cache"][args["slots"]] = state.conv
+    args["state_cache"][args["slots"]] = state.recurrent
+    return y
+
+
+def fused(args):
+    return gated_delta.gated_delta_net_slots(**args)
+
+
+def fresh_caches(args):
+    return {**args, "conv_cache": args["conv_cache"].clone(), "state_cache": args["state_cache"].clone()}
+
+
+def measure(args, repeats: int) -> dict:
+    with torch.no_grad():
+        first, second = fresh_caches(args), fresh_caches(args)
+        same = torch.equal(fused(first), composed(second)) and torch.equal(first["state_cache"], second["state_cache"])
+        assert same and torch.equal(first["conv_cache"], second["conv_cache"]), "fused and composed bits differ"
+        times = {"fused": [], "composed": []}
+        for _ in range(repeats):
+            for name, run in (("fused", fused), ("composed", composed)):
+                copy = fresh_caches(args)
+                start = time.perf_counter()
+                run(copy)
+                times[name].append(time.perf_counter() - start)
+    fused_ms, composed_ms = (1e3 * statistics.median(times[n]) for n in ("fused", "composed"))
+    return {"fused_ms": fused_ms, "composed_ms": composed_ms, "ratio": fused_ms / composed_ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--key-heads", type=int, default=8)
+    parser.add_argument("--value-heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--prefill", type=int, default=300, help="tokens per prefill sequence")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print the JSON list of records alone on stdout")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    records = []
+    for phase, length, fresh in (("decode", 1, False), ("prefill", args.prefill, True)):
+        for batch in (1, 16):
+            step = step_args(args.key_heads, args.value_heads, args.head_dim, [length] * batch, fresh, torch.bfloat16)
+            repeats = args.repeats if phase == "decode" else max(3, args.repeats // 5)
+            records.append({"case": f"{phase} b{batch}", "tokens": length * batch, **measure(step, repeats)})
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return
+    for r in records:
+        print(f"{r['case']:<12} {r['tokens']:>6} tokens  fused {r['fused_ms']:9.2f} ms  composed "
+              f"{r['composed_ms']:9.2f} ms  ratio {r['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
