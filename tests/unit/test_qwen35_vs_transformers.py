@@ -2,7 +2,7 @@
 
 Stock: the same weights through transformers' own module code (flag off: every patched forward calls
 transformers' original, the linears are ``F.linear``), eager attention, one sequence per call (its Gated
-DeltaNet carries the state across a packed row, :func:`test_qwen35_model.test_a_packed_row_has_each_sequences_bits_alone`).
+DeltaNet carries the state across a packed row: ``test_qwen35_model.py``, the packed-row test's twin).
 Ours: the flag on, the sequences packed in one row as verl's trainer lays them out (each has its bits alone).
 Closeness, never bitwise (another summation order, the recurrent Gated DeltaNet against transformers' chunked
 one): fp32 log-probs within a stated tolerance; bf16 log-probs as close to stock fp32 as stock bf16 is;
@@ -32,13 +32,14 @@ LENGTHS = (70, 9, 40)  # 70 crosses transformers' 64-token Gated DeltaNet chunk
 DECAY_PATH = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
 
 # Tolerances measured on an AMD EPYC (AVX2, no avx512_bf16 / amx_bf16; torch 2.13.0+cpu, transformers 5.9.0),
-# 2026-12-06, these inputs; each bound sits a few times above the measurement.
+# 2026-12-06, these inputs; each bound sits above its measurement with a margin.
 LOGPROB_ATOL_FP32 = 4e-6  # measured max |ours - stock| 9.5e-7 (dense), 4.8e-7 (MoE); log-probs ~ -5
 BF16_FACTOR = 1.5  # mean |ours bf16 - stock fp32| / mean |stock bf16 - stock fp32|, measured 1.03 (dense), 1.19 (MoE)
 BF16_MAX_FACTOR = 3.0  # the same at the worst token, measured 1.00 (dense), 1.90 (MoE: a router flip)
-MODULE_RTOL = 1e-5  # of the module's largest output entry; measured 3.3e-7 (shared
-# expert), 3.5e-7 (MoE block), 2.5e-7 (gated attention)
-GRAD_RTOL = 1e-5  # measured worst per parameter vs float64: 2.8e-6 (dense), 1.4e-6 (MoE)
+# MODULE_RTOL: of the module's largest output entry; measured 3.3e-7 (shared expert), 3.5e-7 (MoE block),
+# 2.5e-7 (gated attention)
+MODULE_RTOL = 1e-5
+GRAD_RTOL = 1e-5  # measured worst per parameter vs float64: 2.8e-6 (dense), 8.2e-7 (MoE)
 
 
 @pytest.fixture(autouse=True)
@@ -207,13 +208,14 @@ def measured_gradients():
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_per_parameter_are_close_to_transformers_in_float64(measured_gradients, kind):
     """Every parameter's gradient (fp32, flag on) within GRAD_RTOL of its own largest entry of transformers'
-    gradient in float64. Why float64 and not stock fp32: stock fp32 is the less accurate of the two on the
-    Gated DeltaNet's decay path (A_log, dt_bias, in_proj_a) -- measured 2026-12-06 on the dense model's layer
-    0 (decay gradients ~1e-6, five orders below the layer's others, per-token ``<dS, S>`` sums cancelling up
-    to 4e3-fold): stock fp32 is 19 % (A_log), 17 % (dt_bias), 3.8 % (in_proj_a) of their own scale off
-    float64, ours 2.6e-6, 2.8e-6, 1.2e-6; transformers' chunked form takes these gradients through
-    ``exp`` of cumulative-sum differences in fp32, ours through the recurrent order. Everywhere off that path
-    ours and stock fp32 agree within GRAD_RTOL (asserted)."""
+    gradient in float64. Why float64 and not stock fp32: on the Gated DeltaNet's decay path (A_log, dt_bias,
+    in_proj_a) stock fp32 is the inaccurate one. Measured 2026-12-06, per parameter against float64: the dense
+    model's layer 0 has decay gradients ~1e-6 (its other parameters' 4e-2 to 1.5, the model's largest 4.4; per
+    token the ``<dS, S>`` products that make them cancel up to 4e3-fold); there stock fp32 is 19 % (A_log),
+    17 % (dt_bias), 3.8 % (in_proj_a) off, ours 2.6e-6, 2.8e-6, 1.2e-6; MoE layer 2: stock 7.6e-4, ours under
+    1e-6. So the gap between ours and stock fp32 there (the 18 % the previous whole-model check hid) is the
+    error of transformers' chunked form in fp32, not ours. Off that path ours and stock fp32 agree within
+    GRAD_RTOL (asserted)."""
     grads = measured_gradients[kind]
     against_float64 = relative_errors(grads["ours"], grads["float64"])
     assert max(against_float64.values()) <= GRAD_RTOL, max(against_float64.items(), key=lambda item: item[1])
