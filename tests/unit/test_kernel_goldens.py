@@ -77,8 +77,8 @@ def test_twin_the_previous_linear_order_breaks_the_goldens(goldens, monkeypatch)
 
 
 def test_gated_delta_goldens_hold_bitwise_on_any_cpu():
-    """The Gated DeltaNet's core and l2norm (``tests/support/gdn_goldens.py``: correctly rounded arithmetic in the
-    project's fixed order, no BLAS, no ``exp``: one file for every CPU), on the current routes and with 1 thread."""
+    """The Gated DeltaNet's core (``tests/support/gdn_goldens.py``: correctly rounded arithmetic in the project's
+    fixed order, no BLAS, no ``exp``, no ``sqrt``: one file for every CPU), on the current routes and with 1 thread."""
     expected = gdn_goldens.load()
     for n in (2, 1):
         with threads(n):
