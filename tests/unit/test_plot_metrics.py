@@ -3,6 +3,7 @@
 The JSONL is written by verl's own ``FileLogger`` (verl/utils/tracking.py), the writer of every run.
 """
 
+import json
 import math
 
 import numpy as np
@@ -78,3 +79,19 @@ def test_a_line_that_is_not_a_record_is_an_error_naming_the_line(tmp_path):
     path.write_text('{"step": 1, "data": {}}\nnot json\n')
     with pytest.raises(ValueError, match="bad.jsonl:2 is not a verl file-logger record"):
         plot_metrics.read_step_metrics(path)
+
+
+def test_require_zero_logdiff_passes_a_clean_run_and_names_the_steps_of_another(tmp_path, monkeypatch, capsys):
+    """``make demo``'s check: 0 mismatched tokens at every step passes; the twin, one flipped ulp counted at
+    step 2 (and a run that never logged the metric), exits 1 naming the steps."""
+    clean = write_run(tmp_path / "clean.jsonl", monkeypatch, [0.1, 0.2, 0.3])
+    assert plot_metrics.main([str(clean), "--require-zero-logdiff"]) == 0
+    assert "logdiff/mismatched_tokens: 0 at all 3 steps" in capsys.readouterr().out
+    flipped = write_run(tmp_path / "flipped.jsonl", monkeypatch, [0.1, 0.2, 0.3])
+    records = [json.loads(line) for line in flipped.read_text().splitlines()]
+    records[1]["data"]["logdiff/mismatched_tokens"] = 1.0  # step 2
+    flipped.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert plot_metrics.main([str(flipped), "--require-zero-logdiff"]) == 1
+    assert "not 0 (or not logged) at steps [2]" in capsys.readouterr().out
+    missing = write_run(tmp_path / "missing.jsonl", monkeypatch, [0.1], extra={"logdiff/mismatched_tokens": None})
+    assert plot_metrics.main([str(missing), "--require-zero-logdiff"]) == 1

@@ -16,12 +16,13 @@ from pathlib import Path
 
 REWARD = "critic/score/mean"
 STEP_TIME = "timing_s/step"
+MISMATCHED_TOKENS = "logdiff/mismatched_tokens"  # the recipe's per-token count (verl_adapter.trainer_hooks)
 PANELS = (
     (REWARD, "reward (batch mean)"),
     ("actor/flashreinforce/acceptance_rate", "trust-region acceptance rate"),
     ("actor/flashreinforce/sequence_kl_mean", "sequence KL (mean)"),
     ("training/rollout_probs_diff_max", "rollout_probs_diff_max (training vs rollout)"),
-    ("logdiff/mismatched_tokens", "tokens whose log-prob bits differ (training vs rollout)"),
+    (MISMATCHED_TOKENS, "tokens whose log-prob bits differ (training vs rollout)"),
     (STEP_TIME, "step time (s)"),
 )
 
@@ -100,12 +101,19 @@ def format_summary(summary: Mapping[str, float], window: int) -> str:
     )
 
 
+def steps_with_mismatches(steps: StepMetrics) -> list[int]:
+    """The steps whose :data:`MISMATCHED_TOKENS` is not 0 or was not logged (a run without it proves nothing)."""
+    return [step for step, values in sorted(steps.items()) if values.get(MISMATCHED_TOKENS) != 0.0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m true_on_policy plot-metrics", description=__doc__.split("\n")[0])
     parser.add_argument("metrics", help="verl file-logger JSONL ($VERL_FILE_LOGGER_PATH of the run)")
     parser.add_argument("--out", default=None, help="PNG path (default: next to the JSONL, .png)")
     parser.add_argument("--title", default=None)
     parser.add_argument("--window", type=int, default=5, help="steps averaged at each end for the reward summary")
+    parser.add_argument("--require-zero-logdiff", action="store_true",
+                        help=f"exit 1 unless {MISMATCHED_TOKENS} is 0 at every logged step")
     args = parser.parse_args(argv)
     steps = read_step_metrics(args.metrics)
     if not steps:
@@ -115,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plot:    {out.resolve()}")
     if len(series(steps, REWARD)[1]) >= 2 * args.window:
         print(format_summary(reward_summary(steps, args.window), args.window))
+    if args.require_zero_logdiff:
+        if bad := steps_with_mismatches(steps):
+            print(f"{MISMATCHED_TOKENS}: not 0 (or not logged) at steps {bad}")
+            return 1
+        print(f"{MISMATCHED_TOKENS}: 0 at all {len(steps)} steps")
     return 0
 
 
-__all__ = ["PANELS", "plot", "read_step_metrics", "reward_summary", "series", "main"]
+__all__ = ["PANELS", "plot", "read_step_metrics", "reward_summary", "series", "steps_with_mismatches", "main"]

@@ -181,9 +181,9 @@ def determinism_rows(c: Context) -> list[Row]:
 
 
 def _vllm_adapter_rows(c: Context) -> list[Row]:
-    """What the vLLM adapter refuses when it loads the model (vllm_adapter/patches.py, check_engine_config;
-    moe_block), refused here first, by key: compiled graphs, speculative decoding, a rollout TP above 1 with a
-    shared expert; on a hybrid (Gated DeltaNet) model prefix caching and a Mamba cache mode other than ``none``."""
+    """What the vLLM adapter refuses when it loads the model (vllm_adapter/patches.py, check_engine_config),
+    refused here first, by key: compiled graphs, speculative decoding; on a hybrid (Gated DeltaNet) model prefix
+    caching and a Mamba cache mode other than ``none``."""
     vllm = c.r.vllm
     speculative = bool(vllm.speculative_config) or (c.r.mtp_enable and c.r.mtp_enable_rollout)
     rows = [
@@ -197,12 +197,6 @@ def _vllm_adapter_rows(c: Context) -> list[Row]:
             only_when_deterministic=True,
             fix=f"remove {R}.engine_kwargs.vllm.speculative_config and set {R}.mtp.enable_rollout=false"),
     ]
-    features = c.checkpoint.features if c.checkpoint is not None else None
-    if features is not None and features.shared_expert:
-        rows.append(Row("shared_expert_tensor_parallel", "vLLM TP (shared expert)", Side(NA, "training side"),
-                        Side(c.r.tp, f"{R}.tensor_model_parallel_size"), kind=REQUIRE, required=1,
-                        required_source="vLLM adapter (the shared expert's sharded projections are not covered)",
-                        only_when_deterministic=True, fix=f"set {R}.tensor_model_parallel_size=1"))
     if "linear_attention" not in c.layer_types:
         return rows
     why = "the consistent Gated DeltaNet keeps one recurrent state per request and replays no cached block"

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from true_on_policy.kernels import ops
+from true_on_policy.kernels import ops, row_parallel
 from true_on_policy.kernels.architectures import UnsupportedFeatureError
 from true_on_policy.kernels.row_parallel import Gather
 
@@ -222,7 +222,8 @@ def experts_forward(hidden, top_k_index, top_k_weights, gate_up, down, *, packs=
     return moe_combine(per_slot, top_k_weights).to(hidden.dtype)
 
 
-def shared_expert(hidden, gate_up, down, gate_weight, *, packs=None) -> torch.Tensor:
+def shared_expert(hidden, gate_up, down, gate_weight, *, packs=None, k_parts: int = 1,
+                  gather: Gather | None = None) -> torch.Tensor:
     """Qwen3.5-MoE's shared expert: ``sigmoid(hidden @ gate_weight^T) * down(silu(gate) * up)``, [T, H] in
     ``hidden``'s dtype (:func:`ops.linear`, :func:`ops.silu_mul`, :func:`ops.sigmoid_gate`).
 
@@ -231,12 +232,14 @@ def shared_expert(hidden, gate_up, down, gate_weight, *, packs=None) -> torch.Te
     :func:`ops.linear` is computed alone. ``gate_weight``: ``[1, H]``. ``packs``: optional
     :func:`ops.pack_weight` of ``(gate_up, down, gate_weight)``. The MoE block's output is
     ``routed + shared``, both in ``hidden``'s dtype (transformers' ``expert_output + shared_expert_output``;
-    one correctly rounded add, so its order cannot change the bits).
+    one correctly rounded add, so its order cannot change the bits). Tensor-parallel (``k_parts`` ranks):
+    ``gate_up`` this rank's column shard, ``down`` its row shard, folded by
+    :func:`row_parallel.row_parallel_linear` over ``gather``: the unsharded bits.
     """
     gate_up_pack, down_pack, gate_pack = (None, None, None) if packs is None else packs
     if isinstance(gate_up, torch.Tensor):
         gate, up = ops.linear(hidden, gate_up, pack=gate_up_pack).chunk(2, dim=-1)
     else:
         gate, up = (ops.linear(hidden, weight) for weight in gate_up)
-    out = ops.linear(ops.silu_mul(gate, up), down, pack=down_pack)
+    out = row_parallel.row_parallel_linear(ops.silu_mul(gate, up), down, None, k_parts, gather, pack=down_pack)
     return ops.sigmoid_gate(out, ops.linear(hidden, gate_weight, pack=gate_pack))

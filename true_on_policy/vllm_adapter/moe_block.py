@@ -51,17 +51,17 @@ def moe_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
 def moe_shared_block_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     """Qwen3.5-MoE's sparse block (vLLM's ``Qwen3NextSparseMoeBlock``): the routed experts as
     :func:`moe_block_forward`, plus the sigmoid-gated shared expert (:func:`moe.shared_expert` on the
-    shared MLP's merged ``gate_up_proj``, its ``down_proj`` and ``shared_expert_gate``), added once in
-    the model dtype as transformers' ``expert_output + shared_expert_output``."""
+    shared MLP's merged ``gate_up_proj``, its ``down_proj`` and ``shared_expert_gate``; at TP > 1 their
+    shards, ``down_proj`` folded through the row-parallel tree), added once in the model dtype as
+    transformers' ``expert_output + shared_expert_output``."""
     shape = hidden_states.shape
     h = hidden_states.reshape(-1, shape[-1])
     shared = block.shared_expert
-    if shared.down_proj.tp_size > 1:  # its projections sharded by the model's TP (with or without EP)
-        raise UnsupportedFeatureError(f"true_on_policy (vLLM): the shared expert at TP {shared.down_proj.tp_size} "
-                                      "is not covered")
     packs = (weight_pack(shared.gate_up_proj), weight_pack(shared.down_proj), weight_pack(block.shared_expert_gate))
+    # its projections sharded by the model's TP (with or without EP): column shard in, row shard folded
     shared_out = moe.shared_expert(h, shared.gate_up_proj.weight, shared.down_proj.weight,
-                                   block.shared_expert_gate.weight, packs=packs)
+                                   block.shared_expert_gate.weight, packs=packs, k_parts=shared.down_proj.tp_size,
+                                   gather=gather(tp_group))
     return (moe_block_forward(block, h) + shared_out).view(shape)
 
 
