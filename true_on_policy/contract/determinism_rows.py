@@ -182,8 +182,8 @@ def determinism_rows(c: Context) -> list[Row]:
 
 def _vllm_adapter_rows(c: Context) -> list[Row]:
     """What the vLLM adapter refuses when it loads the model (vllm_adapter/patches.py, check_engine_config),
-    refused here first, by key: compiled graphs, speculative decoding; on a hybrid (Gated DeltaNet) model prefix
-    caching and a Mamba cache mode other than ``none``."""
+    refused here first, by key: compiled graphs, speculative decoding; on a hybrid (Gated DeltaNet) model
+    prefix caching and a Mamba cache mode other than ``none``."""
     vllm = c.r.vllm
     speculative = bool(vllm.speculative_config) or (c.r.mtp_enable and c.r.mtp_enable_rollout)
     rows = [
