@@ -1,4 +1,4 @@
-"""Write a randomly initialised Qwen3 / Qwen3-MoE / Qwen3.5 / Qwen3.5-MoE checkpoint of chosen size, with the tiny tokenizer.
+"""Write a random Qwen3 / Qwen3-MoE / Qwen3.5 / Qwen3.5-MoE checkpoint of chosen size, with the tiny tokenizer.
 
 For timing runs on compute-dominated models (``benchmarks/bench_vllm_kernels.py --model DIR``): the
 shipped tiny model's config (``true_on_policy.tiny_assets.tiny_model_config``: vocabulary, special ids,

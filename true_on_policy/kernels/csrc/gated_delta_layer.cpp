@@ -5,8 +5,9 @@
 // The same bits as the torch code (gated_delta.gated_delta_net_varlen on the gathered slots): the same fp32
 // operations in the same order, rounded to the input dtype T where it rounds, the sums ops.fixed_sum's tree,
 // exp through exp_in_place (torch.exp's bits), log and sqrt through ATen's (torch.sqrt is not the IEEE square
-// root everywhere: norms.cpp); one token's delta-rule step is delta_step.h's. A token's values depend only on its sequence's state and its own inputs, so the threads'
-// split (tokens for the elementwise passes, (sequence, head) pairs for the recurrence) does not move a bit.
+// root everywhere: norms.cpp); one token's delta-rule step is delta_step.h's. A token's values depend only on
+// its sequence's state and its own inputs, so the threads' split (tokens for the elementwise passes,
+// (sequence, head) pairs for the recurrence) does not move a bit.
 #include "common.h"
 #include "delta_step.h"
 #include "fixed_tree.h"
@@ -227,9 +228,9 @@ Step check_step(const at::Tensor& mixed_qkv, const at::Tensor& z, const at::Tens
   TORCH_CHECK(norm_weight.is_contiguous() && (weight_dtype == at::kFloat || weight_dtype == at::kBFloat16),
               "gated_delta_net_slots: norm_weight must be contiguous fp32 or bf16");
   const int64_t S = slots.numel(), Hv = a.size(1), dv = state.size(2), dk = state.size(3);
-  TORCH_CHECK(bounds.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && fresh.scalar_type() == at::kBool &&
-                  bounds.is_contiguous() && slots.is_contiguous() && fresh.is_contiguous() && bounds.numel() == S + 1 &&
-                  fresh.numel() == S,
+  TORCH_CHECK(bounds.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+                  fresh.scalar_type() == at::kBool && bounds.is_contiguous() && slots.is_contiguous() &&
+                  fresh.is_contiguous() && bounds.numel() == S + 1 && fresh.numel() == S,
               "gated_delta_net_slots: cu_seqlens (S + 1) and slots (S) int64, fresh (S) bool, contiguous");
   const Step d{mixed_qkv.size(0), mixed_qkv.size(1), conv_weight.size(1), 0, Hv, dk, dv, S};
   const int64_t key_dim = (d.channels - Hv * dv) / 2;
