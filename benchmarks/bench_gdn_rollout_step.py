@@ -50,18 +50,9 @@ def step_args(key_heads, value_heads, head_dim, lengths, fresh, dtype, seed=0):
 
 
 def composed(args):
-    """The adapter's step before the fused call: gather, ``gated_delta_net_varlen``, scatter."""
-    keep = (~args["fresh"])[:, None, None]
-    conv = torch.where(keep, args["conv_cache"][args["slots"]], torch.zeros((), dtype=args["conv_cache"].dtype))
-    recurrent = torch.where(keep[..., None], args["state_cache"][args["slots"]], torch.zeros(()))
-    y, state = gated_delta.gated_delta_net_varlen(
-        args["mixed_qkv"], args["z"], args["a"], args["b"], cu_seqlens=args["cu_seqlens"],
-        conv_weight=args["conv_weight"], A_log=args["A_log"], dt_bias=args["dt_bias"],
-        norm_weight=args["norm_weight"], head_k_dim=args["head_k_dim"], head_v_dim=args["head_v_dim"],
-        eps=args["eps"], state=gated_delta.GatedDeltaState(conv, recurrent))
-    args["conv_cache"][args["slots"]] = state.conv
-    args["state_cache"][args["slots"]] = state.recurrent
-    return y
+    """The adapter's step before the fused call (the op's specification): gather, ``gated_delta_net_varlen``,
+    scatter."""
+    return gated_delta.gated_delta_net_slots_torch(**args)
 
 
 def fused(args):

@@ -392,19 +392,32 @@ def gated_delta_net_slots(mixed_qkv, z, a, b, *, cu_seqlens, slots, fresh, conv_
     ``conv_cache`` ``(n, C, K - 1)`` in the input dtype (any strides: vLLM's may be a transposed view),
     ``state_cache`` ``(n, Hv, dv, dk)`` fp32 -- or with zeros where ``fresh[i]``, and leaves its new states there.
     Each token has :func:`gated_delta_net_varlen`'s bits. Without a gradient on CPU one C++ call computes the
-    whole step (conv, gating, l2norm, delta rule, gated norm: :data:`ops.ROUTES`), the same bits.
+    whole step (conv, gating, l2norm, delta rule, gated norm: :data:`ops.ROUTES`), the same bits; elsewhere
+    :func:`gated_delta_net_slots_torch`, its specification.
     """
     weight = conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight
     route = ops._route("gated_delta_net_slots", mixed_qkv.device, mixed_qkv, z, a, b, conv_cache, state_cache,
                        weight, norm_weight)
     if route.run:
-        return route.run(mixed_qkv, z, a, b, cu_seqlens.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous(),
-                         fresh.to(torch.bool).contiguous(), conv_cache, state_cache, weight.contiguous(), A_log, dt_bias,
-                         norm_weight.contiguous(), L2NORM_EPS, 1 / (head_k_dim ** 0.5), SOFTPLUS_THRESHOLD, eps)
+        return route.run(mixed_qkv, z, a, b, cu_seqlens.to(torch.int64).contiguous(),
+                         slots.to(torch.int64).contiguous(), fresh.to(torch.bool).contiguous(), conv_cache,
+                         state_cache, weight.contiguous(), A_log, dt_bias, norm_weight.contiguous(), L2NORM_EPS,
+                         1 / (head_k_dim ** 0.5), SOFTPLUS_THRESHOLD, eps)
+    return gated_delta_net_slots_torch(mixed_qkv, z, a, b, cu_seqlens=cu_seqlens, slots=slots, fresh=fresh,
+                                       conv_cache=conv_cache, state_cache=state_cache, conv_weight=weight, A_log=A_log,
+                                       dt_bias=dt_bias, norm_weight=norm_weight, head_k_dim=head_k_dim,
+                                       head_v_dim=head_v_dim, eps=eps)
+
+
+def gated_delta_net_slots_torch(mixed_qkv, z, a, b, *, cu_seqlens, slots, fresh, conv_cache, state_cache, conv_weight,
+                                A_log, dt_bias, norm_weight, head_k_dim: int, head_v_dim: int,
+                                eps: float) -> torch.Tensor:
+    """The specification of :func:`gated_delta_net_slots` (its arguments): the slots' states gathered (zeros
+    where ``fresh``), :func:`gated_delta_net_varlen`, the new states scattered back."""
     keep = (~fresh)[:, None, None]
     conv = torch.where(keep, conv_cache[slots], torch.zeros((), dtype=conv_cache.dtype))
     recurrent = torch.where(keep[..., None], state_cache[slots], torch.zeros((), dtype=torch.float32))
-    y, state = gated_delta_net_varlen(mixed_qkv, z, a, b, cu_seqlens=cu_seqlens, conv_weight=weight, A_log=A_log,
+    y, state = gated_delta_net_varlen(mixed_qkv, z, a, b, cu_seqlens=cu_seqlens, conv_weight=conv_weight, A_log=A_log,
                                       dt_bias=dt_bias, norm_weight=norm_weight, head_k_dim=head_k_dim,
                                       head_v_dim=head_v_dim, eps=eps, state=GatedDeltaState(conv, recurrent))
     conv_cache[slots] = state.conv
