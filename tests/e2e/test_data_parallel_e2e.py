@@ -24,12 +24,13 @@ from verl_run import CPU_TINY, Run, same_bits, train_steps
 pytestmark = pytest.mark.e2e
 
 DP_2 = Run("cpu_tiny", train_steps(1) + ("trainer.n_gpus_per_node=2",))
-# The same two ranks with Ulysses SP 2, launched past the contract, which refuses it
-# (test_launch_verdict.py): verl slices every sequence over the SP ranks and leaves the all-to-all to
-# its flash-attention patch, which the project's attention does not go through.
-ULYSSES_2 = Run("cpu_tiny", train_steps(1) + (
-    "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
-    "true_on_policy.allow_contract_mismatch=true"))
+# The same two ranks as one Ulysses SP group of 2 (DP 1): verl slices every packed batch over them; the
+# project's model code all-to-alls around the attention (tests/unit/test_ulysses.py: SP 2 == SP 1 bitwise,
+# its twin without the all-to-all differs). Two steps: the second recompute runs on weights the SP backward
+# updated.
+ULYSSES_STEPS = 2
+ULYSSES_2 = Run("cpu_tiny", train_steps(ULYSSES_STEPS) + (
+    "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"))
 
 BATCH_METRICS = (
     "critic/score/max", "critic/score/min", "critic/advantages/max", "critic/advantages/min", "response_length/mean",
@@ -60,10 +61,14 @@ def test_loss_and_the_batch_means_agree_within_the_summation_bound(runs):
         assert diff <= RELATIVE_BOUND, (name, one[name], two[name])
 
 
-def test_twin_ulysses_sequence_parallel_breaks_the_log_probs(verl_runs):
-    """Why the contract refuses Ulysses SP > 1 with the project's attention: verl's recompute no longer
-    matches the rollout at step 1, before any update (DP 2 without SP: 0.0, above)."""
-    assert verl_runs(DP_2).metrics[1]["training/rollout_probs_diff_max"] == 0.0
-    assert verl_runs(DP_2).metrics[1][MISMATCHED_TOKENS_METRIC] == 0.0
-    assert verl_runs(ULYSSES_2).metrics[1]["training/rollout_probs_diff_max"] > 0.0
-    assert verl_runs(ULYSSES_2).metrics[1][MISMATCHED_TOKENS_METRIC] >= 1.0
+def test_ulysses_sequence_parallel_2_is_bitwise_on_policy_at_every_step(verl_runs):
+    """verl's recompute on the SP-split batch equals the rollout's recorded log-probs, token for token, and
+    step 1's batch is SP 1's (one rank, no split): the same responses, scores and log-probs."""
+    steps = verl_runs(ULYSSES_2).metrics
+    assert sorted(steps) == list(range(1, ULYSSES_STEPS + 1))
+    for step, metrics in steps.items():
+        assert metrics["training/rollout_probs_diff_max"] == 0.0, (step, metrics)
+        assert metrics[MISMATCHED_TOKENS_METRIC] == 0.0 and metrics[LOGPROB_DIFF_METRIC] == 0.0, (step, metrics)
+    one = verl_runs(CPU_TINY).metrics[1]
+    for name in ("response_length/mean", "critic/score/max", "critic/score/min", "training/rollout_probs_diff_mean"):
+        assert same_bits(one[name], steps[1][name]), (name, one[name], steps[1][name])

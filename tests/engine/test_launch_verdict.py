@@ -82,10 +82,18 @@ CASES = [
                        f"+{R}.engine_kwargs.vllm.hf_overrides.rms_norm_eps=0.001"], 0, "launch accepted"),
     ("cpu_tiny_vllm", [f"+{R}.engine_kwargs.vllm.kv_cache_dtype=fp8"], 2, "[kv_cache_dtype]"),
     ("cpu_tiny_vllm", ["actor_rollout_ref.model.override_config.attn_implementation=sdpa"], 2, "training=sdpa"),
-    # the project's attention has no Ulysses all-to-all (twin: test_data_parallel_e2e.py), under either key
-    ("cpu_tiny", ["trainer.n_gpus_per_node=2", f"{A}.fsdp_config.ulysses_sequence_parallel_size=2"], 2, "[ulysses]"),
-    ("cpu_tiny", ["trainer.n_gpus_per_node=2", f"{A}.ulysses_sequence_parallel_size=2"], 2,
-     f"training=2 ({A}.ulysses_sequence_parallel_size (deprecated))"),
+    # Ulysses SP: the model code all-to-alls by whole heads, under either key, where the heads split by SP
+    # (twins: tests/unit/test_ulysses.py without the all-to-all; the refusals below)
+    ("cpu_tiny", ["trainer.n_gpus_per_node=2", f"{A}.fsdp_config.ulysses_sequence_parallel_size=2"], 0,
+     "launch accepted (consistent and verified"),
+    ("cpu_tiny_qwen35_vllm_tp2", [], 0, "launch accepted (consistent and verified"),  # SP 2 training, TP 2 rollout
+    ("cpu_tiny_qwen35_vllm_tp2", [f"{A}.fsdp_config.ulysses_sequence_parallel_size=4", "trainer.n_gpus_per_node=4"], 2,
+     "the model's linear_num_key_heads=2 does not divide by ulysses_sequence_parallel_size=4"),
+    ("cpu_tiny_qwen35_vllm_tp2", [f"{T}.deterministic=false"], 2,
+     "the Gated DeltaNet layers all-to-all on the consistent kernels only"),
+    ("cpu_tiny", ["trainer.n_gpus_per_node=8", f"{A}.ulysses_sequence_parallel_size=8"], 2,
+     f"the model's num_attention_heads=4 does not divide by ulysses_sequence_parallel_size=8 ({A}.ulysses_sequence"
+     "_parallel_size (deprecated)=8"),
     ("cpu_tiny_vllm_tp2", [f"{T}.deterministic=false"], 2, "[tp]"),  # no invariant kernels: TP must match
     ("cpu_tiny_vllm_tp2", [f"{R}.tensor_model_parallel_size=16"], 2, "tensor_parallel_size=16 is not supported"),
     ("cpu_tiny_vllm_tp2", [f"{R}.tensor_model_parallel_size=4"], 2, "num_key_value_heads=2 does not divide"),

@@ -32,6 +32,7 @@ PATCHED_IN_VERL_0_9_1 = {
     "verl.trainer.ppo.v1.trainer_base.PPOTrainer._load_checkpoint",
     "verl.utils.distributed.initialize_global_process_group_ray",
     "verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits",
+    "verl.utils.ulysses.get_ulysses_sequence_parallel_group",
     "verl.workers.rollout.base.get_rollout_class",
     "verl.workers.rollout.base._ROLLOUT_REGISTRY",
     "verl.workers.rollout.vllm_rollout.vllm_rollout.ServerAdapter.__init__",

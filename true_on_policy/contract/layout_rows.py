@@ -29,6 +29,7 @@ from true_on_policy.contract.rows import (
     Layout,
     as_size,
 )
+from true_on_policy.kernels.architectures import check_sequence_parallel
 
 # --------------------------------------------------------------------------------------------
 # layout: TP, EP, expert TP, PP, CP, DP, Ulysses
@@ -201,12 +202,32 @@ def layout_rows(c: Context) -> list[Row]:
     ]
     for key, side in tl.extra.items():
         title = "Ulysses SP (heads<->sequence all-to-all, no reduction)"
-        if c.t.is_fsdp and c.t.attn_implementation == "consistent":
-            # verl's Ulysses all-to-all lives in its patch of flash-attention; the project's attention
-            # has none, so each rank would attend within its own slice of the sequence
-            rows.append(Row(key, title, side, Side(1, "rollout has no Ulysses SP"), required=1,
-                            required_source=f"{M}.override_config.attn_implementation=consistent has no Ulysses all-to-all",
-                            fix=f"set {A}.fsdp_config.ulysses_sequence_parallel_size=1 and {A}.ulysses_sequence_parallel_size=1"))
+        if c.t.is_fsdp and c.t.attn_implementation == "consistent" and as_size(side.value) > 1:
+            rows.append(_consistent_ulysses_row(c, key, title, side))
         else:
             rows.append(Row(key, title, side, Side(NA, "rollout has no Ulysses SP"), kind=INFO))
     return rows
+
+
+def _consistent_ulysses_row(c: Context, key: str, title: str, side: Side) -> Row:
+    """The project's model code all-to-alls over verl's SP group (true_on_policy.kernels.sequence_parallel):
+    each rank computes whole heads of the whole sequence, so a token's bits do not depend on SP, where the
+    model's heads split by it (and, for Gated DeltaNet layers, the flag is on)."""
+    sp = as_size(side.value)
+    source = f"{side.source}={sp} vs {M}.path config (true_on_policy.kernels.architectures.check_sequence_parallel)"
+    if c.checkpoint is None:
+        verdict = UNVERIFIED
+        source = f"{source}: {M}.path is not a local checkpoint directory with config.json"
+    elif not c.deterministic and "linear_attention" in c.layer_types:
+        verdict = (f"{side.source}={sp}: the Gated DeltaNet layers all-to-all on the consistent kernels only "
+                   "(true_on_policy.deterministic=true)")
+    else:
+        try:
+            check_sequence_parallel(c.checkpoint.config, sp)
+            verdict = "ok"
+        except ValueError as error:
+            verdict = str(error)
+    return Row(key, title, Side(verdict, source, display=f"{sp}: {verdict}"),
+               Side("ok", "rollout has no Ulysses SP: a token's bits do not depend on the split"), required="ok",
+               required_source="the model's heads split by SP", fix=f"set {side.source} to a size the model's "
+               "query and Gated DeltaNet heads divide by (and its KV heads divide or are divided by), or 1")

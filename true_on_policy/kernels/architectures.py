@@ -44,6 +44,7 @@ __all__ = [
     "check_built",
     "read_checkpoint",
     "check_config",
+    "check_sequence_parallel",
     "check_sharding",
     "config_dict",
     "inspect_checkpoint",
@@ -591,3 +592,25 @@ def check_sharding(config, tp_size: int, ep_size: int = 1) -> None:
         if value is not None and value % size:
             what = "expert_parallel_size" if key == experts_key else "tensor_parallel_size"
             raise ValueError(f"true_on_policy: the model's {key}={value} does not divide by {what}={size}")
+
+
+def check_sequence_parallel(config, sp_size: int) -> None:
+    """Refuse, naming the key and value, a Ulysses SP size the model's heads do not split by.
+
+    The all-to-all hands each rank whole heads (:mod:`true_on_policy.kernels.sequence_parallel`): the
+    query heads and the Gated DeltaNet's key and value heads must divide by SP; the KV heads divide by it
+    or divide it (then repeated to split, verl's rule). Run by ``check`` and the launch (the Ulysses row);
+    the model code refuses the same by name when its all-to-all runs.
+    """
+    config = config_dict(config)
+    if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
+        raise ValueError(f"true_on_policy: ulysses_sequence_parallel_size={sp_size!r} is not a positive integer")
+    for key in ("num_attention_heads", "linear_num_key_heads", "linear_num_value_heads"):
+        value = config.get(key)
+        if value is not None and value % sp_size:
+            raise ValueError(f"true_on_policy: the model's {key}={value} does not divide by "
+                             f"ulysses_sequence_parallel_size={sp_size}")
+    kv = config.get("num_key_value_heads")
+    if kv and kv % sp_size and sp_size % kv:
+        raise ValueError(f"true_on_policy: the model's num_key_value_heads={kv} and ulysses_sequence_parallel_size="
+                         f"{sp_size} do not divide either way")

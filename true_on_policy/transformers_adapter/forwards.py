@@ -19,11 +19,12 @@ import sys
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from true_on_policy import patching
-from true_on_policy.kernels import architectures, gated_delta, moe, ops
+from true_on_policy.kernels import architectures, gated_delta, moe, ops, sequence_parallel
 from true_on_policy.kernels.architectures import UnsupportedFeatureError
 from true_on_policy.kernels.modules import ConsistentLinear, ConsistentLMHead, require_consistent_linears, require_silu
 from true_on_policy.transformers_adapter import patches
@@ -33,6 +34,7 @@ from true_on_policy.transformers_adapter.training_attention import (
     ROLLOUT_KWARG,
     attention_function,
     mask_function,
+    sequence_positions,
     training_layout,
 )
 
@@ -378,8 +380,12 @@ def make_text_model_forward(original):
                 inputs_embeds=None, use_cache=None, **kwargs):
         if ops.enabled() and kwargs.get(ROLLOUT_KWARG) is None:
             source = input_ids if input_ids is not None else inputs_embeds
-            kwargs[PACKING_KWARG] = _packing(position_ids, attention_mask, source.shape[0], source.shape[1],
-                                             source.device)
+            batch, length = source.shape[:2]
+            layers_ids, g = position_ids, sequence_parallel.group()
+            if g is not None:  # Ulysses: the layers' sequences are those of the whole packed row
+                layers_ids = sequence_positions(position_ids, g)
+                length = layers_ids.shape[-1]
+            kwargs[PACKING_KWARG] = _packing(layers_ids, attention_mask, batch, length, source.device)
         return original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
 
@@ -415,6 +421,28 @@ def _layer_packing(kwargs, batch: int) -> _Packing:
     )
 
 
+def _sequence_parallel_gated_delta(module, projected, packing, g) -> torch.Tensor:
+    """Ulysses: this rank's tokens of (qkv, z, a, b) -> the whole sequence of its value heads (with their key
+    heads, conv channels, A_log, dt_bias) -> :func:`gated_delta.gated_delta_net_varlen` -> its tokens of y."""
+    world, rank = dist.get_world_size(g), dist.get_rank(g)
+    kd, vd, nv = module.key_dim, module.value_dim, module.num_v_heads
+    if module.num_k_heads % world or nv % world:
+        raise UnsupportedFeatureError(f"true_on_policy: linear_num_key_heads={module.num_k_heads} / "
+                                      f"linear_num_value_heads={nv} do not divide by ulysses_sequence_parallel_size={world}")
+    if packing.index is not None:
+        raise UnsupportedFeatureError("true_on_policy: Ulysses sequence parallelism takes one packed row without padding")
+    sizes = [kd, kd, vd, vd, nv, nv]  # q | k | v | z | a | b
+    local = sequence_parallel.sequence_to_heads(
+        sequence_parallel.rank_blocks(torch.cat(projected, dim=1), sizes, world), g)
+    qkv, z, a, b = torch.split(local, [(2 * kd + vd) // world, vd // world, nv // world, nv // world], dim=1)
+    weights = gated_delta_weights(module)
+    weights["conv_weight"] = sequence_parallel.rank_channels(weights["conv_weight"], [kd, kd, vd], world, rank, dim=0)
+    for name in ("A_log", "dt_bias"):
+        weights[name] = torch.chunk(weights[name], world)[rank]
+    y, _ = gated_delta.gated_delta_net_varlen(qkv, z, a, b, cu_seqlens=packing.bounds, **weights)
+    return sequence_parallel.heads_to_sequence(y, g)
+
+
 def make_gated_delta_net_forward(original):
     """The Gated DeltaNet layer on :func:`gated_delta.gated_delta_net_varlen` between consistent linears: each
     packed sequence from a fresh state, none leaking into the next. In the rollout
@@ -424,7 +452,11 @@ def make_gated_delta_net_forward(original):
     @functools.wraps(original)
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         rollout = kwargs.get(ROLLOUT_KWARG)
+        g = sequence_parallel.group() if rollout is None else None
         if not ops.enabled() and rollout is None:
+            if g is not None:
+                raise UnsupportedFeatureError(f"true_on_policy: {type(self).__name__} under Ulysses sequence "
+                                              "parallelism runs on the consistent kernels only (the flag on)")
             return original(self, hidden_states, cache_params, attention_mask, **kwargs)
         if ops.enabled():
             _check_gated_delta_call(self, cache_params)
@@ -434,6 +466,9 @@ def make_gated_delta_net_forward(original):
         if rollout is not None:
             return self.out_proj(rollout.gated_delta(self, projected)[None])
         packing = _layer_packing(kwargs, batch)
+        if g is not None:
+            y = _sequence_parallel_gated_delta(self, projected, packing, g)
+            return self.out_proj(y.reshape(batch, length, -1))
         if packing.index is not None:
             projected = [x[packing.index] for x in projected]
         y, _ = gated_delta.gated_delta_net_varlen(*projected, cu_seqlens=packing.bounds, **gated_delta_weights(self))

@@ -3,7 +3,9 @@
 :func:`attention_function` is what every covered attention module calls: [B, H, T, D] in, [B, T, H, D]
 out. Flag on: a packed or padded training batch goes onto a [sequence, absolute position] grid and
 through :func:`ops.attention`. Flag off: SDPA with HF's own masking semantics. A call carrying the
-rollout's batch (``ROLLOUT_KWARG``) is handed to it. Refused by name, never a silent fallback: HF
+rollout's batch (``ROLLOUT_KWARG``) is handed to it. Under Ulysses sequence parallelism (the training
+engine's group, :mod:`~true_on_policy.kernels.sequence_parallel`) either path runs on the whole sequence
+of the rank's heads, between the two all-to-alls. Refused by name, never a silent fallback: HF
 ``Cache`` objects; with the flag on also sliding windows, dropout, 4D masks and linears that are not
 consistent.
 """
@@ -11,9 +13,10 @@ consistent.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from true_on_policy.kernels import architectures, ops
+from true_on_policy.kernels import architectures, ops, sequence_parallel
 from true_on_policy.kernels.architectures import UnsupportedFeatureError
 from true_on_policy.kernels.modules import require_consistent_linears
 from true_on_policy.transformers_adapter import patches
@@ -25,6 +28,7 @@ __all__ = [
     "attention_function",
     "attn_implementation",
     "mask_function",
+    "sequence_positions",
     "training_layout",
 ]
 
@@ -196,7 +200,56 @@ def attention_function(
             "true_on_policy: HF Cache objects / past_key_values are not supported; use consistent_model.forward_packed"
         )
     position_ids = kwargs.get("position_ids")
+    g = sequence_parallel.group()
+    if g is not None:
+        return _sequence_parallel_attention(g, query, key, value, position_ids, attention_mask, scaling, dropout), None
+    return _local_attention(query, key, value, position_ids, attention_mask, scaling, dropout), None
+
+
+def _local_attention(query, key, value, position_ids, attention_mask, scaling, dropout):
     if ops.enabled():
-        return _consistent_training_attention(query, key, value, position_ids, attention_mask, scaling), None
+        return _consistent_training_attention(query, key, value, position_ids, attention_mask, scaling)
+    batch, _, length, _ = query.shape
     seg, pos, valid = training_layout(position_ids, attention_mask, batch, length, query.device)
-    return _default_training_attention(query, key, value, seg, pos, valid, scaling, dropout), None
+    return _default_training_attention(query, key, value, seg, pos, valid, scaling, dropout)
+
+
+_POSITIONS_CACHE: list = []  # one entry: (this rank's position ids, their version, the gathered ids)
+
+
+def sequence_positions(position_ids, g):
+    """The whole packed sequence's position ids from this rank's slice (verl's Ulysses slices them with the
+    tokens), gathered once per forward and shared by its layers (so is the layout built from them)."""
+    if position_ids is None:
+        raise UnsupportedFeatureError("true_on_policy: Ulysses sequence parallelism needs position_ids (packed input)")
+    if _POSITIONS_CACHE and _POSITIONS_CACHE[0][0] is position_ids and _POSITIONS_CACHE[0][1] == _version(position_ids):
+        return _POSITIONS_CACHE[0][2]
+    gathered = sequence_parallel.gather_sequence(position_ids, g)
+    _POSITIONS_CACHE[:] = [(position_ids, _version(position_ids), gathered)]
+    return gathered
+
+
+def _sequence_parallel_attention(g, query, key, value, position_ids, attention_mask, scaling, dropout):
+    """Ulysses: [1, H, n, D] per rank -> the whole sequence of the rank's H / SP heads -> attention -> back.
+    KV heads fewer than the ranks are repeated so they split (verl's rule, GQA groups kept)."""
+    world = dist.get_world_size(g)
+    if attention_mask is not None or query.shape[0] != 1:
+        raise UnsupportedFeatureError("true_on_policy: Ulysses sequence parallelism takes one packed row without "
+                                      "a padding mask (verl's use_remove_padding=True)")
+    kv_heads = key.shape[1]
+    if kv_heads % world:
+        if world % kv_heads:
+            raise UnsupportedFeatureError(f"true_on_policy: num_key_value_heads={kv_heads} and "
+                                          f"ulysses_sequence_parallel_size={world} do not divide either way")
+        key, value = (t.repeat_interleave(world // kv_heads, dim=1) for t in (key, value))
+
+    def to_heads(t):  # [1, H, n, D] -> [1, H / world, world * n, D]
+        _, heads, n, dim = t.shape
+        local = sequence_parallel.sequence_to_heads(t[0].transpose(0, 1).reshape(n, heads * dim), g)
+        return local.view(world * n, heads // world, dim).transpose(0, 1)[None]
+
+    ids = sequence_positions(position_ids, g)
+    out = _local_attention(to_heads(query), to_heads(key), to_heads(value), ids, None, scaling, dropout)
+    _, length, heads, dim = out.shape  # [1, world * n, H / world, D]
+    tokens = sequence_parallel.heads_to_sequence(out[0].reshape(length, heads * dim), g)
+    return tokens.view(1, length // world, heads * world, dim)

@@ -6,6 +6,9 @@ it is installed whatever the flag, since the CPU configs name that attention; wi
 runs the default kernels (SDPA, F.linear), with the flag on the consistent ones. Whether they run is
 ``Settings.consistent_kernels``, the one switch the vLLM plugin reads too.
 
+Under Ulysses sequence parallelism the model code all-to-alls over verl's SP group
+(:func:`use_ulysses_group`; :mod:`true_on_policy.kernels.sequence_parallel`).
+
 The other half is the log-prob itself: verl's FSDP engine turns logits into token log-probs with
 ``verl.utils.torch_functional.logprobs_from_logits``, bound by name in
 ``verl.workers.engine.fsdp.transformer_impl``; with the flag on it becomes the project's fp32
@@ -50,6 +53,15 @@ def activate(settings) -> None:
     # else kernels: engine (or kernels: project with the flag off) on a device: verl's own model code
 
 
+def use_ulysses_group() -> None:
+    """The training attention and Gated DeltaNet all-to-all over verl's Ulysses group (the one its FSDP
+    engine sets around each forward; None at SP 1)."""
+    from true_on_policy.kernels import sequence_parallel
+    from true_on_policy.verl_adapter import patches
+
+    sequence_parallel.set_group_source(patches.check_target("verl.utils.ulysses.get_ulysses_sequence_parallel_group"))
+
+
 @functools.cache
 def _activate(consistent: bool) -> None:
     from true_on_policy.transformers_adapter.forwards import patch_transformers
@@ -57,6 +69,7 @@ def _activate(consistent: bool) -> None:
     from true_on_policy.verl_adapter import patches
 
     patch_transformers()
+    use_ulysses_group()
     replacement = None
     if consistent:
         ops.set_switches(consistent=True)

@@ -20,6 +20,8 @@ target (:data:`TARGETS`)                                            why
                                                                     in verl's checkpoint (resume.py)
 ``verl.utils.distributed.initialize_global_process_group_ray``      plain gloo on the CPU platform
 ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``  the consistent log-softmax (flag on)
+``verl.utils.ulysses.get_ulysses_sequence_parallel_group`` (read)   the Ulysses group the training attention
+                                                                    and Gated DeltaNet all-to-all over
 ``verl.workers.rollout.base.get_rollout_class`` / ``_ROLLOUT_REGISTRY``  the worker-side CPU rollout
 ``...vllm_rollout.ServerAdapter.__init__`` (sender) and             the vLLM weight-sync socket named per
 ``...vllm_rollout.utils.vLLMColocateWorkerExtension._get_zmq_handle``  launch, not per Ray job id
@@ -76,6 +78,7 @@ TARGETS: dict[str, Target] = {
         _target("verl.utils.distributed", "initialize_global_process_group_ray", ("timeout_second", "backend")),
         _target("verl.workers.engine.fsdp.transformer_impl", "logprobs_from_logits",
                 ("logits", "labels", "inplace_backward")),
+        _target("verl.utils.ulysses", "get_ulysses_sequence_parallel_group", ()),
         _target("verl.workers.rollout.base", "get_rollout_class", ("rollout_name", "mode")),
         _target("verl.workers.rollout.base", "_ROLLOUT_REGISTRY", dict),
         _target(_VLLM_SENDER_MODULE, "ServerAdapter.__init__",
