@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from true_on_policy.verl_adapter.trainer_hooks import MISMATCHED_TOKENS_METRIC
+
 from verl_run import Run, same_bits
 
 pytestmark = pytest.mark.e2e
@@ -76,13 +78,14 @@ def test_the_gate_and_the_ratio_read_the_recorded_log_probs(control, perturbed):
         assert same_bits(perturbed[key], control[key]), (key, perturbed[key], control[key])
 
     # control: recorded == recomputed bitwise, every trajectory admitted, ratio exactly 1
-    assert control["training/rollout_probs_diff_max"] == 0.0
+    assert control["training/rollout_probs_diff_max"] == 0.0 and control[MISMATCHED_TOKENS_METRIC] == 0.0
     assert control[PREFIX + "acceptance_rate"] == 1.0
     assert control[PREFIX + "ratio_deviation_mean"] == 0.0
 
     # perturbed: verl's own monitor (|p_recorded - p_recomputed|) sees the tampered record: pushing a
     # probability to the far end of [0, 1] moves it by at least 1/2 ...
     assert perturbed["training/rollout_probs_diff_max"] > 0.49
+    assert perturbed[MISMATCHED_TOKENS_METRIC] >= 2  # every token of the two rewritten records, at least one each
     # ... and the gate rejects exactly the far-perturbed trajectory: one row of 32 (verl averages the
     # per-micro-batch rates of two equal micro-batches of 16, which is again 31/32)
     assert perturbed[PREFIX + "acceptance_rate"] < 1.0

@@ -44,7 +44,8 @@ def test_flag_off_twin_shows_the_logdiff(verl_runs):
 
 def test_twin_a_training_only_config_override_breaks_the_log_probs(verl_runs):
     """Why the contract compares model.override_config with the rollout's: step 1, before any update."""
-    assert verl_runs(OVERRIDDEN_MODEL).metrics[1]["training/rollout_probs_diff_max"] > 0.0
+    first = verl_runs(OVERRIDDEN_MODEL).metrics[1]
+    assert first["training/rollout_probs_diff_max"] > 0.0 and first[MISMATCHED_TOKENS_METRIC] >= 1.0
 
 
 def test_builtin_replay_buffer_twin_shows_the_2s_floor(verl_runs):

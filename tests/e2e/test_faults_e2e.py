@@ -26,6 +26,8 @@ import time
 import psutil
 import pytest
 
+from true_on_policy.verl_adapter.trainer_hooks import MISMATCHED_TOKENS_METRIC
+
 from test_behaviour_log_probs_e2e import CONTROL
 from verl_run import CPU_TINY, CPU_TINY_ASYNC, REPO, kill_session, read_file_logger, trainer_command, trainer_env
 
@@ -111,4 +113,4 @@ def test_twin_the_same_run_without_a_failed_rollout_trains(verl_runs):
     """The same launch without the failure (the behaviour test's control run): a full batch, trained at logdiff 0."""
     metrics = verl_runs(CONTROL).metrics
     assert sorted(metrics) == [1]
-    assert metrics[1]["training/rollout_probs_diff_max"] == 0.0
+    assert metrics[1]["training/rollout_probs_diff_max"] == 0.0 and metrics[1][MISMATCHED_TOKENS_METRIC] == 0.0

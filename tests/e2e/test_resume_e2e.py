@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from true_on_policy.cli.plot_metrics import read_step_metrics
+from true_on_policy.verl_adapter.trainer_hooks import MISMATCHED_TOKENS_METRIC
 from verl_run import (
     CPU_TINY,
     CPU_TINY_FLAG_OFF,
@@ -192,3 +193,4 @@ def test_flag_off_twin_shows_where_determinism_ends(verl_runs):
     assert differing(full, resumed, resumed), "without the flag the resumed run matched bitwise: the twin shows nothing"
     # The training/rollout gap is non-zero without the flag: the proof of zero logdiff is the flag's.
     assert all(full[s]["training/rollout_probs_diff_max"] > 0 for s in resumed)
+    assert all(full[s][MISMATCHED_TOKENS_METRIC] >= 1 for s in resumed)  # the recipe's per-token count agrees
