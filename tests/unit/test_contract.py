@@ -281,6 +281,21 @@ def test_a_sharded_hybrid_rollout_is_consistent_where_the_heads_divide():
         assert "sharding" in {m.field for m in consistency.compare(_contract(_with(cfg, **tp4)))}, name
 
 
+def test_a_hybrid_model_on_the_cuda_project_path_is_refused_by_the_gdn_forward_row():
+    """The vLLM adapter replaces vLLM-CPU's Gated DeltaNet forward only and refuses a hybrid model at load
+    on a device; the contract names it before Ray (not an unverified row a user could accept). Twin: the
+    same tiny Qwen3.5-MoE on the CPU platform is consistent."""
+    fixed = {f"{R}.enable_prefix_caching": False, f"{R}.engine_kwargs.vllm.mamba_ssm_cache_dtype": "float32"}
+    cuda = _with(check.compose_config(str(CONFIGS), "cuda_tiny_moe_vllm_project"),
+                 **{"actor_rollout_ref.model.path": "${assets_dir}/qwen35_moe_tiny", **fixed})
+    mismatched = {m.field: m for m in consistency.compare(_contract(cuda))}
+    assert set(mismatched) == {"gdn_forward"}, sorted(mismatched)
+    assert "vLLM's own on cuda" in mismatched["gdn_forward"].line()
+    cpu = check.compose_config(str(CONFIGS), "cpu_tiny_qwen35_moe_vllm")
+    assert _contract(cpu).row("gdn_forward").rollout.value == "consistent"
+    assert not consistency.compare(_contract(cpu))
+
+
 def test_prefix_caching_is_refused_on_hybrid_models_only():
     """A full-attention model's prefix cache replays keys and values the consistent attention reads the
     same way (cpu_tiny_vllm ships it on); the Gated DeltaNet has no cached block to replay."""

@@ -183,7 +183,8 @@ def determinism_rows(c: Context) -> list[Row]:
 def _vllm_adapter_rows(c: Context) -> list[Row]:
     """What the vLLM adapter refuses when it loads the model (vllm_adapter/patches.py, check_engine_config),
     refused here first, by key: compiled graphs, speculative decoding; on a hybrid (Gated DeltaNet) model
-    prefix caching and a Mamba cache mode other than ``none``."""
+    a device platform (the consistent GDN forward is vLLM-CPU's), prefix caching and a Mamba cache mode other
+    than ``none``."""
     vllm = c.r.vllm
     speculative = bool(vllm.speculative_config) or (c.r.mtp_enable and c.r.mtp_enable_rollout)
     rows = [
@@ -200,7 +201,16 @@ def _vllm_adapter_rows(c: Context) -> list[Row]:
     if "linear_attention" not in c.layer_types:
         return rows
     why = "the consistent Gated DeltaNet keeps one recurrent state per request and replays no cached block"
+    if c.platform.cpu_backend:
+        forward = Side("consistent", "true_on_policy.vllm_adapter replaces QwenGatedDeltaNetAttention.forward_cpu")
+    else:
+        forward = Side(f"vLLM's own on {c.platform}", "forward_cuda / forward_native: the adapter replaces forward_cpu only")
     return rows + [
+        Row("gdn_forward", "vLLM Gated DeltaNet forward (hybrid model)", Side(NA, "training runs the consistent op"),
+            forward, kind=REQUIRE,
+            required="consistent", required_source="the adapter replaces vLLM-CPU's Gated DeltaNet forward only and "
+            "refuses the model at load elsewhere (vllm_adapter/patches.py)", only_when_deterministic=True,
+            fix="run the hybrid model on true_on_policy.platform=cpu, or with true_on_policy.deterministic=false"),
         Row("prefix_caching", "vLLM prefix caching (hybrid model)", Side(NA, "training recomputes every state"),
             Side(c.r.enable_prefix_caching, f"{R}.enable_prefix_caching"), kind=REQUIRE, required=False,
             required_source=why, only_when_deterministic=True, fix=f"set {R}.enable_prefix_caching=false"),
