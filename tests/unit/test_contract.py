@@ -296,6 +296,18 @@ def test_a_hybrid_model_on_the_cuda_project_path_is_refused_by_the_gdn_forward_r
     assert not consistency.compare(_contract(cpu))
 
 
+def test_context_parallel_is_refused_under_the_flag_even_where_both_sides_agree():
+    """Megatron CP 2 against vLLM decode CP 2: equal sizes, but each side merges partial softmaxes in its own
+    order; the row names why (ring vs all-gather) instead of accepting the equality. Twin: with the flag off
+    the equal sizes are no mismatch."""
+    cfg = _with(check.compose_config(str(CONFIGS), "qwen3_30b_a3b_cuda"),
+                **{f"{MG}.context_parallel_size": 2, f"{R}.engine_kwargs.vllm.decode_context_parallel_size": 2})
+    mismatched = {m.field: m for m in consistency.compare(_contract(cfg))}
+    assert "cp" in mismatched and "ring / all-to-all CP" in mismatched["cp"].line()
+    flag_off = _with(cfg, **{"true_on_policy.deterministic": False})
+    assert "cp" not in {m.field for m in consistency.compare(_contract(flag_off))}
+
+
 def test_prefix_caching_is_refused_on_hybrid_models_only():
     """A full-attention model's prefix cache replays keys and values the consistent attention reads the
     same way (cpu_tiny_vllm ships it on); the Gated DeltaNet has no cached block to replay."""

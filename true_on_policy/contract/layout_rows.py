@@ -31,6 +31,13 @@ from true_on_policy.contract.rows import (
 )
 from true_on_policy.kernels.architectures import check_sequence_parallel
 
+# Why CP > 1 is refused under the flag, whichever way it splits (both sides equal is not enough).
+CP_NOT_COVERED = (
+    "not covered: ring / all-to-all CP (Megatron cp_comm_type p2p, a2a) and vLLM's decode / prefill CP merge "
+    "per-rank partial softmaxes (log-sum-exp) in their own order, not the one online softmax of a whole row; "
+    "all-gather CP keeps each query row whole, but no run has established its bits; Ulysses SP is covered"
+)
+
 # --------------------------------------------------------------------------------------------
 # layout: TP, EP, expert TP, PP, CP, DP, Ulysses
 # --------------------------------------------------------------------------------------------
@@ -195,8 +202,10 @@ def layout_rows(c: Context) -> list[Row]:
             "CP (context parallel)",
             tl.cp,
             rl.cp,
-            fix=f"set {A}.megatron.context_parallel_size and {R}.engine_kwargs.vllm.decode/prefill_context_parallel_size to 1 "
-            "(ring-attention and decode-CP merge partial softmaxes in different orders)",
+            required=1 if c.deterministic else None,
+            required_source=CP_NOT_COVERED,
+            fix=f"set {A}.megatron.context_parallel_size and {R}.engine_kwargs.vllm.decode/prefill_context_parallel_size "
+            f"to 1; for long sequences use Ulysses SP ({A}.fsdp_config.ulysses_sequence_parallel_size)",
         ),
         Row("dp", "DP (data parallel)", tl.dp, rl.dp, kind=INFO),
     ]
