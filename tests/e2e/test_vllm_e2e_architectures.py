@@ -2,7 +2,7 @@
 and with verl's own GRPO.
 
 configs/cpu_tiny_qwen2_vllm.yaml (QKV bias, tied embeddings), configs/cpu_tiny_qwen35_vllm_tp2.yaml (Gated
-DeltaNet + gated attention, sharded on both sides: Ulysses SP 2 over 2 FSDP ranks, vLLM TP 2; at TP 1 its
+DeltaNet + gated attention, sharded on both sides and in bf16: Ulysses SP 2 over 2 FSDP ranks, vLLM TP 2; at TP 1 its
 engine runs in tests/engine/test_qwen35_vllm.py) and configs/cpu_tiny_qwen35_moe_vllm.yaml (the MoE with a
 shared expert) on a Qwen3.5-MoE checkpoint of another shape than its own (the shipped tiny one would repeat the launch in
 smaller form; its bits are held at the engine, tests/engine/test_qwen35_vllm.py). The Llama (Llama-3 RoPE
@@ -36,23 +36,24 @@ def launch(config: str, *overrides: str, checkpoint: str | None = None) -> Run:
 
 
 GRPO_ON_LLAMA = launch("cpu_tiny_grpo_vllm", "actor_rollout_ref.model.path=${assets_dir}/llama_tiny")
-# run id -> (the architecture vLLM serves, its TP size, the run)
+# run id -> (the architecture vLLM serves, its TP size, the served dtype, the run)
 RUNS = {
-    "qwen2_on": ("Qwen2ForCausalLM", 1, launch("cpu_tiny_qwen2_vllm")),
-    "llama_grpo_on": ("LlamaForCausalLM", 1, GRPO_ON_LLAMA),
-    # Qwen3.5 sharded on both sides: training Ulysses SP 2 on 2 FSDP ranks, rollout TP 2
-    "qwen35_sp2_tp2_on": ("Qwen3_5ForCausalLM", 2, launch("cpu_tiny_qwen35_vllm_tp2")),
+    "qwen2_on": ("Qwen2ForCausalLM", 1, "torch.float32", launch("cpu_tiny_qwen2_vllm")),
+    "llama_grpo_on": ("LlamaForCausalLM", 1, "torch.float32", GRPO_ON_LLAMA),
+    # Qwen3.5 sharded on both sides, in bf16: training Ulysses SP 2 on 2 FSDP ranks, rollout TP 2
+    "qwen35_sp2_tp2_bf16_on": (
+        "Qwen3_5ForCausalLM", 2, "torch.bfloat16", launch("cpu_tiny_qwen35_vllm_tp2", "+precision=bf16")),
     "qwen35_moe_other_shape_on": (
-        "Qwen3_5MoeForCausalLM", 1, launch("cpu_tiny_qwen35_moe_vllm", checkpoint="qwen35_moe_checkpoint")),
+        "Qwen3_5MoeForCausalLM", 1, "torch.float32", launch("cpu_tiny_qwen35_moe_vllm", checkpoint="qwen35_moe_checkpoint")),
 }
 
 
 @pytest.mark.parametrize("run_id", list(RUNS))
 def test_zero_logdiff_at_every_step(verl_runs, run_id):
-    architecture, tp, run = RUNS[run_id]
+    architecture, tp, dtype, run = RUNS[run_id]
     result = verl_runs(run)
     for rank in range(tp):
-        line = f"{architecture} verified on the consistent kernels: TP rank {rank}/{tp}"
+        line = f"{architecture} verified on the consistent kernels: TP rank {rank}/{tp}, EP 1, {dtype}"
         assert line in result.log, result.log[-3000:]
     assert sorted(result.metrics) == list(range(1, STEPS + 1))
     for step, metrics in result.metrics.items():
