@@ -281,6 +281,26 @@ def test_a_sharded_hybrid_rollout_is_consistent_where_the_heads_divide():
         assert "sharding" in {m.field for m in consistency.compare(_contract(_with(cfg, **tp4)))}, name
 
 
+def test_gated_deltanet_heads_that_do_not_divide_are_refused_by_name(tmp_path):
+    """A Qwen3.5 checkpoint whose GDN heads (3 key / 6 value) do not split over the rollout's TP 2, nor over the
+    training's Ulysses SP 2, while its attention heads do: the ``sharding`` and ``ulysses`` rows name the GDN key
+    and value. Twin: the shipped tiny Qwen3.5 (2 / 4 heads) at the same sizes is consistent."""
+    import json
+
+    from true_on_policy.tiny_assets import tiny_model_config
+
+    config = tiny_model_config("qwen35").to_dict() | {"linear_num_key_heads": 3, "linear_num_value_heads": 6}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    sizes = {f"{R}.tensor_model_parallel_size": 2, "trainer.n_gpus_per_node": 2,
+             "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": 2}
+    shipped = _with(check.compose_config(str(CONFIGS), "cpu_tiny_qwen35_vllm"), **sizes)
+    assert not consistency.compare(_contract(shipped))
+    odd = {m.field: m.line() for m in consistency.compare(_contract(_with(shipped, **{"actor_rollout_ref.model.path": str(tmp_path)})))}
+    assert set(odd) == {"sharding", "ulysses"}, sorted(odd)
+    assert "linear_num_key_heads=3 does not divide by tensor_parallel_size=2" in odd["sharding"]
+    assert "linear_num_key_heads=3 does not divide by ulysses_sequence_parallel_size=2" in odd["ulysses"]
+
+
 def test_a_hybrid_model_on_the_cuda_project_path_is_refused_by_the_gdn_forward_row():
     """The vLLM adapter replaces vLLM-CPU's Gated DeltaNet forward only and refuses a hybrid model at load
     on a device; the contract names it before Ray (not an unverified row a user could accept). Twin: the

@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["group", "heads_to_sequence", "rank_blocks", "rank_channels", "gather_sequence", "sequence_to_heads", "set_group_source"]
+__all__ = ["gather_sequence", "group", "heads_to_sequence", "rank_blocks", "rank_channels", "sequence_to_heads",
+           "set_group_source"]
 
 _SOURCE: list[Callable[[], object]] = [lambda: None]
 
@@ -83,8 +84,9 @@ def heads_to_sequence(y: torch.Tensor, g) -> torch.Tensor:
 
 def gather_sequence(x: torch.Tensor, g) -> torch.Tensor:
     """The ranks' slices of a tensor without gradient (e.g. position ids), joined along the last dim."""
+    x = x.contiguous()  # empty_like keeps a view's strides; all_gather fills each part as one buffer
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(g))]
-    dist.all_gather(parts, x.contiguous(), group=g)
+    dist.all_gather(parts, x, group=g)
     return torch.cat(parts, dim=-1)
 
 
