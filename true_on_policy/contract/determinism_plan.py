@@ -31,18 +31,20 @@ from true_on_policy.config.platforms import ASCEND, CUDA, PLATFORMS, Platform, i
 from true_on_policy.config.settings import ConfigError, Settings
 from true_on_policy.contract import upstream_keys
 from true_on_policy.contract.stack_versions import (
-    VLLM_ADAPTER_VERSION,
     VERSION_GATES,
     Versions,
     gate_open,
+    in_vllm_window,
     version_at_least,
+    vllm_window_text,
 )
 
 
 
 
 # What vLLM's override_envs_for_invariance() sets in its workers, read from
-# vllm/model_executor/layers/batch_invariant.py (vLLM < 0.33); used only when vLLM cannot be imported
+# vllm/model_executor/layers/batch_invariant.py (vLLM 0.28; the same in determinism/ through 0.30); used only
+# when vLLM cannot be imported
 # and its version is known to be below VERSION_GATES["vllm.determinism_module"].
 VLLM_BATCH_INVARIANT_FORCED_ENV: dict[str, str] = {
     "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
@@ -115,7 +117,7 @@ SOURCES: dict[str, str] = {
     "mcore_tc": "NVIDIA/Megatron-LM megatron/core/transformer/transformer_config.py",
     "vllm_envs": "vllm-project/vllm vllm/model_executor/layers/batch_invariant.py (vllm_is_batch_invariant); vllm/envs.py",
     "vllm_bi": "vllm-project/vllm vllm/model_executor/layers/batch_invariant.py",
-    "vllm_bi_033": "vllm-project/vllm vllm/model_executor/determinism/batch_invariant.py",
+    "vllm_bi_029": "vllm-project/vllm vllm/model_executor/determinism/batch_invariant.py (from 0.29.0)",
     "vllm_58179": "vllm-project/vllm PR #58179",
     "vllm_attn": "vllm-project/vllm PR #26315 (--attention-backend)",
     "vllm_fa": "vllm-project/vllm vllm/v1/attention/backends/flash_attn.py",
@@ -222,7 +224,7 @@ class Plan:
 
 # Why kernels=project is refused on Ascend: what the vLLM adapter would need there and does not have.
 PROJECT_KERNELS_ASCEND_MISSING = (
-    "not written for vllm-ascend: the adapter patches vLLM 0.28.0 (vllm_adapter/patches.py), while each vllm-ascend "
+    "not written for vllm-ascend: the adapter patches vLLM 0.28 - 0.31 (vllm_adapter/patches.py), while each vllm-ascend "
     "release pairs with the vLLM of its own version (compatibility matrix: v0.23.0 with vLLM v0.23.0); on NPU the "
     "model runner, the attention backend (selected in vllm_ascend/platform.py) and the sampler are vllm-ascend's, and "
     "vllm_ascend/utils.py::register_ascend_customop registers its own out-of-tree RMSNorm / SiluAndMul / RoPE ops, "
@@ -249,7 +251,7 @@ def rollout_forced_env(
     CUDA: mirrors the installed vLLM by running its ``override_envs_for_invariance`` (newest module
     layout first) against a snapshot of ``os.environ`` (restored afterwards). Without an importable
     vLLM the table read from ``layers/batch_invariant.py`` is used only for a vLLM known to be older
-    than 0.33; for 0.33+ or an unknown version the table would be stale and :class:`ConfigError` is
+    than 0.31; for 0.31+ or an unknown version the table would be stale and :class:`ConfigError` is
     raised. Ascend: vllm-ascend's function also touches its config singleton and torch, so the table
     read from its source is used. Returns (env, provenance).
     """
@@ -276,12 +278,12 @@ def rollout_forced_env(
                 versions.effective.get("vllm"),
                 f"vLLM is not importable here and {'its version is unknown' if moved is None else 'it is >= ' + gate.min_version}: "
                 f"the mirrored table ({SOURCES['vllm_bi']}) is stale from vLLM {gate.min_version} on ({gate.evidence}); "
-                "run the check where vLLM is installed, or declare a vLLM version < 0.33",
+                f"run the check where vLLM is installed, or declare a vLLM version < {gate.min_version}",
             )
         forced = dict(VLLM_BATCH_INVARIANT_FORCED_ENV)
         if gate_open("nccl.algo_per_collective_reenable", versions.effective):
             forced["NCCL_ALGO"] = NCCL_ALGO_FROM_2_31
-        return forced, f"table from {SOURCES['vllm_bi']} (vLLM {versions.effective.get('vllm')} < 0.33; + {SOURCES['vllm_58179']} for NCCL >= 2.31)"
+        return forced, f"table from {SOURCES['vllm_bi']} (vLLM {versions.effective.get('vllm')} < {gate.min_version}; + {SOURCES['vllm_58179']} for NCCL >= 2.31)"
     saved = dict(os.environ)
     try:
         override()
@@ -564,14 +566,7 @@ def _plan_project_kernels(d: _Draft, platform: Platform) -> None:
             "true_on_policy.kernels=project on a device runs the project's kernels inside vLLM "
             "(true_on_policy.vllm_adapter): use rollout.name=vllm",
         )
-    vllm = d.versions.effective.get("vllm")
-    if vllm is None or vllm.split("+")[0] != VLLM_ADAPTER_VERSION:
-        raise ConfigError(
-            "true_on_policy.stack_versions.vllm",
-            vllm,
-            f"true_on_policy.kernels=project needs vLLM {VLLM_ADAPTER_VERSION}, the version whose internals "
-            "true_on_policy.vllm_adapter.patches is written and signature-checked against",
-        )
+    require_vllm_window(d.versions, "true_on_policy.kernels=project")
     d.rollout(
         f"{ROLLOUT_VLLM}.attention_backend",
         "CUSTOM",
@@ -589,6 +584,19 @@ def _plan_project_kernels(d: _Draft, platform: Platform) -> None:
         "would swap aten kernels in the rollout only; the project's kernels fix their own reduction order, and the "
         "adapter runs TP=1)"
     )
+
+
+def require_vllm_window(versions: Versions, what: str) -> None:
+    """Refuse, naming the window, a vLLM (installed, else declared) outside
+    :data:`~true_on_policy.contract.stack_versions.VLLM_WINDOW`: ``what`` runs the vLLM adapter."""
+    vllm = versions.effective.get("vllm")
+    if not in_vllm_window(vllm):
+        raise ConfigError(
+            "true_on_policy.stack_versions.vllm",
+            vllm,
+            f"{what} needs {vllm_window_text()}, the releases whose internals true_on_policy.vllm_adapter is "
+            "written and signature-checked against (make install VLLM=<version> installs one)",
+        )
 
 
 def _plan_megatron_pins(d: _Draft, moe_router_dtype: str | None, moe_dispatcher: str | None) -> None:
@@ -624,6 +632,9 @@ def plan(
         raise ConfigError("true_on_policy.platform", platform, f"one of {PLATFORMS}")
     if deterministic and platform.npu and is_vllm(sides.rollout.name):
         refuse_ignored_keys(sides.rollout, versions)
+    # the adapter patches vLLM-CPU, flag on or off (none installed: vLLM's import fails first, naming itself)
+    if platform.cpu_backend and is_vllm(sides.rollout.name) and versions.effective.get("vllm") is not None:
+        require_vllm_window(versions, f"rollout.name={sides.rollout.name} on platform {platform}")
     d = _Draft(
         versions=versions,
         strategy=sides.training.strategy,

@@ -165,7 +165,7 @@ def _rollout(r: RolloutView, platform: Platform, versions: Mapping[str, str | No
     if not bi:
         off = Family("vLLM default kernels (not batch-invariant)", f"{ENV_PATH}.VLLM_BATCH_INVARIANT unset")
         return {op: off for op in OPS}
-    src = f"{ENV_PATH}.VLLM_BATCH_INVARIANT=1 ({SOURCES['vllm_bi']} / {SOURCES['vllm_bi_033']})"
+    src = f"{ENV_PATH}.VLLM_BATCH_INVARIANT=1 ({SOURCES['vllm_bi']} / {SOURCES['vllm_bi_029']})"
     return {
         "gemm": Family("vLLM batch-invariant GEMM", src),
         "norm": Family("vLLM batch-invariant RMSNorm (Triton)", src),

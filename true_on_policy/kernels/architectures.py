@@ -8,8 +8,9 @@ shared. Readers:
 
 * transformers (:mod:`true_on_policy.transformers_adapter.patches`): the classes to patch,
   ``transformers.models.<dir>.modeling_<dir>.<prefix><Role>`` (``dir``: the model_type unless the entry names it);
-* vLLM (:mod:`true_on_policy.vllm_adapter.patches`): the model classes it admits (named
-  :attr:`Architecture.name`, as vLLM's registry names them) and the MoE block;
+* vLLM (:mod:`true_on_policy.vllm_adapter.patches`, :mod:`true_on_policy.vllm_adapter.targets`): the model
+  classes it admits (named :attr:`Architecture.name`, as vLLM's registry names them) and the classes whose
+  methods it replaces (MoE block, gated attention, Gated DeltaNet layer);
 * both, before a model is built: :func:`check_config` refuses, naming the architecture and the
   feature, what is not covered; after it is built, each engine compares its modules with
   the :class:`Features` :func:`check_config` returns
@@ -80,9 +81,10 @@ class Moe:
 
     transformers_router: str  # class in the architecture's transformers module
     transformers_experts: str
-    vllm_block: str  # class in the architecture's vLLM module
+    vllm_block: str  # class in the architecture's vLLM module (imported there from vllm_block_module)
     shared_expert: str | None = None
     always_renormalize: bool = False
+    vllm_block_module: str | None = None  # where vLLM defines the block, where not the architecture's module
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,9 @@ class LinearAttention:
     layer: str
     norm: str
     text_model: str
+    # vLLM's layer (one class for every Gated DeltaNet model), its module
+    vllm_layer: str = "QwenGatedDeltaNetAttention"
+    vllm_layer_module: str = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,8 @@ class Architecture:
     transformers_dir: str | None = None  # the modeling module's directory, where it is not the model_type
     unit_offset_norm: bool = False  # RMSNorm multiplies by (1 + weight) in fp32 before the cast (Qwen3.5)
     gated_attention: bool = False  # q_proj also yields a per-head gate: output * sigmoid(gate) (Qwen3.5)
+    vllm_attention: str | None = None  # vLLM's gated attention class (forward replaced), in vllm_attention_module
+    vllm_attention_module: str | None = None
     partial_rotary: bool = False  # partial_rotary_factor < 1 (only the first features of a head rotate)
     layer_types: tuple[str, ...] = ("full_attention",)  # the config's layer_types entries covered
     linear_attention: LinearAttention | None = None
@@ -147,7 +154,9 @@ _QWEN35_REFUSED = (
 _QWEN35_REFUSED_VALUES = (
     ("attn_output_gate", False, "attn_output_gate=false (transformers' Qwen3.5 attention is always gated)"),
 )
+_QWEN3_NEXT = "vllm.model_executor.models.qwen3_next"  # where vLLM's Qwen3.5 model takes its attention and MoE from
 _QWEN35 = dict(qk_norm=True, rope_types=("default",), unit_offset_norm=True, gated_attention=True, partial_rotary=True,
+               vllm_attention="Qwen3NextAttention", vllm_attention_module=_QWEN3_NEXT,
                layer_types=("linear_attention", "full_attention"), rotary_class="TextRotaryEmbedding", text_mrope=True)
 
 TABLE: tuple[Architecture, ...] = (
@@ -212,7 +221,7 @@ TABLE: tuple[Architecture, ...] = (
         transformers_dir="qwen3_5_moe",
         vllm_module="vllm.model_executor.models.qwen3_5",
         moe=Moe("Qwen3_5MoeTopKRouter", "Qwen3_5MoeExperts", "Qwen3NextSparseMoeBlock",
-                shared_expert="Qwen3_5MoeSparseMoeBlock", always_renormalize=True),
+                shared_expert="Qwen3_5MoeSparseMoeBlock", always_renormalize=True, vllm_block_module=_QWEN3_NEXT),
         linear_attention=LinearAttention("Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeRMSNormGated", "Qwen3_5MoeTextModel"),
         refused=_QWEN35_REFUSED + (("mlp_only_layers", "mlp_only_layers (vLLM reads it, transformers' Qwen3.5-MoE "
                                                        "has MoE in every layer)"),),

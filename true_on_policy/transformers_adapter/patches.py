@@ -33,7 +33,7 @@ arguments the consistent one takes). Registered under ``"consistent"``: the atte
 through their private ``_global_mapping`` dict.
 
 :func:`apply` checks every target first -- present, and with the parameters it has in
-transformers 5.9.0 -- and patches nothing if one differs: :class:`true_on_policy.patching.PatchTargetChanged`
+transformers 5.9.0 and 5.10.4 (the same lists) -- and patches nothing if one differs: :class:`true_on_policy.patching.PatchTargetChanged`
 names it (the mechanism is :mod:`true_on_policy.patching`'s).
 """
 
@@ -45,8 +45,9 @@ from dataclasses import dataclass
 from true_on_policy import patching
 from true_on_policy.kernels import architectures
 
-TRANSFORMERS_VERSION = "5.9.0"  # the version every parameter list below is taken from (tested)
-_WRITTEN_FOR = f"transformers {TRANSFORMERS_VERSION}"
+# The versions every parameter list below was read from (tested): 5.9.0 beside vLLM 0.28, 5.10.4 beside 0.29 - 0.31.
+TRANSFORMERS_VERSIONS = ("5.9.0", "5.10.4")
+_WRITTEN_FOR = f"transformers {' / '.join(TRANSFORMERS_VERSIONS)}"
 
 _ATTENTION_FORWARD = ("self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values", "kwargs")
 # The causal LM's forward is wrapped with (*args, **kwargs) and passes everything on: its leading

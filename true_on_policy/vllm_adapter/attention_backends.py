@@ -15,7 +15,7 @@ import torch
 from true_on_policy.kernels import ops
 from true_on_policy.kernels.architectures import UnsupportedFeatureError
 
-from vllm.v1.attention.backend import AttentionMetadataBuilder, AttentionType
+from vllm.v1.attention.backend import AttentionMetadataBuilder, AttentionType, MultipleOf
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -157,11 +157,17 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
 
 
 class ConsistentAttentionBackend(CPUAttentionBackend):
-    """vLLM-CPU's attention backend with :class:`ConsistentAttentionImpl` (any head size)."""
+    """vLLM-CPU's attention backend with :class:`ConsistentAttentionImpl` (any head size, any cache block size)."""
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return list(range(1, 1025))
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        # ops.paged_attention reads any cache block size; vLLM-CPU's kernel takes multiples of 32 from 0.29 on,
+        # a device's default cache block is 16
+        return [MultipleOf(16)]
 
     @staticmethod
     def get_impl_cls():

