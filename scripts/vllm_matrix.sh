@@ -28,8 +28,9 @@ for release in $RELEASES; do
     fi
     "$py" -m true_on_policy build-native >&2
     logdiff=("$py" -m true_on_policy logdiff --engine vllm --prompts "$PROMPTS" --new-tokens "$NEW_TOKENS" --tp 1 --tp 2)
-    (cd "$OUT" && "${logdiff[@]}" --models dense qwen35 --json > "dense-$release.json")
-    (cd "$OUT" && "${logdiff[@]}" --models moe qwen35_moe --ep --json > "moe-$release.json")
+    # each table part written whole or not at all (a run stopped halfway leaves none)
+    (cd "$OUT" && "${logdiff[@]}" --models dense qwen35 --json > "dense-$release.part" && mv "dense-$release.part" "dense-$release.json")
+    (cd "$OUT" && "${logdiff[@]}" --models moe qwen35_moe --ep --json > "moe-$release.part" && mv "moe-$release.part" "moe-$release.json")
     run="$OUT/e2e-$release"
     mkdir -p "$run"
     (cd "$run" && VERL_FILE_LOGGER_PATH="$run/metrics.jsonl" "$py" -m verl.trainer.main_ppo \
