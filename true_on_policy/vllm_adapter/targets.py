@@ -132,9 +132,7 @@ def for_version(version: str) -> dict[str, Target]:
         raise ValueError(f"true_on_policy: vLLM {version} is outside the adapter's window, {vllm_window_text()}")
     release = version.split("+")[0]
     entries = dict(FIRST)
-    for later in RELEASES:
-        if VLLM_WINDOW.index(later.version) > VLLM_WINDOW.index(release):
-            break
+    for later in RELEASES[:VLLM_WINDOW.index(release)]:  # RELEASES is the window after its first release
         entries.update(later.targets)
     return {name: Target(module, attribute, params, written_for=f"vLLM {release}")
             for name, (module, attribute, params) in entries.items()}
