@@ -64,13 +64,16 @@ define PYTEST_LEAVING_THE_REPOSITORY_AS_IT_WAS
 	exit $$status
 endef
 
+# Both print cpu-report first: the CPU, MKL and goldens key the kernels' bits were checked on.
 # --durations=30: the slowest tests, where CI's time goes.
 test: install
+	$(PY) -m true_on_policy cpu-report
 	$(PY) -m true_on_policy build-assets
 	$(call PYTEST_LEAVING_THE_REPOSITORY_AS_IT_WAS,-q --durations=30 $(XDIST) tests)
 
 # The inner loop: in-process tests only (the e2e, vllm and subprocess markers deselected).
 test-fast: install
+	$(PY) -m true_on_policy cpu-report
 	$(PY) -m true_on_policy build-assets
 	$(call PYTEST_LEAVING_THE_REPOSITORY_AS_IT_WAS,-q $(XDIST) -m "not e2e and not vllm and not subprocess" tests)
 

@@ -36,6 +36,13 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(int(_THREADS))
 
 
+def pytest_report_header(config):
+    """The key the kernel goldens are read by (this CPU's vendor kernels: kernels/premises.py) and the CPU."""
+    from true_on_policy.kernels import premises
+
+    return f"cpu: {premises.cpu_info()['model']}; goldens key {premises.key()}; {premises.mkl_version()}"
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """Each test gets back the environment it started with, new keys removed too: the launch exports

@@ -2,6 +2,7 @@
 
   build-assets   build the tiny offline models, tokenizer and task data (idempotent)
   build-native   build the C++ fast path of the consistent kernels on CPU (idempotent; the same bits)
+  cpu-report     this CPU's flags, MKL, BLAS fingerprint and goldens key, and what each op's bits rest on
   fetch-keys     fetch the released upstream sources the determinism keys cite, and read every key again
   check          the training/rollout consistency contract of a Hydra config (exit 0 / 2)
   logdiff        measure training-vs-rollout log-prob differences (dense/MoE x fp32/bf16 x flag)
@@ -38,6 +39,12 @@ def _build_native(argv: list[str]) -> int:
     return 0
 
 
+def _cpu_report(argv: list[str]) -> int:
+    from true_on_policy.cli import cpu_report
+
+    return cpu_report.main(argv)
+
+
 def _fetch_keys(argv: list[str]) -> int:
     from true_on_policy.cli import fetch_keys
 
@@ -71,6 +78,7 @@ def _plot_metrics(argv: list[str]) -> int:
 COMMANDS = {
     "build-assets": _build_assets,
     "build-native": _build_native,
+    "cpu-report": _cpu_report,
     "fetch-keys": _fetch_keys,
     "check": _check,
     "logdiff": _logdiff,

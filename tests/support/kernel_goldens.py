@@ -5,20 +5,30 @@ is an autograd Function), a full model training forward + backward (packed and p
 rollout (chunked prefill + decode steps over KV caches, then the rollout engine's sampled tokens
 and recorded log-probs) for the tiny dense and MoE models in fp32 and bf16. The inputs and the
 weights come from one ``torch.Generator`` (not from transformers' initialisers), so they depend on
-nothing but this file. ``tests/support/data/kernel_goldens_<capability>.pt`` holds what the kernels' torch
-code (the specification, ``ops.switched(native=False)``) computes (``python tests/support/kernel_goldens.py
---write``) on torch's CPU capability of that name (its GEMM and ``exp`` kernels differ between AVX2 and
-AVX512), with the torch build; ``tests/unit/test_kernel_goldens.py`` asserts ``torch.equal`` for every entry.
+nothing but this file. A goldens file (``tests/support/data/kernel_goldens_*.pt``) holds what the kernels'
+torch code (the specification, ``ops.switched(native=False)``) computes, with the torch build;
+``tests/unit/test_kernel_goldens.py`` asserts ``torch.equal`` for every entry.
+
+What the bits rest on: most entries on the vendor kernels the torch code calls (MKL's sgemm and VML:
+``true_on_policy.kernels.premises``), so a file serves the CPUs whose :func:`premises.key` the index
+``tests/support/data/kernel_goldens.json`` maps to it (key -> file, and where that was measured or how it was
+inferred); a key the index lacks is a named skip (:func:`load_or_skip`), and ``--adopt`` adds this CPU's key
+where its torch code computes a held file's bits, ``--write`` a file of its own. The :data:`OWN_ORDER` entries
+rest on the project's order alone (correctly rounded arithmetic, the fixed tree, the library's fma chain):
+the same in every file, checked on any CPU (:func:`load_own_order`).
 History: first written from the original kernels (commit 0c2b828); rewritten once, when the linear's
 reduction over K became the TP-invariant tree (issue 21: every ``linear/``, ``model/`` and new
 ``linear/tree/`` entry changed, every other op's entry kept its bits;
-``tests/unit/test_tp_invariant_kernels.py`` holds the old order's twin). AVX512 is that file; AVX2 was
-added from the torch code of 6fbb93a, the commit after which the AVX512 goldens last held.
+``tests/unit/test_tp_invariant_kernels.py`` holds the old order's twin). ``kernel_goldens_AVX512.pt`` is that
+file; ``kernel_goldens_AVX2.pt`` was added from the torch code of 6fbb93a (the commit after which the AVX512
+goldens last held), and holds the same bits; keyed by the fingerprint since issue 54.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import pathlib
 
 import torch
@@ -308,54 +318,152 @@ def compute(groups: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
 
 
 GROUPS = ("ops",) + tuple(f"model/{k}/{d}" for k in ("dense", "moe") for d in DTYPES)
+INDEX = DATA / "kernel_goldens.json"  # premises.key() -> {"file": a goldens file, "measured_on": how it was found}
+# the entries whose bits rest on the project's order alone (the fixed tree, correctly rounded elementwise
+# arithmetic, the library's fma chain in the linear's tiles): every CPU's file holds the same; the linear's
+# gradients ("/grad_") are plain matmuls, MKL's
+OWN_ORDER = ("fixed_sum/", "apply_rope/", "moe_combine/", "linear/")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help="(re)write tests/support/data/kernel_goldens_<this CPU capability>.pt")
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    from true_on_policy.kernels import ops
-
-    with ops.switched(native=False):  # the specification's bits; the C++ fast path is held equal to them
-        goldens = compute()
-    size = sum(v.numel() * v.element_size() for v in goldens.values())
-    print(f"{len(goldens)} entries, {size / 1e6:.2f} MB")
-    if args.write:
-        DATA.mkdir(exist_ok=True)
-        torch.save({"environment": environment(), "tensors": goldens}, golden_path())
-        print(f"wrote {golden_path()}")
+class NoGoldens(LookupError):
+    """The index holds no goldens file for this CPU's key."""
 
 
 def environment() -> dict[str, str]:
-    """What the bits depend on besides the code: the torch build and the CPU kernels it dispatches to."""
+    """What the bits depend on besides the code and the vendor kernels' key: the torch build (and, as
+    recorded, the CPU capability the file was written on)."""
     return {"torch": str(torch.__version__), "cpu_capability": str(torch.backends.cpu.get_cpu_capability())}
 
 
-def golden_path() -> pathlib.Path:
-    """This CPU capability's goldens file."""
-    return DATA / f"kernel_goldens_{environment()['cpu_capability']}.pt"
+def index() -> dict[str, dict[str, str]]:
+    """The index: key -> {"file", "measured_on"}."""
+    return json.loads(INDEX.read_text())
 
 
-def load() -> dict[str, torch.Tensor]:
-    """The stored goldens of this CPU capability; an error naming the difference if there are none or
-    they were made with another torch build."""
-    path, here = golden_path(), environment()
-    recipe = (
-        "GEMM and exp bits depend on both. Write it from the kernels' torch code of a commit whose goldens held "
-        "(git archive <commit> true_on_policy tests | tar -x -C /tmp/ref; cd /tmp/ref && PYTHONPATH=/tmp/ref "
-        f"python tests/support/kernel_goldens.py --write (tests/kernel_goldens.py before issue 53); copy the file it "
-        f"wrote to tests/support/data/{path.name}), then run the test "
-        "on the current kernels."
-    )
-    if not path.exists():
-        held = sorted(p.name for p in DATA.glob("kernel_goldens_*.pt"))
-        raise RuntimeError(f"no {path.name} (there are {held}) for this environment, {here}: {recipe}")
-    stored = torch.load(path)
-    if stored["environment"] != here:
-        raise RuntimeError(f"{path.name} was written with {stored['environment']}, this is {here}: {recipe}")
+def _describe_cpu() -> str:
+    """This CPU as a line of the index and of a skip: model, the kernels' flags, torch, MKL."""
+    from true_on_policy.kernels import premises
+
+    info = premises.cpu_info()
+    flags = " ".join(flag for flag, present in info["flags"].items() if present) or "none of " + " ".join(info["flags"])
+    return f"{info['model']} ({flags}), torch {torch.__version__}, {premises.mkl_version()}"
+
+
+def index_entry(key: str | None = None) -> dict[str, str]:
+    """``key``'s (default: this CPU's) index entry; :class:`NoGoldens` naming the key and what is held."""
+    from true_on_policy.kernels import premises
+
+    key = premises.key() if key is None else key
+    held = index()
+    if key not in held:
+        raise NoGoldens(
+            f"no kernel goldens for the key {key} (this CPU: {_describe_cpu()}); held: {sorted(held)}. Premise "
+            f"held_key: {premises.PREMISES['held_key']}. Adopt a held file where this CPU's torch code computes "
+            "its bits, or write one: python tests/support/kernel_goldens.py --adopt | --write"
+        )
+    return held[key]
+
+
+def _read(name: str) -> dict[str, torch.Tensor]:
+    """A goldens file's tensors; an error naming both builds where it was written with another torch."""
+    stored = torch.load(DATA / name)
+    if stored["environment"]["torch"] != environment()["torch"]:
+        raise RuntimeError(
+            f"{name} was written with {stored['environment']}, this is {environment()}: the vendor kernels' bits "
+            "depend on the build. Write goldens from the kernels' torch code of a commit whose goldens held "
+            "(git archive <commit> true_on_policy tests | tar -x -C /tmp/ref; cd /tmp/ref && PYTHONPATH=/tmp/ref "
+            "python tests/support/kernel_goldens.py --write (tests/kernel_goldens.py before issue 53); copy the file "
+            "it wrote to tests/support/data/ and map this CPU's key to it in kernel_goldens.json), then run the test "
+            "on the current kernels."
+        )
     return stored["tensors"]
 
 
+def load() -> dict[str, torch.Tensor]:
+    """The goldens of this CPU's key (:class:`NoGoldens` where the index has none)."""
+    return _read(index_entry()["file"])
+
+
+def load_or_skip() -> dict[str, torch.Tensor]:
+    """:func:`load`, where the index lacks this CPU's key a pytest skip naming the key and the premise."""
+    import pytest
+
+    try:
+        return load()
+    except NoGoldens as error:
+        pytest.skip(str(error))
+
+
+def own_order_entries(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The :data:`OWN_ORDER` entries of ``tensors``."""
+    return {name: value for name, value in tensors.items() if name.startswith(OWN_ORDER) and "/grad_" not in name}
+
+
+def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The names of entries not in both or not ``torch.equal``, sorted."""
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+
+
+def load_own_order() -> dict[str, torch.Tensor]:
+    """The :data:`OWN_ORDER` entries, which every held file must hold alike (an error naming the first that
+    differs otherwise): stored bits for any CPU."""
+    files = sorted({entry["file"] for entry in index().values()})
+    first = own_order_entries(_read(files[0]))
+    for name in files[1:]:
+        if differ := _differing(first, own_order_entries(_read(name))):
+            raise RuntimeError(f"own-order entries differ between {files[0]} and {name}: {differ[:10]}")
+    return first
+
+
+def _add_to_index(key: str, name: str, how: str) -> None:
+    held = index()
+    held[key] = {"file": name, "measured_on": f"{datetime.date.today().isoformat()}, {_describe_cpu()}: {how}"}
+    INDEX.write_text(json.dumps(dict(sorted(held.items())), indent=2) + "\n")
+
+
+def _adopt(key: str, goldens: dict[str, torch.Tensor]) -> int:
+    """Map ``key`` to a held file whose every entry this CPU's torch code reproduces; else say how far each is."""
+    for name in sorted({entry["file"] for entry in index().values()}):
+        stored = _read(name)
+        differ = _differing(stored, goldens)
+        if not differ:
+            _add_to_index(key, name, f"adopted: the torch code reproduces all {len(stored)} entries")
+            print(f"{key} -> {name}, added to {INDEX}")
+            return 0
+        print(f"{name}: {len(differ)} of {len(stored)} entries differ ({differ[:5]} ...)")
+    print(f"no held file fits {key}: write its own with --write")
+    return 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--write", action="store_true",
+                        help="write tests/support/data/kernel_goldens_<this CPU's key>.pt and its index entry")
+    action.add_argument("--adopt", action="store_true",
+                        help="map this CPU's key to a held file whose every entry its torch code reproduces")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    from true_on_policy.kernels import ops, premises
+
+    key = premises.key()
+    if args.adopt and key in index():
+        print(f"{key} is held already: {index()[key]}")
+        return 0
+    with ops.switched(native=False):  # the specification's bits; the C++ fast path is held equal to them
+        goldens = compute()
+    size = sum(v.numel() * v.element_size() for v in goldens.values())
+    held = "held" if key in index() else "not held"
+    print(f"{len(goldens)} entries, {size / 1e6:.2f} MB; this CPU's key {key} is {held}")
+    if args.adopt:
+        return _adopt(key, goldens)
+    if args.write:
+        name = f"kernel_goldens_{key}.pt"
+        torch.save({"environment": environment(), "tensors": goldens}, DATA / name)
+        _add_to_index(key, name, "written by --write from the torch code")
+        print(f"wrote {DATA / name} and its entry in {INDEX}")
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

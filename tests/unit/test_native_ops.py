@@ -1,10 +1,12 @@
 """The C++ fast path (``kernels/native.py``) computes the torch code's bits, and the shorter decode tiles keep them.
 
 Each native op is held ``torch.equal`` to the ops' torch code (``ops.switched(native=False)``) on shapes
-that cover its branches; the goldens are reproduced by the torch code alone too. Twins show what
-each guard is for: an IEEE square root (instead of torch's) changes RMSNorm bits, tiles of 1-2
-rows or below torch's BLAS threshold change a row's matmul bits, and a build without OpenMP runs
-the library's loops on one thread.
+that cover its branches; the goldens are reproduced by the torch code alone too. The linear is held to two
+references (:class:`Reference`): the project's order, on any CPU, and the torch code, whose products are MKL's
+sgemm and equal it where MKL computes that order (premise ``mkl_sgemm_chain``). Twins show what each guard is
+for: an IEEE square root (instead of torch's) changes RMSNorm bits, tiles of 1-2 rows or below torch's BLAS
+threshold change a row's matmul bits, and a build without OpenMP runs the library's loops on one thread; a
+twin resting on a fact about MKL looks for a case on the CPU it runs on and skips naming the premise if none is.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 import kernel_goldens
-from kernel_helpers import gen, threads
+from kernel_helpers import gen, own_order, premise_skip, threads
 from true_on_policy.kernels import moe, native, ops
 
 
@@ -30,6 +32,51 @@ def both_paths(fn):
         with ops.switched(native=False):
             reference = fn()
     return fast, reference
+
+
+class Reference:
+    """The bits a test holds the native linear to, by name.
+
+    "project_order": on any CPU, the own-order reference (``kernel_helpers.own_order``) where the route rule puts
+    the linear on the fma chain (the chain and dot routes, taken where :func:`native.fma_chain_lib` holds), else
+    the torch code (the tiles route calls it). "torch_code": the specification, equal where MKL's sgemm computes
+    the project's chain; a case where the native path is the project's order and only the torch code differs is
+    recorded, and :meth:`done` then skips naming premise ``mkl_sgemm_chain``; any other difference fails.
+    """
+
+    def __init__(self, name: str):
+        self.name, self.misses, self.cases = name, [], 0
+
+    def check(self, fn, label):
+        """The native path's result of ``fn()``, held to this reference (``label`` names the case)."""
+        self.cases += 1
+        with torch.no_grad():
+            fast = fn()
+            if self.name == "project_order":
+                on_chain = native.fma_chain_lib(native.FMA_CHAIN_MIN_N) is not None
+                with own_order() if on_chain else ops.switched(native=False):
+                    expected = fn()
+                assert fast.dtype == expected.dtype and torch.equal(fast, expected), label
+                return fast
+            with ops.switched(native=False):
+                expected = fn()
+            if fast.dtype == expected.dtype and torch.equal(fast, expected):
+                return fast
+            with own_order():
+                own = fn()
+        assert torch.equal(fast, own), (label, "the native path is neither the torch code's nor the project's order")
+        self.misses.append(label)
+        return fast
+
+    def done(self) -> None:
+        if self.misses:
+            premise_skip("mkl_sgemm_chain", f"the torch code differs in {len(self.misses)} of {self.cases} cases, "
+                                            f"first {self.misses[:3]}")
+
+
+@pytest.fixture(params=["project_order", "torch_code"])
+def reference(request) -> Reference:
+    return Reference(request.param)
 
 
 def test_the_native_library_is_built_and_used():
@@ -107,7 +154,7 @@ def test_twin_an_ieee_square_root_changes_rms_norm_bits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_is_the_torch_codes_bits(dtype):
+def test_linear_is_the_references_bits(dtype, reference):
     g = gen(2)
     for m in (1, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64, 65, 130):
         for n, k, bias in [(24, 64, True), (192, 64, False), (4, 200, True), (2, 16, False), (3, 300, False),
@@ -116,11 +163,67 @@ def test_linear_is_the_torch_codes_bits(dtype):
             w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
             b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
             for out_dtype in (dtype, torch.float32):
-                fast, reference = both_paths(lambda: ops.linear(x, w, b, out_dtype=out_dtype))
-                assert fast.dtype == reference.dtype and torch.equal(fast, reference), (m, n, k, out_dtype)
+                reference.check(lambda: ops.linear(x, w, b, out_dtype=out_dtype), (m, n, k, out_dtype))
     x = torch.randn(2, 3, 64, generator=g)
     wt = torch.randn(64, 24, generator=g).t()  # a transposed (non-contiguous) weight
-    assert torch.equal(*both_paths(lambda: ops.linear(x, wt)))
+    reference.check(lambda: ops.linear(x, wt), "transposed weight")
+    reference.done()
+
+
+def test_twin_the_project_order_reference_sees_another_order(monkeypatch):
+    """The project-order comparison has teeth: a reference whose K chunks are added last to first is not the
+    native linear's bits."""
+    import kernel_helpers
+
+    chain_tiles = kernel_helpers._chain_tiles
+
+    def reversed_chunks(a, b):
+        chunks = [chain_tiles(a[..., s : s + ops.K_CHUNK], b[:, s : s + ops.K_CHUNK])
+                  for s in range(0, a.shape[-1], ops.K_CHUNK)]
+        return functools.reduce(lambda total, part: total + part, chunks[::-1])
+
+    g = gen(12)
+    x, w = torch.randn(9, 1100, generator=g), torch.randn(24, 1100, generator=g) * 0.1  # leaves of 3 chunks
+    Reference("project_order").check(lambda: ops.linear(x, w), "leaves of 128 + 128 + 19")
+    monkeypatch.setattr(kernel_helpers, "_chain_tiles", reversed_chunks)
+    with pytest.raises(AssertionError):
+        Reference("project_order").check(lambda: ops.linear(x, w), "leaves of 19 + 128 + 128")
+
+
+def _bits_line_misses(op: str, doc: str) -> list[str]:
+    """What the ``Bits:`` line of ``op``'s docstring fails to name of what its torch code rests on."""
+    if "Bits:" not in doc:
+        return ["a Bits: line"]
+    line = doc[doc.index("Bits:"):]
+    wanted = ops.SPEC_RESTS_ON[op] or ("the project's order",)
+    return [name for name in wanted if name not in line]
+
+
+def test_every_op_says_what_its_bits_rest_on():
+    """ops.SPEC_RESTS_ON (the torch code) and each route of ops.ROUTES name the vendor kernels the bits rest on
+    (premises.VENDOR_KERNELS); a C++ route rests on none its torch code does not, and reads only PROBES' checks;
+    each op's docstring says it in its Bits: line (the twin: a line without it is seen)."""
+    from true_on_policy.kernels import gated_delta, premises
+
+    assert set(ops.ROUTES) <= set(ops.SPEC_RESTS_ON)
+    for op, spec in ops.SPEC_RESTS_ON.items():
+        assert set(spec) <= set(premises.VENDOR_KERNELS), op
+        assert ops.bits_rest_on(op) == spec
+        for route in ops.ROUTES.get(op, ()):
+            assert set(route.rests_on) <= set(spec) and set(route.probes) <= set(ops.PROBES), (op, route.path)
+            assert ops.bits_rest_on(op, route.path) == route.rests_on
+    functions = {op: getattr(ops, op, None) or getattr(moe, op, None) or getattr(gated_delta, op, None)
+                 for op in ops.SPEC_RESTS_ON}
+    # no function of their own: attention's docstring says its backward's, CheckpointedDeltaRule's its backward's
+    assert {op for op, function in functions.items() if function is None} == {"attention_backward",
+                                                                             "delta_rule_backward"}
+    misses = {op: _bits_line_misses(op, function.__doc__) for op, function in functions.items() if function}
+    assert not any(misses.values()), misses
+    assert _bits_line_misses("rms_norm", "Bits: the project's order.") == ["vml_sqrt"]
+    with pytest.raises(KeyError, match="op='matmul' is not one of"):
+        ops.bits_rest_on("matmul")
+    with pytest.raises(KeyError, match=r"path='dot' is not a route of rms_norm \(\['native'\]\)"):
+        ops.bits_rest_on("rms_norm", "dot")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -224,10 +327,10 @@ def test_bf16_linears_run_on_the_dot_product_where_the_cpu_has_it():
     assert (native.bf16_dot_lib() is not None) == cpu_has_avx512_bf16()
 
 
-def test_bf16_linear_on_the_dot_product_is_the_torch_codes_bits():
+def test_bf16_linear_on_the_dot_product_is_the_references_bits(reference):
     """Decode and prefill heights, 1-2 panels of 16 columns, trees of 8 and 32 leaves, a row-parallel
-    shard, signed zeros: the dot path (on a CPU without AVX512-BF16, the fp32 path) computes the torch
-    code's fma chains bitwise."""
+    shard, signed zeros: the dot path (on a CPU without AVX512-BF16, the fp32 path) computes the project's
+    fma chains bitwise, and so the torch code's where MKL does."""
     g = gen(3)
     for m in (1, 2, 12, 13, 25, 64, 65, 130):
         for n, k in [(24, 64), (40, 1024), (33, 768), (12, 3072)]:
@@ -237,8 +340,9 @@ def test_bf16_linear_on_the_dot_product_is_the_torch_codes_bits():
             w[:, 5::9] = -0.0
             b = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
             for out_dtype, k_parts in ((torch.bfloat16, 1), (torch.float32, 1), (torch.float32, 2)):
-                fast, reference = both_paths(lambda: ops.linear(x, w, b, out_dtype=out_dtype, k_parts=k_parts))
-                assert torch.equal(fast, reference), (m, n, k, out_dtype, k_parts)
+                reference.check(lambda: ops.linear(x, w, b, out_dtype=out_dtype, k_parts=k_parts),
+                                (m, n, k, out_dtype, k_parts))
+    reference.done()
 
 
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the dot path is compiled only for CPUs with AVX512-BF16")
@@ -263,9 +367,9 @@ def test_twin_the_dot_product_flushes_denormals_and_the_guard_keeps_the_bits(cas
 
 
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="weights are packed only for the dot path (AVX512-BF16)")
-def test_a_packed_weight_gives_the_linears_bits():
+def test_a_packed_weight_gives_the_linears_bits(reference):
     """A weight laid out once (ops.pack_weight, what vLLM's experts keep between weight loads) gives the
-    bits of the weight read as it is, and of the torch code: decode and prefill heights, a partial group
+    bits of the weight read as it is, and the reference's: decode and prefill heights, a partial group
     of columns, leaves, a row-parallel shard, and a weight whose denormals the guard must see."""
     g = gen(5)
     for n, k in [(40, 256), (1024, 512), (16, 3072)]:
@@ -287,17 +391,19 @@ def test_a_packed_weight_gives_the_linears_bits():
                 assert not torch.equal(ops.linear(x, w, pack=blind), ops.linear(x, w))
             for out_dtype, k_parts in ((torch.bfloat16, 1), (torch.float32, 2)):
                 packed = ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts, pack=pack)
-                fast, reference = both_paths(lambda: ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts))
-                assert torch.equal(packed, fast) and torch.equal(packed, reference), (n, k, m, out_dtype)
+                fast = reference.check(lambda: ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts),
+                                       (n, k, m, out_dtype))
+                assert torch.equal(packed, fast), (n, k, m, out_dtype)
     assert ops.pack_weight(w.float()).path == "chain" and ops.pack_weight(w[:8]) is None  # narrow: padded first
     with pytest.raises(ValueError, match=r"a pack of a weight \[16, 3072\] for a weight \[40, 256\]"):
         ops.linear(x[:, :256], w[:0].new_zeros(40, 256), pack=pack)
+    reference.done()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_chain_packed_weight_gives_the_linears_bits(dtype):
+def test_a_chain_packed_weight_gives_the_linears_bits(dtype, reference):
     """A weight laid out once for the chain path (ops.pack_weight: what vLLM's linears keep between weight
-    loads) gives the bits of the weight read as it is, and of the torch code: the rows that read it (fp32 up to
+    loads) gives the bits of the weight read as it is, and the reference's: the rows that read it (fp32 up to
     8, bf16 up to 64) and those around them, partial 64-row groups, leaves, and a row-parallel shard. bf16 is
     on the chain path where the dot path is not built or checked; the kernel runs directly on every CPU."""
     g, lib = gen(10), native.lib()
@@ -309,12 +415,14 @@ def test_a_chain_packed_weight_gives_the_linears_bits(dtype):
             for out_dtype, k_parts in ((dtype, 1), (torch.float32, 2)):
                 leaves = ops.local_leaves(k, k_parts)
                 packed = lib.linear_chain(x, w, None, out_dtype, ops.K_CHUNK, leaves, [*pack.tensors])
-                fast, reference = both_paths(lambda: ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts))
-                assert torch.equal(packed, fast) and torch.equal(packed, reference), (n, k, m, out_dtype)
+                fast = reference.check(lambda: ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts),
+                                       (n, k, m, out_dtype))
+                assert torch.equal(packed, fast), (n, k, m, out_dtype)
                 if ops.pack_weight(w).path == "chain":  # dispatched: ops.linear reads it
-                    assert torch.equal(ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts, pack=pack), reference)
+                    assert torch.equal(ops.linear(x, w, out_dtype=out_dtype, k_parts=k_parts, pack=pack), fast)
     with pytest.raises(RuntimeError, match=r"a chain pack must be pack_chain_weight\(weight, 1\) of the weight \[16, 3072\]"):
         lib.linear_chain(x[:1], w, None, dtype, ops.K_CHUNK, 1, [lib.pack_chain_weight(w.t().contiguous(), 1)])
+    reference.done()
 
 
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="weights are packed only for the dot path (AVX512-BF16)")
@@ -507,8 +615,8 @@ def test_attention_with_strided_caches_and_a_small_call_after_a_large_one():
 
 
 def test_the_torch_code_alone_reproduces_the_goldens():
-    """The reference the native path is held to is still the original kernels' bits."""
-    goldens = kernel_goldens.load()
+    """The reference the native path is held to is still the original kernels' bits (those of this CPU's key)."""
+    goldens = kernel_goldens.load_or_skip()
     with ops.switched(native=False), threads(2):
         actual = kernel_goldens.compute(("ops", "model/dense/fp32", "model/moe/bf16"))
     for name, value in actual.items():
@@ -516,46 +624,67 @@ def test_the_torch_code_alone_reproduces_the_goldens():
 
 
 def test_the_fused_attentions_fma_chain_is_mkls_gemm_for_n_from_12():
-    """The premise of the fused attention, on this machine: torch.bmm's entries (K <= K_CHUNK) are fma chains over k."""
+    """The route rule on any CPU: the fma-chain routes are taken exactly where the load-time check found MKL's
+    gemm computing the chain; and the premise of the fused attention, where it holds: torch.bmm's entries
+    (K <= K_CHUNK) are fma chains over k."""
     lib = native.lib()
-    assert native.gemm_is_fma_chain(lib)
+    chain = native.gemm_is_fma_chain(lib)
+    assert (native.fma_chain_lib(17) is lib) == chain and (native.fma_chain_lib(native.FMA_CHAIN_MIN_N) is lib) == chain
     g = gen(5)
+    misses = []
     for rows, k, n in [(4, 16, 64), (8, 8, 12), (32, 64, 17), (8, 128, 65), (16, 100, 33)]:
         a, b = torch.randn(2, rows, k, generator=g), torch.randn(2, k, n, generator=g)
         reference = torch.bmm(a, b)
-        for i in range(2):
-            assert torch.equal(lib.chain_matmul(a[i], b[i]), reference[i]), (rows, k, n)
-    assert native.fma_chain_lib(17) is lib and native.fma_chain_lib(native.FMA_CHAIN_MIN_N) is lib
+        misses += [(rows, k, n)] * sum(not torch.equal(lib.chain_matmul(a[i], b[i]), reference[i]) for i in range(2))
+    if not chain or misses:
+        check = "passed" if chain else "failed"
+        premise_skip("mkl_sgemm_chain", f"the load-time check {check}; shapes that differ: {misses}")
 
 
-def test_twin_below_12_columns_mkl_is_not_the_fma_chain():
-    """Why FMA_CHAIN_MIN_N: for narrow products MKL runs another kernel, so a head dim of 8 (PV width
-    9) keeps the torch code; a plain multiply-then-add chain differs everywhere."""
+def test_the_chain_routes_refuse_narrow_products_and_the_chain_is_fused():
+    """The rules, on any CPU: no fma-chain route below FMA_CHAIN_MIN_N columns (the linear pads to it), and the
+    library's chain rounds once per step (a plain multiply-then-add chain differs)."""
     lib = native.lib()
-    g = gen(6)
-    # which narrow shapes MKL runs another kernel for depends on the CPU's instruction set: a few tried
-    narrow = [(torch.randn(rows, k, generator=g), torch.randn(k, n, generator=g))
-              for rows, k, n in [(8, 64, 9), (16, 100, 11), (8, 128, 10), (32, 64, 9)]]
-    assert any(not torch.equal(lib.chain_matmul(a, b), torch.bmm(a[None], b[None])[0]) for a, b in narrow), (
-        "below FMA_CHAIN_MIN_N columns MKL ran one fma chain for every shape tried on this CPU")
     assert native.fma_chain_lib(native.FMA_CHAIN_MIN_N - 1) is None
+    g = gen(6)
     a, b = torch.randn(8, 64, generator=g), torch.randn(64, 64, generator=g)
     unfused = torch.zeros(8, 64)
     for k in range(64):  # products rounded before each add
         unfused = unfused + a[:, k : k + 1] * b[k]
-    assert not torch.equal(unfused, torch.bmm(a[None], b[None])[0])
+    assert not torch.equal(unfused, lib.chain_matmul(a, b))
+
+
+def _first_differing(shapes, seed: int, differs):
+    """The first (rows, k, n) of ``shapes`` whose fp32 operands (drawn from ``gen(seed)`` in turn) ``differs``."""
+    g = gen(seed)
+    for rows, k, n in shapes:
+        if differs(torch.randn(rows, k, generator=g), torch.randn(k, n, generator=g)):
+            return rows, k, n
+    return None
+
+
+def _is_not_the_chain(a, b) -> bool:
+    return not torch.equal(native.lib().chain_matmul(a, b), torch.bmm(a[None], b[None])[0])
+
+
+def test_twin_below_12_columns_mkl_is_not_the_fma_chain():
+    """Why FMA_CHAIN_MIN_N: for narrow products MKL runs another kernel, so a head dim of 8 (PV width
+    9) keeps the torch code. Which narrow shapes it runs it for depends on the CPU: searched, the shapes first
+    found on AMD first."""
+    narrow = [(8, 64, 9), (16, 100, 11), (8, 128, 10), (32, 64, 9)]
+    narrow += [(rows, k, n) for n in range(1, native.FMA_CHAIN_MIN_N) for rows in (4, 8, 16, 32, 64)
+               for k in (8, 16, 64, 100, 128) if rows * k * n >= ops.BLAS_MIN_WORK]
+    if _first_differing(narrow, 6, _is_not_the_chain) is None:
+        premise_skip("mkl_narrow_kernel", f"all {len(narrow)} narrow shapes tried were fma chains")
 
 
 def test_twin_above_k_chunk_mkl_is_not_one_fma_chain():
     """Why the fused backward takes reduced dims <= K_CHUNK only (the torch backward does not split
-    them): over K = 200 one chain differs from MKL's GEMM."""
-    lib = native.lib()
-    g = gen(8)
-    # which split of a long K MKL makes depends on the CPU's instruction set: a few shapes tried
-    wide = [(torch.randn(rows, k, generator=g), torch.randn(k, n, generator=g))
-            for rows, k, n in [(32, 200, 64), (16, 384, 48), (8, 1000, 32)]]
-    assert any(not torch.equal(lib.chain_matmul(a, b), torch.bmm(a[None], b[None])[0]) for a, b in wide), (
-        "above K_CHUNK MKL ran one fma chain for every shape tried on this CPU")
+    them): over a longer K one chain differs from MKL's GEMM. Which split MKL makes depends on the CPU: searched."""
+    wide = [(32, 200, 64), (16, 384, 48), (8, 1000, 32)]
+    wide += [(rows, k, n) for k in (136, 256, 512, 2048) for rows in (4, 16, 64) for n in (12, 33, 64, 128)]
+    if _first_differing(wide, 8, _is_not_the_chain) is None:
+        premise_skip("mkl_long_k", f"all {len(wide)} shapes tried with K > K_CHUNK were one fma chain")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -579,14 +708,28 @@ def test_short_tiles_on_the_blas_path_keep_a_rows_bits():
                     assert _row_bits_equal(r, k, n, seed=r * 1000 + k + n), (r, k, n, n_threads)
 
 
-def test_twin_tiles_of_one_or_two_rows_or_below_the_blas_threshold_change_bits():
-    """Why SHORT_TILE_ROWS starts at 4 and tile_rows checks BLAS_MIN_WORK."""
-    for r in (1, 2):
-        assert not all(_row_bits_equal(r, k, 64, seed=k) for k in (16, 64, 128)), r
-    assert 4 * 5 * 17 < ops.BLAS_MIN_WORK  # torch's naive loop at 4 rows, BLAS at 64
-    assert not all(_row_bits_equal(4, 5, 17, seed=seed) for seed in range(4))
+def test_tile_rows_takes_the_shortest_blas_tile():
+    """The rule: the shortest of SHORT_TILE_ROWS (from 4 rows) on torch's BLAS path for every chunk, on CPU only."""
+    assert ops.SHORT_TILE_ROWS[0] == 4
     assert ops.tile_rows(1, 16, 3, ops.TILE_ROWS, torch.device("cpu")) == 16  # 4 and 8 rows: the naive loop
     assert ops.tile_rows(1, 64, 64, ops.TILE_ROWS, torch.device("cpu")) == 4
     assert ops.tile_rows(5, 200, 24, ops.TILE_ROWS, torch.device("cpu")) == 8
     assert ops.tile_rows(40, 64, 64, ops.TILE_ROWS, torch.device("cpu")) == ops.TILE_ROWS
     assert ops.tile_rows(1, 64, 64, ops.TILE_ROWS, torch.device("meta")) == ops.TILE_ROWS
+
+
+@pytest.mark.parametrize("r", [1, 2])
+def test_twin_tiles_of_one_or_two_rows_change_bits(r):
+    """Why SHORT_TILE_ROWS starts at 4: MKL gives a row in a tile of 1 or 2 rows other bits than in a 64-row
+    tile, for some shapes of the CPU it runs on (searched: the shapes first found on AMD first)."""
+    tried = [(k, n, seed) for n in (64, 24, 17) for k in (16, 64, 128) for seed in (k, k + 1000)]
+    if all(_row_bits_equal(r, k, n, seed) for k, n, seed in tried):
+        premise_skip("mkl_short_tiles", f"r={r}: every row kept its bits in {len(tried)} (k, n, seed) tried")
+
+
+def test_twin_below_the_blas_threshold_a_rows_bits_change():
+    """Why tile_rows checks BLAS_MIN_WORK: below it torch's bmm runs its own loop at 4 rows and MKL at 64."""
+    tried = [(k, n, seed) for k, n in ((5, 17), (4, 24), (8, 12), (3, 33)) for seed in range(8)]
+    assert all(4 * k * n < ops.BLAS_MIN_WORK for k, n, _ in tried)
+    if all(_row_bits_equal(4, k, n, seed) for k, n, seed in tried):
+        premise_skip("blas_threshold", f"every row kept its bits in {len(tried)} (k, n, seed) tried")

@@ -178,6 +178,7 @@ def delta_rule(q, k, v, decay, beta, state, lengths=None):
     depend only on the state before it and its own inputs (see :func:`delta_rule_torch`). On CPU
     without a gradient the C++ kernel computes the same bits; with one, :class:`CheckpointedDeltaRule`
     (the same forward bits, a backward that keeps one state per :data:`CHUNK` tokens).
+    Bits: the project's order, on every route.
     """
     _check_core(q, k, v, decay, beta, state, lengths)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, decay, beta, state)):
@@ -394,6 +395,7 @@ def gated_delta_net_slots(mixed_qkv, z, a, b, *, cu_seqlens, slots, fresh, conv_
     Each token has :func:`gated_delta_net_varlen`'s bits. Without a gradient on CPU one C++ call computes the
     whole step (conv, gating, l2norm, delta rule, gated norm: :data:`ops.ROUTES`), the same bits; elsewhere
     :func:`gated_delta_net_slots_torch`, its specification.
+    Bits: rest on vml_exp, vml_log and vml_sqrt (the gates, softplus, the norms).
     """
     weight = conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight
     route = ops._route("gated_delta_net_slots", mixed_qkv.device, mixed_qkv, z, a, b, conv_cache, state_cache,

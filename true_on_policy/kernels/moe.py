@@ -58,6 +58,7 @@ def moe_route(
     Returns ``(weights fp32 [T, k], experts long [T, k])``, best first. Invariant: per-row fp32
     math (max, :func:`ops.fixed_sum`, exp, divide) and a STABLE descending sort, so the selection and
     weights of a token never depend on the other tokens or on ``torch.topk``'s tie order.
+    Bits: rest on vml_exp.
     """
     x = router_logits.to(torch.float32)
     e = torch.exp(x - x.amax(dim=-1, keepdim=True))
@@ -92,6 +93,8 @@ def moe_experts(hidden, top_k_index, gate_up, down, *, experts=None, k_parts=1, 
 
     ``packs``: :func:`ops.pack_experts` of these weights (an inference engine's, built once per weight load): the
     same bits.
+    Bits: rest on mkl_sgemm (the linears; the native routes' are the project's fma chains) and
+    vml_exp (the activation).
     """
     tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
@@ -156,6 +159,7 @@ def moe_combine(expert_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Te
     ``expert_outputs`` [T, k, H] holds each token's output of its k-th selected expert.
     Invariant: a token's combination is a fixed left-to-right chain of elementwise fp32 ops,
     independent of how tokens were grouped per expert. Returns fp32 [T, H].
+    Bits: the project's order.
     """
     y = expert_outputs.to(torch.float32) * weights.to(torch.float32)[..., None]
     out = y[:, 0]

@@ -3,8 +3,10 @@
 :mod:`true_on_policy.kernels.ops` calls it for CPU tensors when it is loaded; it computes the very
 bits of the ops' torch code (``tests/unit/test_native_ops.py`` holds them ``torch.equal``) with one C++
 call where the torch code dispatches 10-50 small ops. Its attention (and a decode step's linears)
-is fused: the products are the fma chains MKL's GEMM computes on torch's BLAS path, written out --
-used only where :func:`fma_chain_lib` has checked that premise on this CPU. bf16 linears compute
+is fused: the products are the project's fma chains, which MKL's GEMM computes on torch's BLAS path on the
+CPUs measured -- taken only where :func:`fma_chain_lib`'s load-time check found MKL computing them on this
+CPU. The check covers some shapes, not every one: where MKL differs elsewhere the native path keeps the
+project's order and the torch code MKL's (premise ``mkl_sgemm_chain``, :mod:`.premises`). bf16 linears compute
 those chains reading bf16, on AVX512-BF16's dot-product instruction, where :func:`bf16_dot_lib` has
 checked it. ``make install`` builds the library (``python -m true_on_policy build-native``);
 otherwise the first process that needs it builds it
@@ -135,8 +137,9 @@ def constants() -> dict[str, int]:
     return _constants
 
 
-# MKL's fp32 GEMM (torch's BLAS path: >= 4 rows, R * K * N >= 400) computes each entry as an fma
-# chain over k from 0 -- what the fused attention writes out -- for N >= 12 output columns only
+# the project's fma chain (each entry over k from 0: what the fused attention and the linears write out) is what
+# MKL's fp32 GEMM computes on torch's BLAS path (>= 4 rows, R * K * N >= 400) on the CPUs measured, for N >= 12
+# output columns only (premises mkl_sgemm_chain and mkl_narrow_kernel): narrower products are padded to it
 FMA_CHAIN_MIN_N = 12
 # (rows, K, N) the check below covers: the attention's products (scores: K = head dim, N = KV_BLOCK;
 # PV: K = KV_BLOCK, N = head dim + 1), the narrowest N the chain is claimed for and a linear's full tile
@@ -164,7 +167,9 @@ def fma_chain_lib(width: int) -> ModuleType | None:
 
     That holds where MKL runs the fma-chain kernel: ``width`` >= :data:`FMA_CHAIN_MIN_N`, on a CPU
     whose MKL was checked once per process (:func:`gemm_is_fma_chain`; a mismatch is said on stderr
-    and leaves the torch code).
+    and leaves the torch code). The check covers :data:`CHAIN_CHECK_SHAPES`: a CPU may pass it and differ at
+    another shape, where the route still computes the project's order -- training and rollout alike, as both
+    take the route by this rule.
     """
     global _fma_chain
     library = lib()

@@ -5,7 +5,8 @@ position, the sequence position, micro-batching and the thread count, on four ru
 tokens by selection, never an additive mask; every reduction in a fixed order (fixed row tiles,
 fixed K chunks, a fixed pairwise tree whose leaves depend on the unsharded size, so every TP up to
 :data:`MAX_TP` gives the same bits); one online-softmax cadence for training and decode; fp32 at
-the sensitive points, outputs cast once. Each op's docstring states its invariant.
+the sensitive points, outputs cast once. Each op's docstring states its invariant, and in its ``Bits:`` line
+what its bits rest on besides the project's order (:data:`SPEC_RESTS_ON`, per route :data:`ROUTES`).
 
 This package holds one module per op family (:mod:`.dispatch` says which lives where, and holds the
 one switch and the one table of which implementation computes an op); every name is read here, as
@@ -23,11 +24,14 @@ from true_on_policy.kernels.ops.block_attention import (
 )
 from true_on_policy.kernels.ops.dispatch import (
     DTYPES,
+    PROBES,
     ROUTES,
+    SPEC_RESTS_ON,
     SPECIFICATION,
     Fault,
     Switches,
     _route,
+    bits_rest_on,
     consistent,
     enabled,
     set_switches,
@@ -77,6 +81,9 @@ __all__ = [
     "enabled",
     "consistent",
     "ROUTES",
+    "PROBES",
+    "SPEC_RESTS_ON",
+    "bits_rest_on",
     "fixed_sum",
     "matmul_tiles",
     "matmul_tree",

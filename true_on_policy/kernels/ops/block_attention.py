@@ -367,6 +367,8 @@ def attention(
     block with no visible key is an exact no-op for a row (``m`` unchanged, ``acc * 1 + 0``) --
     which is why a tile whose rows all precede a block may skip it. Backward (training) reuses
     the forward's (tile, block) pairs with plain ops.
+    Bits: rest on mkl_sgemm (the products; the native route's are the project's fma chains), vml_exp
+    and vml_log; its backward's products on mkl_sgemm (the native backward's: the project's fma chains).
     """
     if plan is None:
         plan = AttentionPlan(q_positions, kv_valid, q.shape[1], k.shape[1])
@@ -406,7 +408,10 @@ class PagedKV:
 
 def paged_attention(q: torch.Tensor, kv: PagedKV, plan: AttentionPlan, scaling: float) -> torch.Tensor:
     """:func:`attention` (inference) on keys and values in a paged cache: bitwise ``attention(q,
-    *kv.gather(), ..., plan=plan)``. On CPU the native kernel reads the cache in place."""
+    *kv.gather(), ..., plan=plan)``. On CPU the native kernel reads the cache in place.
+
+    Bits: as :func:`attention`'s: mkl_sgemm (the project's fma chains on the native route), vml_exp
+    and vml_log."""
     S, Hq, Tq, Hkv, Tk, *_ = plan.dims
     _, hkv, bs, _ = kv.key_cache.shape
     table = tuple(kv.block_table.shape)

@@ -3,7 +3,9 @@
 :class:`Switches` (the flag models read, the native kernels, :class:`Fault` switches for diagnosis) is set
 by :func:`set_switches` or :func:`switched`; the ops always compute the consistent way, except under fault
 switches. :data:`ROUTES` (read by :func:`_route` alone) says which implementation computes an op: on CPU
-some ops call :mod:`..native` (C++), the same bits; the ops' torch code stays the specification.
+some ops call :mod:`..native` (C++), the same bits; the ops' torch code stays the specification. What an op's
+bits rest on besides the project's order -- vendor kernels (:mod:`..premises`) -- is recorded per route
+(:attr:`Route.rests_on`) and for the torch code (:data:`SPEC_RESTS_ON`); :func:`bits_rest_on` reads both.
 
 The op families, each a module of this package: :mod:`.tiling` (tiles, K chunks), :mod:`.elementwise`
 (``fixed_sum``, silu, sigmoid), :mod:`.norms` (RMSNorm), :mod:`.linear_tree` (the linear and its weight
@@ -107,11 +109,19 @@ def consistent(value: bool = True) -> contextlib.AbstractContextManager[Switches
 class Route(NamedTuple):
     """A C++ CPU kernel of an op: ``path`` (its name among the op's kernels), ``entry`` (the library's function)
     and ``premise``: given the op's arguments, the library (:mod:`..native`) where ``entry`` computes the
-    specification's bits for them, else a false value -- a library check, a width, dtypes, autograd, faults."""
+    specification's bits for them, else a false value -- a library check, a width, dtypes, autograd, faults.
+
+    ``rests_on``: the vendor kernels (:data:`premises.VENDOR_KERNELS`) its bits rest on; empty: the project's
+    order alone. A route that computes in the project's order what the torch code leaves to MKL (its fma chain
+    for sgemm) equals the torch code where MKL computes that order: the load-time check ``fma_chain`` of its
+    ``probes`` (:data:`PROBES`: the once-per-process checks ``premise`` reads) is where the route takes it.
+    """
 
     path: str
     entry: str
     premise: Callable[..., ModuleType | None]
+    rests_on: tuple[str, ...]
+    probes: tuple[str, ...] = ("native",)
 
 
 class Kernel(NamedTuple):
@@ -159,7 +169,7 @@ def _fits_linear_dot(x_dtype, weight, k_per_leaf):  # bf16 read as bf16 where vd
     return None
 
 
-def _fits_linear_chain(x_dtype, weight, k_per_leaf):  # MKL's fma chains, checked for N columns
+def _fits_linear_chain(x_dtype, weight, k_per_leaf):  # the fma chain, where MKL was found computing it for N columns
     return native.fma_chain_lib(weight.shape[0])
 
 
@@ -235,25 +245,63 @@ def _fits_delta_rule_backward(q):  # the backward itself: no graph to keep, no C
     return native.lib()
 
 
+# the once-per-process checks a route's premise reads, by name: the library built, MKL's sgemm found computing
+# the library's fma chain (native.gemm_is_fma_chain), the bf16 dot product found computing it
+PROBES: dict[str, Callable[[], bool]] = {
+    "native": lambda: native.lib() is not None,
+    "fma_chain": lambda: native.fma_chain_lib(native.FMA_CHAIN_MIN_N) is not None,
+    "bf16_dot": lambda: native.bf16_dot_lib() is not None,
+}
+_CHAIN, _DOT = ("native", "fma_chain"), ("native", "fma_chain", "bf16_dot")
+
 # op -> its C++ CPU kernels, tried in order: the first whose premise holds runs. Where none holds, on any other
 # device (whose kernels are the torch ops themselves) and with ``switches().native`` off, the op's torch code --
 # the specification, which every C++ kernel is held torch.equal to -- runs. A premise takes the op's arguments.
 ROUTES: dict[str, tuple[Route, ...]] = {
-    "fixed_sum": (Route("native", "fixed_sum", _fits_fixed_sum),),
-    "rms_norm": (Route("native", "rms_norm", _fits_rms_norm),),
-    "silu_mul": (Route("native", "silu_mul", _fits_silu_mul),),
-    "linear": (Route("dot", "linear_dot", _fits_linear_dot), Route("chain", "linear_chain", _fits_linear_chain),
-               Route("tiles", "linear_tiles", _fits_linear_tiles)),
-    "attention": (Route("native", "attention", _fits_attention),),
-    "attention_backward": (Route("native", "attention_backward", _fits_attention_backward),),
-    "paged_attention": (Route("native", "attention", _fits_paged_attention),),
-    "moe_experts": (Route("dot", "moe_experts", _fits_moe_dot), Route("chain", "moe_experts_chain", _fits_moe_chain)),
-    "delta_rule": (Route("native", "delta_rule", _fits_delta_rule),),  # gated_delta.delta_rule's core
+    "fixed_sum": (Route("native", "fixed_sum", _fits_fixed_sum, ()),),
+    "rms_norm": (Route("native", "rms_norm", _fits_rms_norm, ("vml_sqrt",)),),  # torch's sqrt, called
+    "silu_mul": (Route("native", "silu_mul", _fits_silu_mul, ("vml_exp",)),),  # torch's exp, called
+    "linear": (Route("dot", "linear_dot", _fits_linear_dot, (), _DOT),
+               Route("chain", "linear_chain", _fits_linear_chain, (), _CHAIN),
+               Route("tiles", "linear_tiles", _fits_linear_tiles, ("mkl_sgemm",))),  # the torch code's aten calls
+    "attention": (Route("native", "attention", _fits_attention, ("vml_exp", "vml_log"), _CHAIN),),
+    "attention_backward": (Route("native", "attention_backward", _fits_attention_backward, (), _CHAIN),),
+    "paged_attention": (Route("native", "attention", _fits_paged_attention, ("vml_exp", "vml_log"), _CHAIN),),
+    "moe_experts": (Route("dot", "moe_experts", _fits_moe_dot, ("vml_exp",), _DOT),
+                    Route("chain", "moe_experts_chain", _fits_moe_chain, ("vml_exp",), _CHAIN)),
+    "delta_rule": (Route("native", "delta_rule", _fits_delta_rule, ()),),  # gated_delta.delta_rule's core
     # gated_delta.gated_delta_net_slots: a serving engine's whole GDN layer step in one call
-    "gated_delta_net_slots": (Route("native", "gated_delta_net_slots", _fits_gated_delta_net_slots),),
+    "gated_delta_net_slots": (Route("native", "gated_delta_net_slots", _fits_gated_delta_net_slots,
+                                    ("vml_exp", "vml_log", "vml_sqrt")),),
     # gated_delta.CheckpointedDeltaRule's backward walk (close to autograd's, not bitwise)
-    "delta_rule_backward": (Route("native", "delta_rule_backward", _fits_delta_rule_backward),),
+    "delta_rule_backward": (Route("native", "delta_rule_backward", _fits_delta_rule_backward, ()),),
 }
+
+# op -> the vendor kernels (premises.VENDOR_KERNELS) its torch code, the specification, rests on; empty: the
+# project's order alone (correctly rounded elementwise arithmetic, fixed trees and chains)
+SPEC_RESTS_ON: dict[str, tuple[str, ...]] = {
+    "fixed_sum": (), "tree_combine": (), "linear_epilogue": (), "apply_rope": (), "moe_combine": (), "delta_rule": (),
+    "matmul_tiles": ("mkl_sgemm",), "matmul_tree": ("mkl_sgemm",), "linear": ("mkl_sgemm",),
+    "attention_backward": ("mkl_sgemm",), "delta_rule_backward": ("mkl_sgemm",),
+    "rms_norm": ("vml_sqrt",), "silu": ("vml_exp",), "silu_mul": ("vml_exp",), "sigmoid": ("vml_exp",),
+    "sigmoid_gate": ("vml_exp",), "moe_route": ("vml_exp",), "rope_table": ("vml_sincos", "aten_pow"),
+    "log_softmax": ("vml_exp", "vml_log"), "token_log_probs": ("vml_exp", "vml_log"),
+    "attention": ("mkl_sgemm", "vml_exp", "vml_log"), "paged_attention": ("mkl_sgemm", "vml_exp", "vml_log"),
+    "moe_experts": ("mkl_sgemm", "vml_exp"), "gated_delta_net_slots": ("vml_exp", "vml_log", "vml_sqrt"),
+}
+
+
+def bits_rest_on(op: str, path: str = "torch") -> tuple[str, ...]:
+    """The vendor kernels ``op``'s bits rest on where ``path`` computes it ("torch": the specification, else a
+    route of :data:`ROUTES`); empty: the project's order alone."""
+    if op not in SPEC_RESTS_ON:
+        raise KeyError(f"bits_rest_on: op={op!r} is not one of SPEC_RESTS_ON's {sorted(SPEC_RESTS_ON)}")
+    if path == "torch":
+        return SPEC_RESTS_ON[op]
+    for route in ROUTES.get(op, ()):
+        if route.path == path:
+            return route.rests_on
+    raise KeyError(f"bits_rest_on: path={path!r} is not a route of {op} ({[r.path for r in ROUTES.get(op, ())]})")
 
 
 def _route(op: str, device: torch.device, *args) -> Kernel:

@@ -19,6 +19,7 @@ def fixed_sum(x: torch.Tensor) -> torch.Tensor:
     level, so a row's sum depends only on the row's values, never on the number of rows, the
     row's position, the threads or the vector width (elementwise adds are correctly rounded).
     Its gradient is the one autograd derives through the tree (:class:`_FixedSum`).
+    Bits: the project's order, on every route.
     """
     if x.requires_grad and torch.is_grad_enabled():
         return _FixedSum.apply(x)
@@ -64,6 +65,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
     Invariant: built only from fp32 ``exp`` (measured position-invariant) and correctly rounded
     ``+`` and ``/``; torch's ``sigmoid``/``silu`` kernels give different bits in a tensor's tail.
+    Bits: rest on vml_exp (torch's fp32 exp).
     """
     h = x.to(torch.float32)
     return (h / (1.0 + torch.exp(-h))).to(x.dtype)
@@ -73,6 +75,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The gated MLP's ``silu(gate) * up``: :func:`silu`, then the product in the operands' dtype.
 
     Without autograd on CPU one native pass after torch's ``exp`` -- the same bits as this code.
+    Bits: rest on vml_exp (the native pass calls torch's exp too).
     """
     if (kernel := _route("silu_mul", gate.device, gate, up)).run:
         return kernel.run(gate, up)
@@ -81,7 +84,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """``1 / (1 + exp(-x))`` in fp32 (torch's sigmoid kernel is not position-invariant; fp32 ``exp`` and
-    correctly rounded ``+ /`` are)."""
+    correctly rounded ``+ /`` are).
+
+    Bits: rest on vml_exp."""
     return 1.0 / (1.0 + torch.exp(-x.to(torch.float32)))
 
 
@@ -91,6 +96,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     transformers' rounding points: the sigmoid rounded to the operands' dtype (``torch.sigmoid`` of a
     tensor of that dtype), then the product in that dtype; the sigmoid itself is :func:`sigmoid`. ``x``
     and ``gate`` must share a dtype; ``gate`` broadcasts (the shared expert's gate is one column).
+    Bits: rest on vml_exp (:func:`sigmoid`).
     """
     if gate.dtype != x.dtype:
         raise ValueError(f"sigmoid_gate: x is {x.dtype}, gate is {gate.dtype}; they must share a dtype")

@@ -41,6 +41,7 @@ def tree_combine(parts: Iterable[torch.Tensor]) -> torch.Tensor:
     contiguous, aligned block of ``2^j`` parts is a subtree: a rank's partial of a row-parallel
     linear is one, and the ranks' partials combined here (in rank order) are the whole tree's top
     levels. ``parts`` is consumed in order, at most log2(n) + 1 partial sums alive.
+    Bits: the project's order.
     """
     stack: list[tuple[int, torch.Tensor]] = []  # (parts below, their sum)
     count = 0
@@ -62,6 +63,7 @@ def matmul_tree(a: torch.Tensor, b: torch.Tensor, leaves: int) -> torch.Tensor:
     Each leaf is :func:`matmul_tiles` (one bmm per K chunk of the leaf, added in order), the leaves
     are combined by :func:`tree_combine`. Row invariance as :func:`matmul_tiles`; and the product of
     a contiguous, aligned block of ``2^j`` leaves is exactly that subtree of the whole product's tree.
+    Bits: rest on mkl_sgemm (its leaves' bmm).
     """
     k = a.shape[-1]
     width = k // leaves
@@ -86,7 +88,10 @@ def local_leaves(k: int, k_parts: int) -> int:
 
 
 def linear_epilogue(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """The end of every linear: fp32 ``acc`` + bias in fp32, then one cast to ``out_dtype``."""
+    """The end of every linear: fp32 ``acc`` + bias in fp32, then one cast to ``out_dtype``.
+
+    Bits: the project's order.
+    """
     if bias is not None:
         acc = acc + bias.to(torch.float32)
     return acc if out_dtype == torch.float32 else acc.to(out_dtype)
@@ -235,6 +240,8 @@ def linear(
     ``pack``: ``weight``'s :func:`pack_weight`, for an inference engine whose weights change only when
     it loads them: the same bits, without laying the weight out again in every call (a pack for another
     path than this call's is not read).
+    Bits: the torch code's rest on mkl_sgemm; the native chain and dot routes compute the project's fma
+    chains (taken where the load-time check found MKL computing them), the tiles route the torch code's bmm.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)

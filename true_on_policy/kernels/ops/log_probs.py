@@ -23,6 +23,7 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     vocabulary and fp32 log -- the same bits for a row whatever the batch around it. Entry
     ``[..., t]`` is bitwise :func:`token_log_probs` at label ``t`` (the same elementwise ops), so
     a sampler reading its distribution and a trainer scoring the token agree.
+    Bits: rest on vml_exp and vml_log.
     """
     shifted, lse = _shifted_and_lse(logits, temperature)
     return shifted - lse
@@ -33,6 +34,7 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
 
     Invariant: as :func:`log_softmax` (fp32, fixed-order full-vocabulary sum), without
     materialising the [..., V] result.
+    Bits: rest on vml_exp and vml_log.
     """
     shifted, lse = _shifted_and_lse(logits, temperature)
     picked = torch.gather(shifted, -1, labels.long().unsqueeze(-1))

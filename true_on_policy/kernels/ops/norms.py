@@ -20,6 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
 
     ``unit_offset``: Qwen3.5's RMSNorm (Gemma's): the normalized fp32 row times ``1.0 + weight.float()``
     in fp32, then one cast to ``x``'s dtype (the same normalization; only the weight step differs).
+    Bits: rest on vml_sqrt (torch's sqrt, which the native route calls too).
     """
     if (kernel := _route("rms_norm", x.device, x, weight, unit_offset)).run:
         return kernel.run(x, weight, eps)

@@ -21,6 +21,7 @@ def rope_table(config, device: torch.device | str | None = None) -> tuple[torch.
     config). The frequencies are HF's: default RoPE, ``linear`` scaling (divided by its factor) or
     Llama-3's ``llama3`` scaling; any other rope type raises. Partial RoPE (Qwen3.5): the frequencies
     of ``rotary_dim`` features, as transformers' ``compute_default_rope_parameters``.
+    Bits: rest on vml_sincos and aten_pow (the frequencies).
     """
     config = architectures.config_dict(config)
     params = architectures.rope_parameters(config)
@@ -83,6 +84,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_
     :func:`rope_table` (already broadcast by position), unsqueezed at ``unsqueeze_dim`` as HF does.
     Partial RoPE: only the first ``cos.shape[-1]`` features of a head rotate, the rest pass through
     unchanged (transformers' Qwen3.5 ``apply_rotary_pos_emb``).
+    Bits: the project's order.
     """
     c = cos.to(torch.float32).unsqueeze(unsqueeze_dim)
     s = sin.to(torch.float32).unsqueeze(unsqueeze_dim)

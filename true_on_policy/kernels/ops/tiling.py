@@ -48,6 +48,7 @@ def matmul_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     for any batch count and 1 or 2 threads; an unsplit K = 1024 does not), and the chunk partials
     are summed left to right with elementwise adds. (Attention's products; a linear's are
     :func:`matmul_tree`, whose leaves are these.)
+    Bits: rest on mkl_sgemm (each chunk's bmm).
     """
     k = a.shape[-1]
     if k <= K_CHUNK:
