@@ -21,10 +21,9 @@
 # text on stderr and its exit code (0 accepted, 2 refused, 3 refused for unverified rows only). On a
 # machine that is not the config's platform it evaluates the config as declared and says so; the
 # launch there refuses. Without --dry-run the script execs that launch command; verl's driver then
-# decides with the same verdict before Ray starts.
+# decides with the same verdict before Ray starts (both: examples/run_config.sh).
 set -euo pipefail
 
-PYTHON="${PYTHON:-python3}"
 PLATFORM="${PLATFORM:-ascend}"
 
 case "${PLATFORM}" in
@@ -36,32 +35,7 @@ export MODEL_PATH="${MODEL_PATH:-Qwen/Qwen3-30B-A3B}"
 export TRAIN_FILES="${TRAIN_FILES:-${HOME}/data/dapo-math-17k.parquet}"
 export VAL_FILES="${VAL_FILES:-${HOME}/data/aime-2024.parquet}"
 
-dry_run=0
-overrides=()
-for arg in "$@"; do
-    case "${arg}" in
-        --dry-run) dry_run=1 ;;
-        *) overrides+=("${arg}") ;;
-    esac
-done
-
-config_path="pkg://true_on_policy.configs"
-config_name="qwen3_30b_a3b_${PLATFORM}"
-
-if [[ "${dry_run}" == 1 ]]; then
+if [[ " $* " == *" --dry-run "* ]]; then
     echo "# dry run: PLATFORM=${PLATFORM} NNODES=${NNODES} NPUS_PER_NODE=${NPUS_PER_NODE} MODEL_PATH=${MODEL_PATH}"
-    exec "${PYTHON}" -m true_on_policy check --config-path "${config_path}" --config-name "${config_name}" \
-        --python "${PYTHON}" --show-config --plan --show-command -- "${overrides[@]+"${overrides[@]}"}"
 fi
-
-command=()
-while IFS= read -r -d '' part; do
-    command+=("${part}")
-done < <("${PYTHON}" -m true_on_policy check --config-path "${config_path}" --config-name "${config_name}" \
-    --python "${PYTHON}" --command-args -- "${overrides[@]+"${overrides[@]}"}")
-if [[ ${#command[@]} == 0 ]]; then
-    echo "could not build the launch command (see the error above)" >&2
-    exit 1
-fi
-echo "+ ${command[*]}" >&2
-exec "${command[@]}"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/../run_config.sh" "qwen3_30b_a3b_${PLATFORM}" "$@"

@@ -111,6 +111,7 @@ CASES = [
 # A device config on this CPU machine: check evaluates it as declared, the launch refuses the platform.
 DEVICE_CASES = [
     ("qwen3_30b_a3b_ascend", [], 3, "true_on_policy.platform='ascend' but this machine is cpu"),
+    ("qwen35_35b_a3b_cuda", [], 3, "true_on_policy.platform='cuda' but this machine is cpu"),
     ("cpu_tiny", [f"{T}.platform=cuda"], None, "true_on_policy.platform='cuda' but this machine is cpu"),
 ]
 

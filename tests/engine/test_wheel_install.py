@@ -84,3 +84,13 @@ def test_a_users_config_composes_the_section_from_the_package(installed):
     result = _python(work, env, "-c", compose)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "0.01", "gae"], result.stdout
+
+
+@pytest.mark.subprocess
+def test_check_on_the_packaged_qwen35_35b_a3b_reads_the_shipped_shapes(installed):
+    """The shapes (shapes/qwen35_35b_a3b/config.json) are in the wheel: check reads the hybrid model's layers from
+    them (the gdn_forward row among the unverified ones), exit 3."""
+    work, env = installed
+    result = _python(work, env, "-m", "true_on_policy", "check", "--config-path", PKG, "--config-name", "qwen35_35b_a3b_cuda")
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "UNVERIFIED vLLM Gated DeltaNet forward (hybrid model) [gdn_forward]" in result.stderr

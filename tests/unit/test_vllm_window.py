@@ -42,7 +42,8 @@ def test_the_model_block_targets_come_from_the_architecture_table():
     assert table["moe.forward"].name == "vllm.model_executor.models.qwen3_moe.Qwen3MoeSparseMoeBlock.forward"
     assert table["moe_shared.init"].name == "vllm.model_executor.models.qwen3_next.Qwen3NextSparseMoeBlock.__init__"
     assert table["gated_attention.forward"].name.endswith("qwen3_next.Qwen3NextAttention.forward")
-    assert table["gdn.forward"].name.endswith("qwen_gdn_linear_attn.QwenGatedDeltaNetAttention.forward_cpu")
+    assert table["gdn.forward_cpu"].name.endswith("qwen_gdn_linear_attn.QwenGatedDeltaNetAttention.forward_cpu")
+    assert table["gdn.forward_cuda"].name.endswith("qwen_gdn_linear_attn.QwenGatedDeltaNetAttention.forward_cuda")
 
 
 @pytest.mark.parametrize("version", OUTSIDE)

@@ -7,7 +7,8 @@ The repository's top-level ``configs`` is a link to this folder, not a copy.
 verl opens its agent-loop and tool configs by path (relative to the working directory), so a config
 names a file shipped here as ``${true_on_policy_config_file:tools/latency_tool.yaml}``: the resolver,
 registered on import (Hydra's ``pkg://`` source, ``check`` and the verl plugin import this package),
-gives its absolute path in the installed package.
+gives its absolute path in the installed package. ``shapes/<model>/`` holds a model's config.json without
+weights: what ``check`` reads of a large model's shapes when no checkpoint is given (a launch needs one).
 """
 
 from pathlib import Path
@@ -19,9 +20,10 @@ RESOLVER = "true_on_policy_config_file"
 
 
 def config_file(relative: str) -> str:
-    """The absolute path of ``relative`` under this folder; a name that is not shipped here is an error."""
+    """The absolute path of ``relative`` under this folder, a file or a folder (``shapes/<model>``); a name that
+    is not shipped here is an error."""
     path = FOLDER / relative
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"${{{RESOLVER}:{relative}}}: no such file in {FOLDER}")
     return str(path)
 

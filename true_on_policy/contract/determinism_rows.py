@@ -13,7 +13,7 @@ from true_on_policy.config.launch import (
     R,
     RolloutView,
 )
-from true_on_policy.config.platforms import Platform, is_vllm
+from true_on_policy.config.platforms import CPU, CUDA, Platform, is_vllm
 from true_on_policy.contract.determinism_plan import MEGATRON_BI_MODE_UNDER_VERL, REDUCTION_ENV_KEYS
 from true_on_policy.contract.names import (
     AUTO,
@@ -182,9 +182,9 @@ def determinism_rows(c: Context) -> list[Row]:
 
 def _vllm_adapter_rows(c: Context) -> list[Row]:
     """What the vLLM adapter refuses when it loads the model (vllm_adapter/patches.py, check_engine_config),
-    refused here first, by key: compiled graphs, speculative decoding; on a hybrid (Gated DeltaNet) model
-    a device platform (the consistent GDN forward is vLLM-CPU's), prefix caching and a Mamba cache mode other
-    than ``none``."""
+    refused here first, by key: compiled graphs, speculative decoding; on a hybrid (Gated DeltaNet) model a
+    platform whose Gated DeltaNet forward the adapter does not replace, prefix caching and a Mamba cache mode
+    other than ``none``."""
     vllm = c.r.vllm
     speculative = bool(vllm.speculative_config) or (c.r.mtp_enable and c.r.mtp_enable_rollout)
     rows = [
@@ -201,16 +201,8 @@ def _vllm_adapter_rows(c: Context) -> list[Row]:
     if "linear_attention" not in c.layer_types:
         return rows
     why = "the consistent Gated DeltaNet keeps one recurrent state per request and replays no cached block"
-    if c.platform.cpu_backend:
-        forward = Side("consistent", "true_on_policy.vllm_adapter replaces QwenGatedDeltaNetAttention.forward_cpu")
-    else:
-        forward = Side(f"vLLM's own on {c.platform}", "forward_cuda / forward_native: the adapter replaces forward_cpu only")
     return rows + [
-        Row("gdn_forward", "vLLM Gated DeltaNet forward (hybrid model)", Side(NA, "training runs the consistent op"),
-            forward, kind=REQUIRE,
-            required="consistent", required_source="the adapter replaces vLLM-CPU's Gated DeltaNet forward only and "
-            "refuses the model at load elsewhere (vllm_adapter/patches.py)", only_when_deterministic=True,
-            fix="run the hybrid model on true_on_policy.platform=cpu, or with true_on_policy.deterministic=false"),
+        _gdn_forward_row(c),
         Row("prefix_caching", "vLLM prefix caching (hybrid model)", Side(NA, "training recomputes every state"),
             Side(c.r.enable_prefix_caching, f"{R}.enable_prefix_caching"), kind=REQUIRE, required=False,
             required_source=why, only_when_deterministic=True, fix=f"set {R}.enable_prefix_caching=false"),
@@ -218,3 +210,29 @@ def _vllm_adapter_rows(c: Context) -> list[Row]:
             Side(vllm.mamba_cache_mode, f"{R}.engine_kwargs.vllm.mamba_cache_mode"), kind=REQUIRE, required="none",
             required_source=why, only_when_deterministic=True, fix=f"set {R}.engine_kwargs.vllm.mamba_cache_mode=none"),
     ]
+
+
+# The Gated DeltaNet forward the vLLM adapter replaces per platform (vllm_adapter/targets.py, "gdn.forward_<device>").
+GDN_FORWARDS = {CPU: "forward_cpu", CUDA: "forward_cuda"}
+
+
+def _gdn_forward_row(c: Context) -> Row:
+    """The rollout's Gated DeltaNet forward: the adapter's on vLLM-CPU (run here) and on CUDA (written, not run on a
+    device: unverified until a device run shows it); on Ascend vllm-ascend's own, refused by name."""
+    method = GDN_FORWARDS.get(c.platform)
+    unverified = ""
+    if method is None:
+        forward = Side(f"vLLM's own on {c.platform}", "vllm-ascend's Gated DeltaNet: the adapter replaces "
+                       f"QwenGatedDeltaNetAttention.{' / '.join(GDN_FORWARDS.values())} only")
+    else:
+        forward = Side("consistent", f"true_on_policy.vllm_adapter replaces QwenGatedDeltaNetAttention.{method} "
+                       "(true_on_policy.kernels.gated_delta)")
+    if method is not None and c.platform.device:
+        unverified = (f"the adapter's {method} runs the torch code of the Gated DeltaNet op (held torch.equal to the "
+                      f"C++ call on CPU): written, not run on a device ({c.platform})")
+    return Row("gdn_forward", "vLLM Gated DeltaNet forward (hybrid model)", Side(NA, "training runs the consistent op"),
+               forward, kind=REQUIRE, required="consistent", required_source="the adapter replaces the Gated "
+               f"DeltaNet forward on {' and '.join(GDN_FORWARDS)} only and refuses the model at load elsewhere "
+               "(vllm_adapter/patches.py)", only_when_deterministic=True, unverified=unverified,
+               fix=f"run the hybrid model on true_on_policy.platform={' or '.join(GDN_FORWARDS)} (kernels: project), or "
+               "with true_on_policy.deterministic=false")

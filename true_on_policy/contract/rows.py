@@ -196,7 +196,7 @@ def _status(row: Row, deterministic: bool) -> tuple[Status, str]:
             return Status.UNVERIFIED, ""
         if r != row.required:
             return Status.MISMATCH, f"rollout must be {row.required} ({row.required_source})"
-        return Status.OK, ""
+        return (Status.UNVERIFIED, row.unverified) if row.unverified else (Status.OK, "")
     if row.reject_auto and deterministic and AUTO in (t, r):
         side = "training" if t == AUTO else "rollout"
         return Status.MISMATCH, f"{side} kernel is chosen by the engine at run time (unpinned)"

@@ -417,8 +417,8 @@ def gated_delta_net_slots_torch(mixed_qkv, z, a, b, *, cu_seqlens, slots, fresh,
     """The specification of :func:`gated_delta_net_slots` (its arguments): the slots' states gathered (zeros
     where ``fresh``), :func:`gated_delta_net_varlen`, the new states scattered back."""
     keep = (~fresh)[:, None, None]
-    conv = torch.where(keep, conv_cache[slots], torch.zeros((), dtype=conv_cache.dtype))
-    recurrent = torch.where(keep[..., None], state_cache[slots], torch.zeros((), dtype=torch.float32))
+    conv = torch.where(keep, conv_cache[slots], conv_cache.new_zeros(()))
+    recurrent = torch.where(keep[..., None], state_cache[slots], state_cache.new_zeros(()))
     y, state = gated_delta_net_varlen(mixed_qkv, z, a, b, cu_seqlens=cu_seqlens, conv_weight=conv_weight, A_log=A_log,
                                       dt_bias=dt_bias, norm_weight=norm_weight, head_k_dim=head_k_dim,
                                       head_v_dim=head_v_dim, eps=eps, state=GatedDeltaState(conv, recurrent))

@@ -27,7 +27,9 @@ def gated_attention_forward(layer, positions: torch.Tensor, hidden_states: torch
 
 
 def gdn_forward(layer, hidden_states: torch.Tensor) -> torch.Tensor:
-    """vLLM's ``QwenGatedDeltaNetAttention.forward_cpu`` on :func:`gated_delta.gated_delta_net_slots`.
+    """vLLM's ``QwenGatedDeltaNetAttention.forward_cpu`` (vLLM-CPU) and ``forward_cuda`` (CUDA) on
+    :func:`gated_delta.gated_delta_net_slots`: one C++ call per part of a step on CPU, its torch code (the
+    specification the C++ is held ``torch.equal`` to) on a device.
 
     The input projections (``in_proj_qkvz`` as q|k|v and z, ``in_proj_ba`` as b|a) and ``out_proj``
     run the consistent linears; the conv, gating, delta rule and gated norm run the one order-fixed
@@ -70,9 +72,11 @@ def gdn_forward(layer, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _gdn_step(layer, m, mixed_qkv, z, b, a, y) -> None:
-    """One step's requests (decodes first, then prefill chunks: vLLM's order) through the op -- one
-    native call on CPU -- each entering with its slot's conv and recurrent state (zeros where a prefill
-    has none yet) and leaving its new state in the slot; ``y``'s rows of the step's tokens written."""
+    """One step's requests through the op in two calls, decodes then prefill chunks (vLLM's order): each request
+    enters with its slot's conv and recurrent state (zeros where a prefill has none yet) and leaves its new
+    state in the slot; ``y``'s rows of the step's tokens written. Two calls, because the op's torch code (a
+    device's) pads a call's sequences to its longest: a decode beside a prefill chunk would step through the
+    chunk's length. A token's bits do not depend on the grouping (each sequence runs alone in the op)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     if m.num_spec_decodes or m.spec_sequence_masks is not None:
@@ -91,13 +95,19 @@ def _gdn_step(layer, m, mixed_qkv, z, b, a, y) -> None:
             f"true_on_policy (vLLM): Gated DeltaNet state slots conv {tuple(conv_cache.shape[1:])}, recurrent "
             f"{state_cache.dtype} (covered: conv (dim, {taps - 1}), recurrent torch.float32)"
         )
-    fresh = torch.zeros(requests, dtype=torch.bool)
-    if m.num_prefills:
-        fresh[m.num_decodes :] = ~m.has_initial_state[m.num_decodes : requests].to(torch.bool)
-    y[:n] = gated_delta.gated_delta_net_slots(
-        mixed_qkv[:n], z[:n], a[:n], b[:n], cu_seqlens=bounds, slots=slots, fresh=fresh, conv_cache=conv_cache,
-        state_cache=state_cache, conv_weight=layer.conv1d.weight,
-        # transformers holds A_log in the model dtype; vLLM keeps it fp32: the training model's value
-        A_log=layer.A_log.to(layer.dt_bias.dtype), dt_bias=layer.dt_bias, norm_weight=layer.norm.weight,
-        head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim, eps=layer.norm.eps,
-    )
+    decodes = m.num_decodes  # one token each: vLLM's decode threshold without speculative decoding
+    for first, last, start, stop, prefill in ((0, decodes, 0, decodes, False), (decodes, requests, decodes, n, True)):
+        if first == last:
+            continue
+        if prefill:
+            fresh = ~m.has_initial_state[first:last].to(device=mixed_qkv.device, dtype=torch.bool)
+        else:  # decodes continue their sequences
+            fresh = torch.zeros(last - first, dtype=torch.bool, device=mixed_qkv.device)
+        y[start:stop] = gated_delta.gated_delta_net_slots(
+            mixed_qkv[start:stop], z[start:stop], a[start:stop], b[start:stop],
+            cu_seqlens=bounds[first:last + 1] - start, slots=slots[first:last], fresh=fresh, conv_cache=conv_cache,
+            state_cache=state_cache, conv_weight=layer.conv1d.weight,
+            # transformers holds A_log in the model dtype; vLLM keeps it fp32: the training model's value
+            A_log=layer.A_log.to(layer.dt_bias.dtype), dt_bias=layer.dt_bias, norm_weight=layer.norm.weight,
+            head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim, eps=layer.norm.eps,
+        )

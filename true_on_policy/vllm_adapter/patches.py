@@ -31,9 +31,11 @@ blindly. Registrations through vLLM's public extension points (``CustomOp.regist
   dropped by the weight loaders (each linear's and embedding's is wrapped where its weight is
   created) and the experts' post-load step, and rebuilt on first use.
 * ``apply_consistent("cuda")`` (``platform: cuda`` + ``kernels: project``, flag on): the same model,
-  linear, LM-head, log-softmax and MoE patches on vLLM's GPU model runner and sampler, and the
-  project's attention as the ``CUSTOM`` backend (:class:`.attention_backends.DeviceAttentionBackend`). Written
-  and signature-checked against the installed vLLM's source (:func:`check_targets`), not run on a device.
+  linear, LM-head, log-softmax, MoE and Gated DeltaNet patches on vLLM's GPU model runner and sampler (the
+  Gated DeltaNet's ``forward_cuda``, the method its ``__init__`` binds as the layer's dispatch on CUDA, runs
+  :func:`.hybrid_layers.gdn_forward`, whose op is the torch code there), and the project's attention as the
+  ``CUSTOM`` backend (:class:`.attention_backends.DeviceAttentionBackend`). Written and signature-checked
+  against the installed vLLM's source (:func:`check_targets`), not run on a device.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ SHARED_TARGETS = (
     "moe.forward", "moe.load", "row_parallel.forward", "embedding.forward", "gated_attention.forward",
     "moe_shared.init", "moe_shared.forward",
 )
-DEVICE_TARGETS = {"cpu": ("cpu.load_model", "cpu.sample", "gdn.forward"), "cuda": ("cuda.load_model", "cuda.sample_native", "cuda.sample_cuda")}
+DEVICE_TARGETS = {"cpu": ("cpu.load_model", "cpu.sample", "gdn.forward_cpu"),
+                  "cuda": ("cuda.load_model", "cuda.sample_native", "cuda.sample_cuda", "gdn.forward_cuda")}
 
 
 def check_targets(device: str) -> list[str]:
@@ -250,8 +253,6 @@ def _consistent_patches(device: str) -> list[Patch]:
 
     # vLLM-CPU calls forward_cpu; on CUDA forward_cuda (FlashInfer when it can) or forward_native.
     samplers = ("cpu.sample",) if named(device).cpu_backend else ("cuda.sample_native", "cuda.sample_cuda")
-    # Gated DeltaNet: vLLM-CPU's forward replaced; on CUDA its Triton path stays (refused in verify_model).
-    gdn = [Patch(TARGETS["gdn.forward"], gdn_forward)] if named(device).cpu_backend else []
     return [
         Patch(TARGETS["linear.apply"], linear_apply),
         Patch(TARGETS["linear.weights"], make=_dropping_packs),
@@ -268,7 +269,7 @@ def _consistent_patches(device: str) -> list[Patch]:
         Patch(TARGETS["gated_attention.forward"], gated_attention_forward),
         Patch(TARGETS["moe_shared.init"], make=_checking_shared_moe_init),
         Patch(TARGETS["moe_shared.forward"], moe_shared_forward),
-        *gdn,
+        Patch(TARGETS[f"gdn.forward_{device}"], gdn_forward),
         Patch(TARGETS[f"{device}.load_model"], make=functools.partial(_verifying_load_model, device)),
     ]
 
@@ -425,8 +426,8 @@ ATTENTION_IMPLS = {"cpu": "ConsistentAttentionImpl", "cuda": "DeviceAttentionImp
 
 
 def _gdn_layer_class() -> type:
-    """vLLM's Gated DeltaNet layer class, as the architecture table names it (its forward is a target)."""
-    module, attribute = TARGETS["gdn.forward"].module, TARGETS["gdn.forward"].attribute
+    """vLLM's Gated DeltaNet layer class, as the architecture table names it (its forwards are targets)."""
+    module, attribute = TARGETS["gdn.forward_cpu"].module, TARGETS["gdn.forward_cpu"].attribute
     return getattr(importlib.import_module(module), attribute.split(".")[0])
 
 
@@ -449,6 +450,17 @@ def built_features(model) -> dict[str, bool]:
         linear.num_k_heads, linear.num_v_heads, linear.head_k_dim, linear.head_v_dim, linear.conv_kernel_size)
     built["shared_expert"] = any(getattr(m, "shared_expert", None) is not None for m in model.modules())
     return built
+
+
+def _dispatches_to_replacement(layer) -> bool:
+    """Whether the method a Gated DeltaNet layer's ``forward`` calls (``_forward_method``, bound by its
+    ``__init__`` per platform) is one the adapter installed: forward_cpu on vLLM-CPU, forward_cuda on CUDA
+    (ROCm's forward_hip, XPU's forward_xpu are not replaced). A vLLM without that attribute is refused too."""
+    return patching.is_replacement(getattr(getattr(layer, "_forward_method", None), "__func__", None))
+
+
+def _dispatch_name(layer) -> str:
+    return getattr(getattr(layer, "_forward_method", None), "__name__", "forward (no _forward_method)")
 
 
 def verify_model(model, vllm_config, device: str) -> None:
@@ -517,8 +529,8 @@ def verify_model(model, vllm_config, device: str) -> None:
             fail(f"{path}: logit soft cap {module.soft_cap} / scale {module.scale}")
         if isinstance(module, RoutedExperts) and id(module) not in moe_experts:
             fail(f"{path}: {type(module).__name__} outside {name}'s MoE block")
-        if isinstance(module, gdn) and not named(device).cpu_backend:
-            fail(f"{path}: Gated DeltaNet on {device} (its consistent forward is vLLM-CPU's)")
+        if isinstance(module, gdn) and not _dispatches_to_replacement(module):
+            fail(f"{path}: Gated DeltaNet dispatching to vLLM's own {_dispatch_name(module)} on {device}")
     # One line per worker (vLLM's INFO logs do not reach verl's driver log): what ran, and where.
     from vllm.distributed import get_tensor_model_parallel_rank
 

