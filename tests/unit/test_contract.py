@@ -680,7 +680,7 @@ def test_cuda_mirrors_the_installed_vllm_and_restores_environ(monkeypatch):
     assert imported == ["vllm.model_executor.determinism.batch_invariant"]
 
 
-@pytest.mark.parametrize("vllm", ["0.31.1", "0.32.0", "0.34.1", None])
+@pytest.mark.parametrize("vllm", ["0.31.1", "0.32.0", "0.34.1", None, "nightly"])
 def test_cuda_refuses_a_table_for_a_vllm_after_the_window_or_unknown(vllm):
     with pytest.raises(determinism_plan.ConfigError, match=r"stack_versions\.vllm.*read up to vLLM 0\.28\.0 to 0\.31\.0"):
         _plan(True, "cuda", versions={**CUDA_STACK, "vllm": vllm}, importer=no_vllm)

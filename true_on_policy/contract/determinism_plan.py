@@ -276,7 +276,8 @@ def rollout_forced_env(
             continue
     if override is None:
         release = versions.effective.get("vllm")
-        if release is None or (version_at_least(release, VLLM_WINDOW[-1]) and not in_vllm_window(release)):
+        newer = version_at_least(release, VLLM_WINDOW[-1])  # None: no release declared, or not a version
+        if newer is None or (newer and not in_vllm_window(release)):
             raise ConfigError(
                 "true_on_policy.stack_versions.vllm",
                 release,
@@ -284,7 +285,7 @@ def rollout_forced_env(
                 f"are read up to {vllm_window_text()}; run the check where vLLM is installed, or declare a release "
                 "of the window",
             )
-        holds_from = [r for r in VLLM_BATCH_INVARIANT_FORCED_ENV if version_at_least(release, r)] or ["0.28.0"]
+        holds_from = [r for r in VLLM_BATCH_INVARIANT_FORCED_ENV if version_at_least(release, r)] or [VLLM_WINDOW[0]]
         forced = dict(VLLM_BATCH_INVARIANT_FORCED_ENV[holds_from[-1]])
         if gate_open("nccl.algo_per_collective_reenable", versions.effective):
             forced["NCCL_ALGO"] = NCCL_ALGO_FROM_2_31
