@@ -220,11 +220,11 @@ def test_every_emitted_key_has_a_manifest_entry(tmp_path):
 
 def test_every_entry_whose_source_is_at_hand_is_read_again_from_it(tmp_path):
     manifest = upstream_keys.load()
-    roots = upstream_keys.local_roots(manifest)
+    roots = upstream_keys.installed_roots(manifest)
     result = upstream_keys.reread(manifest, roots)
     assert result.missing == []
     released = [e for es in manifest.values() for e in es if e["read"] == "released"]
-    unfetched = [e["artifact"] for e in released if (e["project"], upstream_keys.release(e)) not in roots]
+    unfetched = [e["artifact"] for e in released if not (upstream_keys.artifacts_dir() / e["artifact"]).is_dir()]
     assert released and unfetched == [], f"not fetched (python -m true_on_policy fetch-keys; make install runs it): {unfetched}"
     # the installed verl and vLLM are read: no entry of theirs is unread (the default vLLM has entries; another
     # release of the window, installed by hand, may have none)
@@ -233,12 +233,15 @@ def test_every_entry_whose_source_is_at_hand_is_read_again_from_it(tmp_path):
     read = [e for es in manifest.values() for e in es if (e["project"], upstream_keys.release(e)) in at_hand]
     assert {"verl"} | ({"vllm"} if vllm == VLLM_DEFAULT else set()) <= {e["project"] for e in read}
     assert len(result.found) == len(read) + len(released)
-    assert all(line.endswith(("not installed here)",)) or "(recorded from " in line for line in result.unread)
+    assert all(line.endswith("not installed here)") or "(recorded from " in line for line in result.unread)
     # twins: a snippet the source does not have, one that is in the file but does not name its key
     key, (entry, *rest) = next((k, es) for k, es in manifest.items() if es[0]["read"] == "released")
     for snippet in (entry["snippet"] + "  # changed", "import "):
         changed = {**manifest, key: [{**entry, "snippet": snippet}, *rest]}
         assert len(upstream_keys.reread(changed, roots).missing) == 1, snippet
+    # twin: where the artifacts are not fetched, every released entry is unread by name, none found
+    bare = upstream_keys.reread(manifest, roots, tmp_path)
+    assert len(bare.found) == len(read) and sum(line.endswith(" not fetched)") for line in bare.unread) == len(released)
 
 
 # Emitted values no upstream line writes beside their key, with why (each still needed: the test says when not).

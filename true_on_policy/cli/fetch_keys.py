@@ -11,6 +11,7 @@ again is not there. ``make install`` runs it, so the tests need no network.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import pathlib
@@ -28,14 +29,19 @@ REGISTRY = "https://pypi.org/simple/{project}/"
 INDEX_JSON = "application/vnd.pypi.simple.v1+json"
 
 
-def _url(project: str, artifact: str) -> str:
+@functools.cache
+def _index(project: str) -> dict[str, str]:
+    """The registry's files of one project, name -> URL (read once per project)."""
     request = urllib.request.Request(REGISTRY.format(project=project), headers={"Accept": INDEX_JSON})
     with urllib.request.urlopen(request, timeout=60) as reply:
-        files = json.load(reply)["files"]
-    for f in files:
-        if f["filename"] == artifact:
-            return f["url"]
-    raise SystemExit(f"fetch-keys: the registry's {project} has no file {artifact!r}")
+        return {f["filename"]: f["url"] for f in json.load(reply)["files"]}
+
+
+def _url(project: str, artifact: str) -> str:
+    url = _index(project).get(artifact)
+    if url is None:
+        raise SystemExit(f"fetch-keys: the registry's {project} has no file {artifact!r}")
+    return url
 
 
 def _unpack(archive: pathlib.Path, folder: pathlib.Path) -> None:
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         for e in entries:
             if e["read"] == "released":
                 fetch(e, args.into)
-    result = upstream_keys.reread(manifest, upstream_keys.local_roots(manifest, artifacts=args.into))
+    result = upstream_keys.reread(manifest, upstream_keys.installed_roots(manifest), args.into)
     print(f"upstream keys: {len(result.found)} entries read again from released or installed source, "
           f"{len(result.missing)} not found, {len(result.unread)} unread")
     for line in result.missing:

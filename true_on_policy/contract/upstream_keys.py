@@ -64,15 +64,21 @@ class Reread:
     unread: list[str] = dataclasses.field(default_factory=list)  # with why
 
 
-def reread(manifest: Mapping[str, list[Mapping[str, str]]], roots: Mapping[tuple[str, str], pathlib.Path]) -> Reread:
-    """Read every entry again where its source is at hand: ``roots`` maps (project, version) to the folder
-    holding that release's files (an installed package's site-packages, an unpacked artifact)."""
+def reread(
+    manifest: Mapping[str, list[Mapping[str, str]]],
+    installed: Mapping[tuple[str, str], pathlib.Path],
+    artifacts: pathlib.Path | None = None,
+) -> Reread:
+    """Read every entry again where its source is at hand: an ``installed`` entry from ``installed`` (project,
+    version) -> the folder holding that release's package (:func:`installed_roots`), a ``released`` one from
+    its own folder under ``artifacts`` (default :func:`artifacts_dir`)."""
     out = Reread()
     for key, entries in sorted(manifest.items()):
         for e in entries:
             name = f"{key}: {e['project']} {release(e)} {e['file']}"
-            root = roots.get((e["project"], release(e)))
-            if e["read"] == "recorded" or root is None:
+            root = ((artifacts or artifacts_dir()) / e["artifact"] if e["read"] == "released"
+                    else installed.get((e["project"], release(e))))
+            if e["read"] == "recorded" or root is None or not root.is_dir():
                 why = ("recorded from " + (e["commit"] or e["version"]) if e["read"] == "recorded"
                        else "not installed here" if e["read"] == "installed" else f"{e['artifact']} not fetched")
                 out.unread.append(f"{name} ({why})")
@@ -91,11 +97,9 @@ def unlisted(keys: Iterable[str], manifest: Mapping[str, Any], path: pathlib.Pat
     return [f"{key}: no entry in {path}" for key in sorted(set(keys)) if not manifest.get(key)]
 
 
-def local_roots(
-    manifest: Mapping[str, list[Mapping[str, str]]], artifacts: pathlib.Path | None = None
-) -> dict[tuple[str, str], pathlib.Path]:
-    """The sources at hand here for :func:`reread`: each installed project's release (found by metadata, not
-    imported) and each fetched artifact of a ``released`` entry."""
+def installed_roots(manifest: Mapping[str, list[Mapping[str, str]]]) -> dict[tuple[str, str], pathlib.Path]:
+    """Each installed project's release an ``installed`` entry names, found by metadata (not imported):
+    (project, version) -> the folder holding its package."""
     roots: dict[tuple[str, str], pathlib.Path] = {}
     modules = importlib.metadata.packages_distributions()
     for project in {e["project"] for es in manifest.values() for e in es if e["read"] == "installed"}:
@@ -104,11 +108,6 @@ def local_roots(
         if spec is not None and spec.origin:
             version = importlib.metadata.version(modules[module][0]).split("+")[0]
             roots[(project, version)] = pathlib.Path(spec.origin).parent.parent
-    for es in manifest.values():
-        for e in es:
-            folder = (artifacts or artifacts_dir()) / e.get("artifact", "")
-            if e["read"] == "released" and folder.is_dir():
-                roots[(e["project"], release(e))] = folder
     return roots
 
 
