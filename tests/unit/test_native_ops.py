@@ -15,6 +15,7 @@ import contextlib
 import functools
 import math
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -111,6 +112,57 @@ def test_twin_without_openmp_the_native_loops_run_serially(tmp_path):
     )
     with threads(2):
         assert serial.parallel_threads(8) == 1
+
+
+def _started(fn) -> tuple[threading.Thread, list]:
+    """fn() on a daemon thread (a load that hangs must not hang the test), and the list its outcome lands in."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(fn())
+        except Exception as error:  # noqa: BLE001 -- the outcome is what the test reads
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_load():
+    """A builder killed mid-build (a job stopped, a machine preempted) leaves torch's build lock file in the build
+    directory, and torch's load waits on it forever: every later process that needs the kernels hangs without a
+    word (a vLLM worker stuck there surfaces as an RPC timeout). The build holds the directory by an OS lock
+    that dies with its holder, and under it clears such a leftover."""
+    leftover = native.build_directory() / native.TORCH_BUILD_LOCK
+    leftover.touch()
+    try:
+        thread, outcome = _started(native.build)
+        thread.join(timeout=300)
+        assert outcome and hasattr(outcome[0], "exp_fp32") and not leftover.exists(), outcome
+    finally:
+        leftover.unlink(missing_ok=True)
+
+
+def test_twin_torch_alone_waits_on_a_leftover_build_lock(tmp_path):
+    """The same leftover in a directory loaded by torch alone: still waiting seconds later (no compile is
+    needed to see it: the wait comes before any build), and it goes on once the file is gone. Under
+    :func:`native.one_builder` the leftover is cleared before torch looks."""
+    from torch.utils.cpp_extension import load
+
+    (tmp_path / "leftover.cpp").write_text("int leftover() { return 1; }\n")
+    leftover = tmp_path / native.TORCH_BUILD_LOCK
+    leftover.touch()
+    thread, _ = _started(lambda: load("true_on_policy_leftover_lock_twin", [str(tmp_path / "leftover.cpp")],
+                                      build_directory=str(tmp_path)))
+    thread.join(timeout=5)
+    assert thread.is_alive()
+    leftover.unlink()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    leftover.touch()
+    with native.one_builder(tmp_path):
+        assert not leftover.exists()
 
 
 def test_the_build_compiles_copies_named_by_the_build_directory_not_the_package(tmp_path):

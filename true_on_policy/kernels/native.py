@@ -21,12 +21,15 @@ from the library (:func:`constants`), never copied here.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import math
 import os
 import sys
 import warnings
 from pathlib import Path
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -80,19 +83,39 @@ def staged_sources(directory: Path) -> list[Path]:
     return [staged / path.name for path in SOURCES]
 
 
+# torch's own build lock in a build directory: a file (its FileBaton) that a killed builder leaves behind, on
+# which every later load then waits forever
+TORCH_BUILD_LOCK = "lock"
+
+
+@contextlib.contextmanager
+def one_builder(directory: Path) -> Iterator[None]:
+    """One builder or loader at a time in ``directory``, by an OS lock the kernel drops when its holder dies.
+    Holding it, no other process of ours is inside torch's build, so a torch build lock found there was left by
+    a builder that died: it is removed, and the load goes on instead of hanging."""
+    with open(directory / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / TORCH_BUILD_LOCK).unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build() -> ModuleType:
     """Build (or load the already built) library; raises if the compiler fails."""
     from torch.utils.cpp_extension import load
 
     directory = build_directory()
-    return load(
-        name=f"true_on_policy_fixed_order_{directory.name.split('-')[1]}",
-        sources=[str(path) for path in staged_sources(directory)],
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=list(LDFLAGS),
-        build_directory=str(directory),
-        verbose=False,
-    )
+    with one_builder(directory):
+        return load(
+            name=f"true_on_policy_fixed_order_{directory.name.split('-')[1]}",
+            sources=[str(path) for path in staged_sources(directory)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(directory),
+            verbose=False,
+        )
 
 
 def exp_is_torchs(library: ModuleType) -> bool:
