@@ -64,6 +64,15 @@ def test_the_adapter_refuses_a_vllm_outside_the_window_before_patching(monkeypat
     patches._check_version()
 
 
+def test_the_adapter_refuses_an_imported_vllm_that_is_not_the_installed_release_its_targets_are_for(monkeypatch):
+    import vllm
+
+    other = next(release for release in VLLM_WINDOW if release != patches._INSTALLED)
+    monkeypatch.setattr(vllm, "__version__", other)
+    with pytest.raises(patches.PatchTargetChanged, match=rf"imported vLLM is {other} .*installed distribution {patches._INSTALLED}"):
+        patches._check_version()
+
+
 def _config(name: str):
     return check.compose_config(str(CONFIGS), name)
 

@@ -83,12 +83,17 @@ def check_targets(device: str) -> list[str]:
 
 
 def _check_version() -> None:
+    """The imported vLLM is in the window and is the installed release :data:`TARGETS` were chosen for (read
+    from its distribution; a checkout on the path could shadow it)."""
     import vllm
 
     if not in_vllm_window(vllm.__version__):
         raise PatchTargetChanged(
             f"vllm: the true_on_policy vLLM adapter is written for {vllm_window_text()}, found {vllm.__version__}"
         )
+    if vllm.__version__.split("+")[0] != (_INSTALLED or "").split("+")[0]:
+        raise PatchTargetChanged(f"vllm: the imported vLLM is {vllm.__version__} ({vllm.__file__}), the installed "
+                                 f"distribution {_INSTALLED}, whose targets were chosen")
 
 
 # ----------------------------------------------------------------------------------------------
