@@ -14,6 +14,11 @@ sequences of ``--prefill`` tokens), at batch 1 and 16.
     python benchmarks/bench_gdn_rollout_step.py [--json] [--repeats N] [--threads N]
 
 Records: ``case``, ``tokens``, ``fused_ms``, ``composed_ms``, ``ratio`` (fused / composed; < 1: fused faster).
+
+A mixed step (``--batch`` decodes beside one prefill chunk): the adapter's two fused calls, decodes then the
+chunk (``vllm_adapter/hybrid_layers.py`` ``_gdn_step``: a device's torch code pads a call to its longest
+sequence) against one call over all of them, the same bits asserted. Records ``split_ms``, ``one_call_ms``,
+``ratio`` (split / one call; > 1: what the split costs on CPU).
 """
 
 from __future__ import annotations
@@ -79,6 +84,35 @@ def measure(args, repeats: int) -> dict:
     return {"fused_ms": fused_ms, "composed_ms": composed_ms, "ratio": fused_ms / composed_ms}
 
 
+def split_calls(args, decodes: int):
+    """The adapter's mixed step: the decodes' call, then the prefill chunk's, each over its own rows."""
+    bounds, start = args["cu_seqlens"], int(args["cu_seqlens"][decodes])
+    rows = {"mixed_qkv", "z", "b", "a"}
+    parts = []
+    for first, last, begin, end in ((0, decodes, 0, start), (decodes, len(bounds) - 1, start, int(bounds[-1]))):
+        part = {k: (v[begin:end] if k in rows else v) for k, v in args.items()}
+        part.update(cu_seqlens=bounds[first:last + 1] - begin, slots=args["slots"][first:last],
+                    fresh=args["fresh"][first:last])
+        parts.append(fused(part))
+    return torch.cat(parts)
+
+
+def measure_split(args, decodes: int, repeats: int) -> dict:
+    with torch.no_grad():
+        first, second = fresh_caches(args), fresh_caches(args)
+        same = torch.equal(split_calls(first, decodes), fused(second))
+        assert same and all(torch.equal(first[c], second[c]) for c in ("state_cache", "conv_cache")), "split differs"
+        times = {"split": [], "one_call": []}
+        for _ in range(repeats):
+            for name, run in (("split", lambda a: split_calls(a, decodes)), ("one_call", fused)):
+                copy = fresh_caches(args)
+                start = time.perf_counter()
+                run(copy)
+                times[name].append(time.perf_counter() - start)
+    split_ms, one_ms = (1e3 * statistics.median(times[n]) for n in ("split", "one_call"))
+    return {"split_ms": split_ms, "one_call_ms": one_ms, "ratio": split_ms / one_ms}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--key-heads", type=int, default=8)
@@ -97,12 +131,19 @@ def main() -> None:
             step = step_args(args.key_heads, args.value_heads, args.head_dim, [length] * batch, fresh, torch.bfloat16)
             repeats = args.repeats if phase == "decode" else max(3, args.repeats // 5)
             records.append({"case": f"{phase} b{batch}", "tokens": length * batch, **measure(step, repeats)})
+    for batch in (1, 16):
+        step = step_args(args.key_heads, args.value_heads, args.head_dim, [1] * batch + [args.prefill], False,
+                         torch.bfloat16)
+        step["fresh"] = torch.tensor([False] * batch + [True])
+        records.append({"case": f"mixed b{batch}+1", "tokens": batch + args.prefill,
+                        **measure_split(step, batch, max(3, args.repeats // 5))})
     if args.json:
         print(json.dumps(records, indent=1))
         return
     for r in records:
-        print(f"{r['case']:<12} {r['tokens']:>6} tokens  fused {r['fused_ms']:9.2f} ms  composed "
-              f"{r['composed_ms']:9.2f} ms  ratio {r['ratio']:.3f}")
+        pair = (f"fused {r['fused_ms']:9.2f} ms  composed {r['composed_ms']:9.2f} ms" if "fused_ms" in r
+                else f"split {r['split_ms']:9.2f} ms  one call {r['one_call_ms']:9.2f} ms")
+        print(f"{r['case']:<12} {r['tokens']:>6} tokens  {pair}  ratio {r['ratio']:.3f}")
 
 
 if __name__ == "__main__":
