@@ -68,20 +68,29 @@ def fresh_caches(args):
     return {**args, "conv_cache": args["conv_cache"].clone(), "state_cache": args["state_cache"].clone()}
 
 
+def medians_ms(variants: dict, args, repeats: int) -> dict[str, float]:
+    """Each variant's median time (ms) over ``repeats``, the variants alternating within a repeat on fresh caches."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            copy = fresh_caches(args)
+            start = time.perf_counter()
+            run(copy)
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def same_step(first, second, args) -> bool:
+    """Whether two ways of running the step give the same output and leave the same caches."""
+    a, b = fresh_caches(args), fresh_caches(args)
+    return torch.equal(first(a), second(b)) and all(torch.equal(a[c], b[c]) for c in ("state_cache", "conv_cache"))
+
+
 def measure(args, repeats: int) -> dict:
     with torch.no_grad():
-        first, second = fresh_caches(args), fresh_caches(args)
-        same = torch.equal(fused(first), composed(second)) and torch.equal(first["state_cache"], second["state_cache"])
-        assert same and torch.equal(first["conv_cache"], second["conv_cache"]), "fused and composed bits differ"
-        times = {"fused": [], "composed": []}
-        for _ in range(repeats):
-            for name, run in (("fused", fused), ("composed", composed)):
-                copy = fresh_caches(args)
-                start = time.perf_counter()
-                run(copy)
-                times[name].append(time.perf_counter() - start)
-    fused_ms, composed_ms = (1e3 * statistics.median(times[n]) for n in ("fused", "composed"))
-    return {"fused_ms": fused_ms, "composed_ms": composed_ms, "ratio": fused_ms / composed_ms}
+        assert same_step(fused, composed, args), "fused and composed bits differ"
+        ms = medians_ms({"fused": fused, "composed": composed}, args, repeats)
+    return {"fused_ms": ms["fused"], "composed_ms": ms["composed"], "ratio": ms["fused"] / ms["composed"]}
 
 
 def split_calls(args, decodes: int):
@@ -98,19 +107,11 @@ def split_calls(args, decodes: int):
 
 
 def measure_split(args, decodes: int, repeats: int) -> dict:
+    split = lambda a: split_calls(a, decodes)  # noqa: E731
     with torch.no_grad():
-        first, second = fresh_caches(args), fresh_caches(args)
-        same = torch.equal(split_calls(first, decodes), fused(second))
-        assert same and all(torch.equal(first[c], second[c]) for c in ("state_cache", "conv_cache")), "split differs"
-        times = {"split": [], "one_call": []}
-        for _ in range(repeats):
-            for name, run in (("split", lambda a: split_calls(a, decodes)), ("one_call", fused)):
-                copy = fresh_caches(args)
-                start = time.perf_counter()
-                run(copy)
-                times[name].append(time.perf_counter() - start)
-    split_ms, one_ms = (1e3 * statistics.median(times[n]) for n in ("split", "one_call"))
-    return {"split_ms": split_ms, "one_call_ms": one_ms, "ratio": split_ms / one_ms}
+        assert same_step(split, fused, args), "two calls and one call differ"
+        ms = medians_ms({"split": split, "one_call": fused}, args, repeats)
+    return {"split_ms": ms["split"], "one_call_ms": ms["one_call"], "ratio": ms["split"] / ms["one_call"]}
 
 
 def main() -> None:
