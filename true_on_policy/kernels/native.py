@@ -28,8 +28,8 @@ import math
 import os
 import sys
 import warnings
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import torch

@@ -92,8 +92,8 @@ def _check_version() -> None:
             f"vllm: the true_on_policy vLLM adapter is written for {vllm_window_text()}, found {vllm.__version__}"
         )
     if vllm.__version__.split("+")[0] != (_INSTALLED or "").split("+")[0]:
-        raise PatchTargetChanged(f"vllm: the imported vLLM is {vllm.__version__} ({vllm.__file__}), the installed "
-                                 f"distribution {_INSTALLED}, whose targets were chosen")
+        raise PatchTargetChanged(f"vllm: the imported vLLM is {vllm.__version__} ({vllm.__file__}), not the installed "
+                                 f"distribution {_INSTALLED} the adapter's targets were chosen for")
 
 
 # ----------------------------------------------------------------------------------------------
