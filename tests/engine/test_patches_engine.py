@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from true_on_policy import patching
-from true_on_policy.config.settings import ENV_VAR
+from true_on_policy.config.settings import ENV_VAR, Settings
 from true_on_policy.verl_adapter import patches
 
 # Their modules import vLLM (seconds): the patch list with the others in tests/unit/test_patches.py.
@@ -44,6 +44,33 @@ def test_the_plugin_arms_the_start_check_without_importing_the_trainer():
     env = {key: value for key, value in os.environ.items() if key != ENV_VAR}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "armed" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.subprocess
+def test_a_launch_process_installs_the_trainer_and_engine_patches_when_their_modules_are_imported():
+    """In every process of a launch (settings exported) the plugin activates, but verl's trainer module (and
+    vLLM behind it) and its FSDP engine module (datasets, peft, pandas behind it) are imported only by the
+    processes that run them: their patches are installed when they are imported, seconds of CPU saved in each
+    of a launch's other Ray actors. Twin: importing the engine module is what brings in those libraries."""
+    code = (
+        "import sys, verl\n"
+        "from true_on_policy import patching\n"
+        "heavy = ('verl.trainer.ppo.v1.trainer_base', 'verl.workers.engine.fsdp.transformer_impl', 'datasets', 'vllm')\n"
+        "assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]\n"
+        "from verl.trainer.ppo.v1.trainer_base import PPOTrainer\n"
+        "for name in ('_compute_advantage', '_compute_old_log_prob', '_balance_batch', '_save_checkpoint', '_load_checkpoint'):\n"
+        "    assert patching.is_replacement(getattr(PPOTrainer, name)), name\n"
+        "from verl.workers.engine.fsdp import transformer_impl\n"
+        "assert 'datasets' in sys.modules\n"
+        "assert patching.is_replacement(transformer_impl.logprobs_from_logits)\n"
+        "from verl.workers.engine.base import EngineRegistry\n"
+        "engine = EngineRegistry.get_engine_cls(model_type='language_model', backend='fsdp')\n"
+        "assert engine is transformer_impl.FSDPEngineWithLMHead, engine\n"
+        "print('installed on import')\n"
+    )
+    env = {**os.environ, ENV_VAR: Settings(platform="cpu").to_json(), "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cpu"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "installed on import" in result.stdout, result.stderr[-3000:]
 
 
 def _what_launch_a_receives(address_a: str, address_b: str) -> str:

@@ -134,8 +134,12 @@ def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_load():
     directory, and torch's load waits on it forever: every later process that needs the kernels hangs without a
     word (a vLLM worker stuck there surfaces as an RPC timeout). The build holds the directory by an OS lock
     that dies with its holder, and under it clears such a leftover."""
-    leftover = native.build_directory() / native.TORCH_BUILD_LOCK
-    leftover.touch()
+    directory = native.build_directory()
+    leftover = directory / native.TORCH_BUILD_LOCK
+    # planted while holding the directory, as a builder killed inside torch's build leaves it: never between
+    # another process's clearing and its own build (which would then wait on this file)
+    with native.one_builder(directory):
+        leftover.touch()
     try:
         thread, outcome = _started(native.build)
         thread.join(timeout=300)

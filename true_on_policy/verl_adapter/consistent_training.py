@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 # Set by the launch for rollout.name=vllm: len(tokenizer). verl's vLLM rollout sets the logits of
 # ids >= len(tokenizer) to -inf before sampling; the training log-prob applies the same mask.
@@ -70,13 +71,21 @@ def _activate(consistent: bool) -> None:
 
     patch_transformers()
     use_ulysses_group()
-    replacement = None
     if consistent:
         ops.set_switches(consistent=True)
-        replacement = consistent_logprobs_from_logits
     vocab = os.environ.get(ROLLOUT_VOCAB_ENV)
-    if vocab:  # flag on or off: the mask is part of what the rollout samples from
-        base = replacement or patches.check_target("verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits")
-        replacement = mask_out_of_vocabulary(base, int(vocab))
-    if replacement is not None:
-        patches.install_logprobs_from_logits(replacement)
+    if consistent or vocab:
+        # where verl's FSDP engine module is imported (the training workers), not in every process the plugin loads in
+        replacement = functools.partial(_logprobs_from_logits, consistent, int(vocab) if vocab else None)
+        patches.when_imported("verl.workers.engine.fsdp.transformer_impl",
+                              lambda _: patches.install_logprobs_from_logits(replacement()))
+
+
+def _logprobs_from_logits(consistent: bool, vocab: int | None) -> Callable:
+    """The training engine's token log-probs: the consistent op with the flag on (verl's own off), masked to the
+    rollout's vocabulary where it is smaller (flag on or off: the mask is part of what the rollout samples from)."""
+    from true_on_policy.verl_adapter import patches
+
+    base = (consistent_logprobs_from_logits if consistent
+            else patches.check_target("verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits"))
+    return base if vocab is None else mask_out_of_vocabulary(base, vocab)

@@ -134,15 +134,21 @@ class PlatformCPU(PlatformBase):
 
 @functools.cache
 def activate() -> None:
-    """Apply the CPU fixes in this process (once: verl's registry refuses a second registration)."""
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp import transformer_impl
-
+    """Apply the CPU fixes in this process (once: verl's registry refuses a second registration). verl's FSDP
+    engines are registered for this platform when their module is imported: the processes that build an engine
+    import it, and the others (Ray's many verl actors) do not pay the seconds of datasets, peft and pandas
+    behind it."""
     from true_on_policy.verl_adapter import patches
+
+    patches.when_imported("verl.workers.engine.fsdp.transformer_impl", _register_fsdp_engines)
+    patches.install_gloo_process_group()
+
+
+def _register_fsdp_engines(transformer_impl) -> None:
+    from verl.workers.engine.base import EngineRegistry
 
     for model_type, engine_cls in (
         ("language_model", transformer_impl.FSDPEngineWithLMHead),
         ("value_model", transformer_impl.FSDPEngineWithValueHead),
     ):
         EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device=PLATFORM_NAME)(engine_cls)
-    patches.install_gloo_process_group()

@@ -3,7 +3,9 @@
 Importing it registers (FlashREINFORCE's loss and advantage estimator, the ``cpu`` platform, the
 ``cpu`` rollout backend) and wraps verl's launch hook, which is inert for configs without a
 ``true_on_policy:`` section. Only settings exported by such a launch switch behaviour on in this
-process (:func:`true_on_policy.verl_adapter.launch.activate_from_environment`).
+process (:func:`true_on_policy.verl_adapter.launch.activate_from_environment`). The patches of verl's heavy
+modules (its trainer, its FSDP engine) are installed when those are imported (``patches.when_imported``): a
+launch's other processes never import them.
 
 verl swallows plugin import errors (``Exception``) at debug level, so a failure here is reported
 loudly on stderr before it is re-raised; in a process the launch configured (the settings are

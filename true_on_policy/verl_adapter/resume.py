@@ -101,6 +101,9 @@ def patch_trainer_checkpoint_recipe_state(trainer_cls) -> None:
 
 @functools.cache
 def install() -> None:
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    """:func:`patch_trainer_checkpoint_recipe_state` on verl's PPOTrainer when its module is imported (only the
+    process that runs the trainer imports it)."""
+    from true_on_policy.verl_adapter import patches
 
-    patch_trainer_checkpoint_recipe_state(PPOTrainer)
+    patches.when_imported("verl.trainer.ppo.v1.trainer_base",
+                          lambda module: patch_trainer_checkpoint_recipe_state(module.PPOTrainer))

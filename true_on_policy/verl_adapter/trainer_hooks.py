@@ -283,7 +283,13 @@ def install_on(trainer_cls, tq) -> None:
 
 @functools.cache
 def install() -> None:
-    import transfer_queue as tq
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    """:func:`install_on` verl's PPOTrainer when its module is imported: only the process that runs the trainer
+    imports it (with transfer_queue and vLLM behind it, seconds of CPU), not every process the plugin loads in."""
+    from true_on_policy.verl_adapter import patches
 
-    install_on(PPOTrainer, tq)
+    def on_trainer_base(module) -> None:
+        import transfer_queue as tq
+
+        install_on(module.PPOTrainer, tq)
+
+    patches.when_imported("verl.trainer.ppo.v1.trainer_base", on_trainer_base)
