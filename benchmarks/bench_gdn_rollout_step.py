@@ -24,6 +24,7 @@ sequence) against one call over all of them, the same bits asserted. Records ``s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -107,7 +108,7 @@ def split_calls(args, decodes: int):
 
 
 def measure_split(args, decodes: int, repeats: int) -> dict:
-    split = lambda a: split_calls(a, decodes)  # noqa: E731
+    split = functools.partial(split_calls, decodes=decodes)
     with torch.no_grad():
         assert same_step(split, fused, args), "two calls and one call differ"
         ms = medians_ms({"split": split, "one_call": fused}, args, repeats)

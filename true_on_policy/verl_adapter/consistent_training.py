@@ -76,9 +76,9 @@ def _activate(consistent: bool) -> None:
     vocab = os.environ.get(ROLLOUT_VOCAB_ENV)
     if consistent or vocab:
         # where verl's FSDP engine module is imported (the training workers), not in every process the plugin loads in
-        replacement = functools.partial(_logprobs_from_logits, consistent, int(vocab) if vocab else None)
-        patches.when_imported("verl.workers.engine.fsdp.transformer_impl",
-                              lambda _: patches.install_logprobs_from_logits(replacement()))
+        vocab_size = int(vocab) if vocab else None
+        patches.when_imported(patches.FSDP_ENGINE_MODULE, lambda _: patches.install_logprobs_from_logits(
+            _logprobs_from_logits(consistent, vocab_size)))
 
 
 def _logprobs_from_logits(consistent: bool, vocab: int | None) -> Callable:
@@ -87,5 +87,5 @@ def _logprobs_from_logits(consistent: bool, vocab: int | None) -> Callable:
     from true_on_policy.verl_adapter import patches
 
     base = (consistent_logprobs_from_logits if consistent
-            else patches.check_target("verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits"))
+            else patches.check_target(f"{patches.FSDP_ENGINE_MODULE}.logprobs_from_logits"))
     return base if vocab is None else mask_out_of_vocabulary(base, vocab)

@@ -140,7 +140,7 @@ def activate() -> None:
     behind it."""
     from true_on_policy.verl_adapter import patches
 
-    patches.when_imported("verl.workers.engine.fsdp.transformer_impl", _register_fsdp_engines)
+    patches.when_imported(patches.FSDP_ENGINE_MODULE, _register_fsdp_engines)
     patches.install_gloo_process_group()
 
 

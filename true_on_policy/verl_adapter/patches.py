@@ -50,7 +50,10 @@ from true_on_policy.config.platforms import VLLM
 from true_on_policy.patching import Patch, PatchTargetChanged, Target
 
 VERL_VERSION = "0.9.1"
-_TRAINER = "verl.trainer.ppo.v1.trainer_base.PPOTrainer"
+# The two heavy verl modules patched where they are imported (:func:`when_imported`), not in every process.
+TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
+FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+_TRAINER = f"{TRAINER_MODULE}.PPOTrainer"
 _VLLM_SENDER_MODULE = "verl.workers.rollout.vllm_rollout.vllm_rollout"
 _VLLM_RECEIVER_MODULE = "verl.workers.rollout.vllm_rollout.utils"
 
@@ -60,7 +63,7 @@ def _target(module: str, attribute: str, expected: tuple[str, ...] | type) -> Ta
 
 
 def _trainer_method(name: str, params: tuple[str, ...]) -> Target:
-    return _target("verl.trainer.ppo.v1.trainer_base", f"PPOTrainer.{name}", ("self", *params))
+    return _target(TRAINER_MODULE, f"PPOTrainer.{name}", ("self", *params))
 
 
 # Every verl symbol patched or reached into, with its parameter names in verl 0.9.1 (or its type).
@@ -76,7 +79,7 @@ TARGETS: dict[str, Target] = {
         _trainer_method("_save_checkpoint", ()),
         _trainer_method("_load_checkpoint", ()),
         _target("verl.utils.distributed", "initialize_global_process_group_ray", ("timeout_second", "backend")),
-        _target("verl.workers.engine.fsdp.transformer_impl", "logprobs_from_logits",
+        _target(FSDP_ENGINE_MODULE, "logprobs_from_logits",
                 ("logits", "labels", "inplace_backward")),
         _target("verl.utils.ulysses", "get_ulysses_sequence_parallel_group", ()),
         _target("verl.workers.rollout.base", "get_rollout_class", ("rollout_name", "mode")),
@@ -188,10 +191,7 @@ def install_trainer_start_check(check: Callable[[Any], None], trainer_cls: type 
     Without ``trainer_cls``, installed on verl's PPOTrainer when ``trainer_base`` is imported.
     """
     if trainer_cls is None:
-        when_imported(
-            "verl.trainer.ppo.v1.trainer_base",
-            lambda module: install_trainer_start_check(check, module.PPOTrainer),
-        )
+        when_imported(TRAINER_MODULE, lambda module: install_trainer_start_check(check, module.PPOTrainer))
         return
     if patching.is_replacement(trainer_cls.__init__):
         return
@@ -262,7 +262,7 @@ def install_logprobs_from_logits(replacement: Callable) -> None:
     name in ``transformer_impl``; ``replacement`` (same signature) takes its place there."""
     from verl.workers.engine.fsdp import transformer_impl
 
-    target = TARGETS["verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits"]
+    target = TARGETS[f"{FSDP_ENGINE_MODULE}.logprobs_from_logits"]
     if patching.is_replacement(transformer_impl.logprobs_from_logits):
         return
     target.check()

@@ -105,5 +105,5 @@ def install() -> None:
     process that runs the trainer imports it)."""
     from true_on_policy.verl_adapter import patches
 
-    patches.when_imported("verl.trainer.ppo.v1.trainer_base",
+    patches.when_imported(patches.TRAINER_MODULE,
                           lambda module: patch_trainer_checkpoint_recipe_state(module.PPOTrainer))

@@ -292,4 +292,4 @@ def install() -> None:
 
         install_on(module.PPOTrainer, tq)
 
-    patches.when_imported("verl.trainer.ppo.v1.trainer_base", on_trainer_base)
+    patches.when_imported(patches.TRAINER_MODULE, on_trainer_base)
