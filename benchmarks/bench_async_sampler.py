@@ -124,127 +124,140 @@ def run_variant(policy: str, model, args) -> dict:
     times, each repeat on a fresh workload (seed + repeat) that both variants share; the ratio is of the
     summed wall times, so load changes on a shared machine hit both.
     """
-    workload = Workload(args)
-    eos = tiny_model_config("dense").eos_token_id
-    engine = RolloutEngine(model, eos_token_id=eos, max_num_seqs=64, max_model_len=args.max_model_len, seed=args.seed)
-    ledger = PromptLedger(prompts_per_epoch=None)
-    batch = args.batch
-    generating: dict[str, Agent] = {}  # engine request id -> agent
-    tools: list[tuple[float, int, Agent]] = []  # (ready time, tie-break, agent): agents in a tool call
-    agents: dict[str, Agent] = {}  # attempt id -> agent, until its trajectory reaches the learner
-    retry_queue: list[PromptSlot] = []  # prompts awaiting a re-roll (lag drops), oldest first
-    counters = {"next_prompt": 0, "tie": 0}
-    version = 0  # learner steps done = policy version the engine serves
-    learner_step = 1
-    step_ends, fill_seconds, lags, trajectory_seconds = [], [], [], []
-    start = time.monotonic()
-    fill_started = start
+    return Simulation(policy, model, args).run()
 
-    def submit_generation(agent: Agent) -> None:
+
+class Simulation:
+    """One variant's run of :func:`run_variant`: agents, tool calls, the engine and the learner, stepped in turn."""
+
+    def __init__(self, policy: str, model, args):
+        self.policy, self.args, self.batch = policy, args, args.batch
+        self.workload = Workload(args)
+        eos = tiny_model_config("dense").eos_token_id
+        self.engine = RolloutEngine(model, eos_token_id=eos, max_num_seqs=64, max_model_len=args.max_model_len, seed=args.seed)
+        self.ledger = PromptLedger(prompts_per_epoch=None)
+        self.generating: dict[str, Agent] = {}  # engine request id -> agent
+        self.tools: list[tuple[float, int, Agent]] = []  # (ready time, tie-break, agent): agents in a tool call
+        self.agents: dict[str, Agent] = {}  # attempt id -> agent, until its trajectory reaches the learner
+        self.retry_queue: list[PromptSlot] = []  # prompts awaiting a re-roll (lag drops), oldest first
+        self.next_prompt, self.tie = 0, 0
+        self.version = 0  # learner steps done = policy version the engine serves
+        self.learner_step = 1
+        self.step_ends, self.fill_seconds, self.lags, self.trajectory_seconds = [], [], [], []
+
+    def submit_generation(self, agent: Agent) -> None:
         request_id = f"{agent.attempt_id}/turn{agent.turn}"
         # Seeded by the request, not by arrival: the same trajectory samples the same tokens in both variants.
-        params = SamplingParams(max_new_tokens=args.tokens, temperature=1.0, seed=derive_seed(args.seed, request_id))
-        engine.add_request(request_id, agent.tokens, params)
-        generating[request_id] = agent
+        params = SamplingParams(max_new_tokens=self.args.tokens, temperature=1.0, seed=derive_seed(self.args.seed, request_id))
+        self.engine.add_request(request_id, agent.tokens, params)
+        self.generating[request_id] = agent
 
-    def start_agent(prompt_index: int, attempt: int, now: float, superseded: str | None = None) -> None:
+    def start_agent(self, prompt_index: int, attempt: int, now: float, superseded: str | None = None) -> None:
         attempt_id = f"p{prompt_index}a{attempt}"
-        agent = Agent(
-            prompt_index,
-            attempt,
-            attempt_id,
-            workload.prompt(prompt_index),
-            workload.environment(prompt_index, attempt),
-            started_at=now,
-        )
+        agent = Agent(prompt_index, attempt, attempt_id, self.workload.prompt(prompt_index),
+                      self.workload.environment(prompt_index, attempt), started_at=now)
         if superseded is None:
-            ledger.dispatched(attempt_id, prompt_index, learner_step, now)
+            self.ledger.dispatched(attempt_id, prompt_index, self.learner_step, now)
         else:
-            ledger.requeued(superseded, attempt_id, learner_step, now)
-        agents[attempt_id] = agent
-        submit_generation(agent)
+            self.ledger.requeued(superseded, attempt_id, self.learner_step, now)
+        self.agents[attempt_id] = agent
+        self.submit_generation(agent)
 
-    def fill_slot(now: float) -> None:
+    def fill_slot(self, now: float) -> None:
         """Start the next rollout in a free agent slot: a re-roll first, else a fresh prompt."""
-        if retry_queue:
-            slot = retry_queue.pop(0)
-            start_agent(slot.prompt_id, slot.attempts + 1, now, superseded=slot.attempt_id)
+        if self.retry_queue:
+            slot = self.retry_queue.pop(0)
+            self.start_agent(slot.prompt_id, slot.attempts + 1, now, superseded=slot.attempt_id)
         else:
-            start_agent(counters["next_prompt"], 1, now)
-            counters["next_prompt"] += 1
+            self.start_agent(self.next_prompt, 1, now)
+            self.next_prompt += 1
 
-    for _ in range(batch):
-        fill_slot(start)
-
-    while learner_step <= args.steps:
-        now = time.monotonic()
-        # Tool calls that returned: next turn, or the trajectory is complete.
-        while tools and tools[0][0] <= now:
-            _, _, agent = heapq.heappop(tools)
+    def return_tools(self, now: float) -> None:
+        """Tool calls that returned: next turn, or the trajectory is complete."""
+        while self.tools and self.tools[0][0] <= now:
+            _, _, agent = heapq.heappop(self.tools)
             agent.turn += 1
-            if agent.turn < args.turns:
-                agent.tokens = agent.tokens + workload.tool_output(agent.rng)
-                submit_generation(agent)
+            if agent.turn < self.args.turns:
+                agent.tokens = agent.tokens + self.workload.tool_output(agent.rng)
+                self.submit_generation(agent)
                 continue
-            ledger.completed(agent.attempt_id, agent.min_version, agent.max_version)
-            trajectory_seconds.append(now - agent.started_at)
-            if policy == "async":
-                fill_slot(now)  # the slot is free: no barrier
-        # One engine step over every agent that is generating.
-        if engine.has_work():
-            for completion in engine.step():
-                agent = generating.pop(completion.request_id)
-                agent.min_version = version if agent.min_version is None else agent.min_version
-                agent.max_version = version
-                agent.tokens = agent.tokens + completion.token_ids
-                counters["tie"] += 1
-                heapq.heappush(tools, (time.monotonic() + workload.tool_seconds(agent.rng), counters["tie"], agent))
-        # The learner.
-        if policy == "async":
-            decision = ledger.take_batch(batch, learner_step, args.max_policy_lag, "drop")
+            self.ledger.completed(agent.attempt_id, agent.min_version, agent.max_version)
+            self.trajectory_seconds.append(now - agent.started_at)
+            if self.policy == "async":
+                self.fill_slot(now)  # the slot is free: no barrier
+
+    def step_engine(self) -> None:
+        """One engine step over every agent that is generating."""
+        for completion in self.engine.step():
+            agent = self.generating.pop(completion.request_id)
+            agent.min_version = self.version if agent.min_version is None else agent.min_version
+            agent.max_version = self.version
+            agent.tokens = agent.tokens + completion.token_ids
+            self.tie += 1
+            heapq.heappush(self.tools, (time.monotonic() + self.workload.tool_seconds(agent.rng), self.tie, agent))
+
+    def learn(self) -> bool:
+        """The learner takes a batch if one is ready (and steps); whether it did."""
+        if self.policy == "async":
+            decision = self.ledger.take_batch(self.batch, self.learner_step, self.args.max_policy_lag, "drop")
             for slot in decision.dropped_for_lag:
-                agents.pop(slot.attempt_id)
-                retry_queue.append(slot)  # its agent slot was refilled already; the re-roll takes the next one
+                self.agents.pop(slot.attempt_id)
+                self.retry_queue.append(slot)  # its agent slot was refilled already; the re-roll takes the next one
         else:
-            all_done = ledger.count(SlotState.IN_FLIGHT) == 0 and ledger.count(SlotState.COMPLETED) == batch
-            decision = ledger.take_batch(batch, learner_step) if all_done else None
-        if decision is not None and decision.ready:
-            fill_seconds.append(time.monotonic() - fill_started)
-            lags.extend(policy_lag(learner_step, slot.min_version) for slot in decision.delivered)
-            for slot in decision.delivered:
-                agents.pop(slot.attempt_id)
-            time.sleep(args.learner_ms / 1000.0)  # the update; the engine does not step meanwhile
-            version += 1
-            learner_step += 1
-            step_ends.append(time.monotonic())
-            fill_started = step_ends[-1]
-            if policy == "sync" and learner_step <= args.steps:
-                for _ in range(batch):
-                    fill_slot(step_ends[-1])
-            continue
-        if not engine.has_work():
-            # Nothing to compute: the agents are all waiting on tools.
-            wait = (tools[0][0] - time.monotonic()) if tools else 0.001
-            time.sleep(max(0.0, min(wait, 0.05)))
+            ledger = self.ledger
+            all_done = ledger.count(SlotState.IN_FLIGHT) == 0 and ledger.count(SlotState.COMPLETED) == self.batch
+            decision = ledger.take_batch(self.batch, self.learner_step) if all_done else None
+        if decision is None or not decision.ready:
+            return False
+        self.fill_seconds.append(time.monotonic() - self.fill_started)
+        self.lags.extend(policy_lag(self.learner_step, slot.min_version) for slot in decision.delivered)
+        for slot in decision.delivered:
+            self.agents.pop(slot.attempt_id)
+        time.sleep(self.args.learner_ms / 1000.0)  # the update; the engine does not step meanwhile
+        self.version += 1
+        self.learner_step += 1
+        self.step_ends.append(time.monotonic())
+        self.fill_started = self.step_ends[-1]
+        if self.policy == "sync" and self.learner_step <= self.args.steps:
+            for _ in range(self.batch):
+                self.fill_slot(self.step_ends[-1])
+        return True
 
-    ledger.check_invariants()
-    elapsed = step_ends[-1] - start
-    delivered = batch * args.steps
-    return {
-        "seconds": elapsed,
-        "trajectories": delivered,
-        "trajectories_per_second": delivered / elapsed,
-        "fill_seconds_mean": statistics.fmean(fill_seconds),
-        "fill_seconds_max": max(fill_seconds),
-        "trajectory_seconds_mean": statistics.fmean(trajectory_seconds),
-        "policy_lag_mean": statistics.fmean(lags),
-        "policy_lag_max": max(lags),
-        "rerolled_for_lag": ledger.requeues.get("policy_lag", 0),
-        "unfinished_rollouts_at_end": ledger.count(SlotState.IN_FLIGHT) + ledger.count(SlotState.COMPLETED),
-    }
+    def run(self) -> dict:
+        start = self.fill_started = time.monotonic()
+        for _ in range(self.batch):
+            self.fill_slot(start)
+        while self.learner_step <= self.args.steps:
+            self.return_tools(time.monotonic())
+            if self.engine.has_work():
+                self.step_engine()
+            if self.learn():
+                continue
+            if not self.engine.has_work():
+                # Nothing to compute: the agents are all waiting on tools.
+                wait = (self.tools[0][0] - time.monotonic()) if self.tools else 0.001
+                time.sleep(max(0.0, min(wait, 0.05)))
+        return self.result(start)
+
+    def result(self, start: float) -> dict:
+        self.ledger.check_invariants()
+        elapsed = self.step_ends[-1] - start
+        delivered = self.batch * self.args.steps
+        return {
+            "seconds": elapsed,
+            "trajectories": delivered,
+            "trajectories_per_second": delivered / elapsed,
+            "fill_seconds_mean": statistics.fmean(self.fill_seconds),
+            "fill_seconds_max": max(self.fill_seconds),
+            "trajectory_seconds_mean": statistics.fmean(self.trajectory_seconds),
+            "policy_lag_mean": statistics.fmean(self.lags),
+            "policy_lag_max": max(self.lags),
+            "rerolled_for_lag": self.ledger.requeues.get("policy_lag", 0),
+            "unfinished_rollouts_at_end": self.ledger.count(SlotState.IN_FLIGHT) + self.ledger.count(SlotState.COMPLETED),
+        }
 
 
-def main_simulation(argv: list[str]) -> dict:
+def simulation_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench_async_sampler.py --trainer simulation", description="SIMULATION: " + __doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8, help="B: trajectories per learner step (and agents)")
     parser.add_argument("--steps", type=int, default=12, help="learner steps per variant")
@@ -269,7 +282,30 @@ def main_simulation(argv: list[str]) -> dict:
         parser.error("--pareto-alpha must be > 1 (the mean latency must be finite)")
     if args.prompt_tokens + args.turns * (args.tokens + args.tool_tokens) >= args.max_model_len:
         parser.error("--max-model-len is too small for prompt + turns * (tokens + tool tokens)")
+    return args
 
+
+def summary(results: list[dict]) -> dict:
+    """One variant's repeats together: summed times and counts, means of means, the largest maxima."""
+    seconds = sum(r["seconds"] for r in results)
+    trajectories = sum(r["trajectories"] for r in results)
+    return {
+        "trajectories_per_second": trajectories / seconds,
+        "seconds": seconds,
+        "trajectories": trajectories,
+        "fill_seconds_mean": statistics.fmean(r["fill_seconds_mean"] for r in results),
+        "fill_seconds_max": max(r["fill_seconds_max"] for r in results),
+        "trajectory_seconds_mean": statistics.fmean(r["trajectory_seconds_mean"] for r in results),
+        "policy_lag_mean": statistics.fmean(r["policy_lag_mean"] for r in results),
+        "policy_lag_max": max(r["policy_lag_max"] for r in results),
+        "rerolled_for_lag": sum(r["rerolled_for_lag"] for r in results),
+        "unfinished_rollouts_at_end": sum(r["unfinished_rollouts_at_end"] for r in results),
+        "per_repeat_trajectories_per_second": [round(r["trajectories_per_second"], 3) for r in results],
+    }
+
+
+def main_simulation(argv: list[str]) -> dict:
+    args = simulation_args(argv)
     load_before = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     # The engine's forward as configs/cpu_tiny runs it (true_on_policy.deterministic=true).
@@ -285,25 +321,7 @@ def main_simulation(argv: list[str]) -> dict:
         for policy in ("sync", "async"):
             runs[policy].append(run_variant(policy, model, repeat_args))
 
-    def summary(policy: str) -> dict:
-        results = runs[policy]
-        seconds = sum(r["seconds"] for r in results)
-        trajectories = sum(r["trajectories"] for r in results)
-        return {
-            "trajectories_per_second": trajectories / seconds,
-            "seconds": seconds,
-            "trajectories": trajectories,
-            "fill_seconds_mean": statistics.fmean(r["fill_seconds_mean"] for r in results),
-            "fill_seconds_max": max(r["fill_seconds_max"] for r in results),
-            "trajectory_seconds_mean": statistics.fmean(r["trajectory_seconds_mean"] for r in results),
-            "policy_lag_mean": statistics.fmean(r["policy_lag_mean"] for r in results),
-            "policy_lag_max": max(r["policy_lag_max"] for r in results),
-            "rerolled_for_lag": sum(r["rerolled_for_lag"] for r in results),
-            "unfinished_rollouts_at_end": sum(r["unfinished_rollouts_at_end"] for r in results),
-            "per_repeat_trajectories_per_second": [round(r["trajectories_per_second"], 3) for r in results],
-        }
-
-    sync, asynchronous = summary("sync"), summary("async")
+    sync, asynchronous = summary(runs["sync"]), summary(runs["async"])
     report = {
         "benchmark": "async single-rollout sampler vs synchronous batch barrier",
         "measures": (

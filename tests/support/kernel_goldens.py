@@ -213,19 +213,26 @@ def _sequences():
 
 
 def _model_cases(out: dict, kind: str, dname: str) -> None:
-    from true_on_policy.rollout.packed_forward import KVCache, forward_packed
-    from true_on_policy.kernels import ops
-    from true_on_policy.rollout.engine import RolloutEngine, SamplingParams
-
     model = build(kind, DTYPES[dname])
     key = f"model/{kind}/{dname}"
     seqs = _sequences()
+    model.train()
+    _packed_training(out, key, model, seqs)
+    _padded_training(out, key, model, seqs)
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad():
+        _rollout_steps(out, key, model, seqs)
+        _engine_samples(out, key, model, seqs)
+
+
+def _packed_training(out: dict, key: str, model, seqs) -> None:
+    """Packed training forward + backward (verl's use_remove_padding layout)."""
+    from true_on_policy.kernels import ops
+
     ids = torch.cat(seqs)[None]
     pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
     labels = torch.roll(ids[0], -1)
-
-    # packed training forward + backward (verl's use_remove_padding layout)
-    model.train()
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
     lp = ops.token_log_probs(logits, labels)
@@ -236,7 +243,11 @@ def _model_cases(out: dict, kind: str, dname: str) -> None:
         if ".layers.1." not in name and "mlp.up_proj" not in name:
             out[f"{key}/packed/grad/{name}"] = p.grad
 
-    # padded training forward + backward: left padding, right padding, cumsum positions
+
+def _padded_training(out: dict, key: str, model, seqs) -> None:
+    """Padded training forward + backward: left padding, right padding, cumsum positions."""
+    from true_on_policy.kernels import ops
+
     left = (3, 0, 6, 1)
     width = max(len(s) + l for s, l in zip(seqs, left)) + 2
     pids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -257,47 +268,52 @@ def _model_cases(out: dict, kind: str, dname: str) -> None:
         p = dict(model.named_parameters()).get(name)
         if p is not None:
             out[f"{key}/padded/grad/{name}"] = p.grad
-    model.zero_grad(set_to_none=True)
-    model.eval()
 
-    # rollout: staggered admission, a chunked prefill, then decode steps over the KV caches
-    with torch.no_grad():
-        caches = [KVCache() for _ in seqs]
-        done = [0] * len(seqs)
-        step = 0
-        while any(dn < len(s) for dn, s in zip(done, seqs)) and step < 12:
-            segments = []
-            for i, s in enumerate(seqs):
-                if done[i] >= len(s) or (i == 3 and step < 2):
-                    continue
-                if done[i] == 0:
-                    n = 25 if i == 1 else PROMPTS[i]
-                elif done[i] < PROMPTS[i]:
-                    n = PROMPTS[i] - done[i]
-                else:
-                    n = 1
-                segments.append((i, n))
-            step_ids = torch.cat([seqs[i][done[i] : done[i] + n] for i, n in segments])
-            step_pos = torch.cat([torch.arange(done[i], done[i] + n) for i, n in segments])
-            lens = [n for _, n in segments]
-            rows = torch.tensor(lens).cumsum(0) - 1 if step else None
-            logits = forward_packed(model, step_ids, step_pos, lens, [caches[i] for i, _ in segments], rows)
-            out[f"{key}/rollout/step{step}"] = logits
-            for i, n in segments:
-                done[i] += n
-            step += 1
-        out[f"{key}/rollout/cache2"] = caches[2].filled().clone()
 
-        # the rollout engine: continuous batching, sampling, recorded log-probs
-        engine = RolloutEngine(model, eos_token_id=-1, max_num_seqs=3)
+def _rollout_steps(out: dict, key: str, model, seqs) -> None:
+    """Rollout: staggered admission, a chunked prefill, then decode steps over the KV caches."""
+    from true_on_policy.rollout.packed_forward import KVCache, forward_packed
+
+    caches = [KVCache() for _ in seqs]
+    done = [0] * len(seqs)
+    step = 0
+    while any(dn < len(s) for dn, s in zip(done, seqs)) and step < 12:
+        segments = []
         for i, s in enumerate(seqs):
-            engine.add_request(
-                f"r{i}", s[: PROMPTS[i]].tolist(), SamplingParams(max_new_tokens=6 + 3 * i, temperature=(1.0, 0.7, 0.0, 1.3)[i], seed=i)
-            )
-        done_requests = engine.run_until_done()
-        for rid, c in sorted(done_requests.items()):
-            out[f"{key}/engine/{rid}/tokens"] = torch.tensor(c.token_ids)
-            out[f"{key}/engine/{rid}/log_probs"] = torch.tensor(c.log_probs, dtype=torch.float64)
+            if done[i] >= len(s) or (i == 3 and step < 2):
+                continue
+            if done[i] == 0:
+                n = 25 if i == 1 else PROMPTS[i]
+            elif done[i] < PROMPTS[i]:
+                n = PROMPTS[i] - done[i]
+            else:
+                n = 1
+            segments.append((i, n))
+        step_ids = torch.cat([seqs[i][done[i] : done[i] + n] for i, n in segments])
+        step_pos = torch.cat([torch.arange(done[i], done[i] + n) for i, n in segments])
+        lens = [n for _, n in segments]
+        rows = torch.tensor(lens).cumsum(0) - 1 if step else None
+        logits = forward_packed(model, step_ids, step_pos, lens, [caches[i] for i, _ in segments], rows)
+        out[f"{key}/rollout/step{step}"] = logits
+        for i, n in segments:
+            done[i] += n
+        step += 1
+    out[f"{key}/rollout/cache2"] = caches[2].filled().clone()
+
+
+def _engine_samples(out: dict, key: str, model, seqs) -> None:
+    """The rollout engine: continuous batching, sampling, recorded log-probs."""
+    from true_on_policy.rollout.engine import RolloutEngine, SamplingParams
+
+    engine = RolloutEngine(model, eos_token_id=-1, max_num_seqs=3)
+    for i, s in enumerate(seqs):
+        engine.add_request(
+            f"r{i}", s[: PROMPTS[i]].tolist(), SamplingParams(max_new_tokens=6 + 3 * i, temperature=(1.0, 0.7, 0.0, 1.3)[i], seed=i)
+        )
+    done_requests = engine.run_until_done()
+    for rid, c in sorted(done_requests.items()):
+        out[f"{key}/engine/{rid}/tokens"] = torch.tensor(c.token_ids)
+        out[f"{key}/engine/{rid}/log_probs"] = torch.tensor(c.log_probs, dtype=torch.float64)
 
 
 def compute(groups: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:

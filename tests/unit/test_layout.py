@@ -1,6 +1,6 @@
 """The package's shape, read from its source: no import circle (function-level imports included), no import
 that climbs a layer, no project module imported under an alias, no function over 80 lines (the C++
-library's too), no module over 800 lines. Each rule has a twin on a synthetic tree showing that the check
+library's too; in the tests, benchmarks, scripts, recipe and examples as well), no module over 800 lines. Each rule has a twin on a synthetic tree showing that the check
 sees a violation."""
 
 import ast
@@ -196,6 +196,16 @@ def test_no_project_module_is_imported_under_an_alias():
 
 def test_no_package_function_is_over_80_lines():
     assert long_functions(PACKAGE) == []
+
+
+# the rule is the project's, not the package's alone: the tests, benchmarks, scripts, recipe and examples too
+OTHER_PYTHON_ROOTS = ("tests", "benchmarks", "scripts", "recipe", "examples")
+
+
+@pytest.mark.parametrize("folder", OTHER_PYTHON_ROOTS)
+def test_no_function_elsewhere_in_the_repository_is_over_80_lines(folder):
+    assert any((REPO / folder).rglob("*.py")), f"{folder}/ holds no Python: the rule checks nothing there"
+    assert long_functions(REPO / folder) == []
 
 
 def test_no_cpp_function_is_over_80_lines():

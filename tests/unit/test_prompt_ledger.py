@@ -247,6 +247,31 @@ def test_lag_histogram_buckets_the_tail():
     assert lag_histogram([], num_buckets=2) == {"lag_0": 0, "lag_ge_1": 0}
 
 
+def _tick_rollouts(ledger, in_flight: dict[str, int], slow: set[str], rng, step: int, injected: Counter) -> None:
+    """One tick of the rollouts in flight, in random order: a superseded attempt may finish late (discarded), a
+    slow one stalls, the others fail (requeued), complete -- some at an older behaviour version -- or run on."""
+    for attempt in rng.sample(sorted(in_flight), len(in_flight)):
+        if ledger.is_superseded(attempt):
+            if rng.random() < 0.5:  # the replaced attempt finishes after all
+                version = in_flight.pop(attempt)
+                assert ledger.completed(attempt, version, step - 1) == "late"
+                ledger.late_result_discarded(attempt)
+            continue
+        if attempt in slow:
+            continue
+        roll = rng.random()
+        if roll < 0.08:
+            in_flight.pop(attempt)
+            assert ledger.failed(attempt, REQUEUE_FAILURE) == "requeue"
+            injected[REQUEUE_FAILURE] += 1
+        elif roll < 0.5:
+            version = in_flight.pop(attempt)
+            # Versions older than the dispatch step stand in for trajectories stuck behind
+            # others for several weight updates (partial rollouts resumed later).
+            behaviour = max(0, version - rng.choice([0, 0, 0, 1, 3]))
+            assert ledger.completed(attempt, behaviour, step - 1) == "accepted"
+
+
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("lag_strategy", ["drop", "wait"])
 def test_every_prompt_reaches_the_learner_exactly_once_per_epoch_under_injected_faults(seed, lag_strategy):
@@ -286,26 +311,7 @@ def test_every_prompt_reaches_the_learner_exactly_once_per_epoch_under_injected_
         # Rollouts finish, fail or stall, until the learner can take a batch.
         while True:
             clock += 1.0
-            for attempt in rng.sample(sorted(in_flight), len(in_flight)):
-                if ledger.is_superseded(attempt):
-                    if rng.random() < 0.5:  # the replaced attempt finishes after all
-                        version = in_flight.pop(attempt)
-                        assert ledger.completed(attempt, version, step - 1) == "late"
-                        ledger.late_result_discarded(attempt)
-                    continue
-                if attempt in slow:
-                    continue
-                roll = rng.random()
-                if roll < 0.08:
-                    in_flight.pop(attempt)
-                    assert ledger.failed(attempt, REQUEUE_FAILURE) == "requeue"
-                    injected[REQUEUE_FAILURE] += 1
-                elif roll < 0.5:
-                    version = in_flight.pop(attempt)
-                    # Versions older than the dispatch step stand in for trajectories stuck behind
-                    # others for several weight updates (partial rollouts resumed later).
-                    behaviour = max(0, version - rng.choice([0, 0, 0, 1, 3]))
-                    assert ledger.completed(attempt, behaviour, step - 1) == "accepted"
+            _tick_rollouts(ledger, in_flight, slow, rng, step, injected)
             for slot in ledger.time_out(now=clock, timeout_s=timeout_s):
                 injected[REQUEUE_TIMEOUT] += 1
                 slow.discard(slot.attempt_id)
