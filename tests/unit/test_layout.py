@@ -1,7 +1,7 @@
 """The package's shape, read from its source: no import circle (function-level imports included), no import
 that climbs a layer, no project module imported under an alias, no function over 80 lines (the C++
-library's too; in the tests, benchmarks, scripts, recipe and examples as well), no module over 800 lines. Each rule has a twin on a synthetic tree showing that the check
-sees a violation."""
+library's too, and the tests', benchmarks', scripts', recipe's and examples' Python), no module over 800
+lines. Each rule has a twin on a synthetic tree showing that the check sees a violation."""
 
 import ast
 import importlib
