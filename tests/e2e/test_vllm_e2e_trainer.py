@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from true_on_policy.verl_adapter.trainer_hooks import LOGPROB_DIFF_METRIC, MISMATCHED_TOKENS_METRIC
-from support.overlapping_weight_sync.sitecustomize import OVERLAP_ENV
+from overlapping_weight_sync.sitecustomize import OVERLAP_ENV
 from verl_run import FLAG_OFF, Run, differing, train_steps, whole_host
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]

@@ -49,7 +49,7 @@ def test_the_contract_names_the_dtypes_the_kernels_compute_in_without_importing_
 
 @pytest.mark.subprocess
 def test_contract_module_does_not_import_verl():
-    code = "import sys; sys.path.insert(0, 'tests'); import true_on_policy.contract.consistency; from support.contract_helpers import plan_of; " \
+    code = "import sys; sys.path.insert(0, 'tests/support'); import true_on_policy.contract.consistency; from contract_helpers import plan_of; " \
            "v = {'vllm-ascend': 'main', 'mindspeed': '0.16.0', 'vllm': '0.24.0', 'megatron-core': '0.16.0'}; " \
            "plan_of(True, 'ascend', versions=v, training_strategy='megatron', rollout_name='vllm'); plan_of(True, 'cuda', versions=v, importer=lambda n: 1/0, training_strategy='megatron', rollout_name='vllm'); " \
            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('verl','torch','torch_npu','vllm','vllm_ascend')))"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from support.check_runs import run_check
+from check_runs import run_check
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from support.ports import free_port
+from ports import free_port
 from true_on_policy.transformers_adapter.forwards import patch_transformers
 
 from true_on_policy.kernels import native, ops, premises

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from support.check_runs import no_vllm, run_check, unverified_fields
+from check_runs import no_vllm, run_check, unverified_fields
 from true_on_policy.cli import check
 from true_on_policy.config.launch import ROW_PARALLEL_ALL_REDUCE, ROW_PARALLEL_RS_AG
 from true_on_policy.config.settings import Settings
@@ -27,7 +27,7 @@ from true_on_policy.contract import determinism_plan
 from true_on_policy.contract import kernel_families, stack_versions
 from true_on_policy.contract.names import canonical_dtype
 
-from support.contract_helpers import apply_in_process, contract_for_config, plan_for_config, plan_of, replace_row
+from contract_helpers import apply_in_process, contract_for_config, plan_for_config, plan_of, replace_row
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"

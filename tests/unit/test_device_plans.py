@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from support.check_runs import no_vllm
-from support.contract_helpers import apply_in_process, contract_for_config, plan_of
+from check_runs import no_vllm
+from contract_helpers import apply_in_process, contract_for_config, plan_of
 from true_on_policy.cli import check
 from true_on_policy.config.launch import ROW_PARALLEL_RS_AG
 from true_on_policy.config.settings import ConfigError, Settings

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from support.ports import free_port
+from ports import free_port
 from true_on_policy.config.settings import ENV_VAR, Settings, SettingsNotExported
 from true_on_policy.loss.flashreinforce import flashreinforce_loss
 from verl_actor import (

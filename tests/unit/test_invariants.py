@@ -17,7 +17,7 @@ from true_on_policy.config import invariants
 from true_on_policy.config.invariants import INVARIANT_NAMES, MISSING
 from true_on_policy.config.launch import read_algorithm
 
-from support.contract_helpers import enforce_invariants
+from contract_helpers import enforce_invariants
 
 
 def check_invariants(config, relax=()):

@@ -286,3 +286,26 @@ def test_twin_a_stale_import_is_named(tmp_path):
     stale = tmp_path / "bench_stale.py"
     stale.write_text("from true_on_policy.kernels.model import patch_transformers\nimport true_on_policy.kernels\n")
     assert stale_project_imports([stale]) == ["bench_stale.py:1 true_on_policy.kernels.model.patch_transformers"]
+
+
+def helpers_imported_by_a_path(paths) -> list[str]:
+    """Each import of a tests/support helper through its folder (``support.ports``), as 'file:line': a helper is
+    imported by its bare name (tests/conftest.py), or it would be loaded twice, as two modules, under two names."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name}:{node.lineno} {name}" for name in names if name.split(".")[0] == "support"]
+    return found
+
+
+def test_every_test_helper_is_imported_by_its_bare_name():
+    tests = sorted((REPO / "tests").rglob("*.py"))
+    assert tests and helpers_imported_by_a_path(tests) == []
+
+
+def test_twin_a_helper_imported_through_its_folder_is_named(tmp_path):
+    test = tmp_path / "test_path.py"
+    test.write_text("from ports import free_port\nfrom support.ports import free_port\nimport support.check_runs\n")
+    assert helpers_imported_by_a_path([test]) == ["test_path.py:2 support.ports", "test_path.py:3 support.check_runs"]

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.check_runs import no_vllm, run_check, unverified_fields
+from check_runs import no_vllm, run_check, unverified_fields
 from true_on_policy.cli.check import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED
 from true_on_policy.config.settings import ConfigError, Settings
 from true_on_policy.contract import determinism_plan
 from true_on_policy.patching import PatchTargetChanged
 
-from support.contract_helpers import plan_of
+from contract_helpers import plan_of
 from true_on_policy.vllm_adapter import plugin
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from support.check_runs import run_check, unverified_fields
+from check_runs import run_check, unverified_fields
 from true_on_policy.cli.check import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED
 from true_on_policy.kernels import architectures
 

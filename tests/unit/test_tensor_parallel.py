@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kernel_helpers import spawn_ranks
-from support.check_runs import run_check
+from check_runs import run_check
 from true_on_policy.cli import check
 from true_on_policy.kernels import tensor_parallel
 from true_on_policy.transformers_adapter import sharding

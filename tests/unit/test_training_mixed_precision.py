@@ -23,7 +23,7 @@ from true_on_policy.transformers_adapter.training_attention import ATTN_IMPLEMEN
 from true_on_policy.kernels import ops
 from true_on_policy.tiny_assets import build_model, tiny_model_config
 from kernel_helpers import patched_transformers  # noqa: F401 (patched_transformers: an autouse fixture)
-from support.ports import free_port
+from ports import free_port
 
 VERL_POLICY = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
 
