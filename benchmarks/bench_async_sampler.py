@@ -204,9 +204,8 @@ class Simulation:
                 self.agents.pop(slot.attempt_id)
                 self.retry_queue.append(slot)  # its agent slot was refilled already; the re-roll takes the next one
         else:
-            ledger = self.ledger
-            all_done = ledger.count(SlotState.IN_FLIGHT) == 0 and ledger.count(SlotState.COMPLETED) == self.batch
-            decision = ledger.take_batch(self.batch, self.learner_step) if all_done else None
+            all_done = self.ledger.count(SlotState.IN_FLIGHT) == 0 and self.ledger.count(SlotState.COMPLETED) == self.batch
+            decision = self.ledger.take_batch(self.batch, self.learner_step) if all_done else None
         if decision is None or not decision.ready:
             return False
         self.fill_seconds.append(time.monotonic() - self.fill_started)
